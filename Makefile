@@ -1,0 +1,51 @@
+# rollouts — every target that runs code depends on `setup`, which is idempotent.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+TINY_MODEL ?= runs/tiny_model
+SFT_OUT ?= runs/sft_tiny
+
+.DEFAULT_GOAL := help
+.PHONY: help setup lint format test demo sft bench clean
+
+help:  ## list targets
+	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# Reinstall only when the dependency list changes. torch is pinned first so that
+# nothing later pulls a CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -e ".[dev]" "torch==$(TORCH_VERSION)"
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install the project (idempotent)
+
+lint: setup  ## ruff lint + format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup  ## apply ruff fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: setup lint  ## lint, then the test suite
+	$(PY) -m pytest -q
+
+sft: setup  ## SFT the tiny model on the synthetic arithmetic task
+	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --model $(TINY_MODEL) --output-dir $(SFT_OUT)
+
+demo: setup  ## the main job on the embedded default (SFT on the tiny model)
+	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --model $(TINY_MODEL) --output-dir $(SFT_OUT)
+
+bench: setup  ## run every benchmark script
+	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+clean:  ## remove the venv and run outputs
+	rm -rf $(VENV) runs

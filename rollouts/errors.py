@@ -1,0 +1,53 @@
+"""The project's error hierarchy.
+
+One base class, a few precise subclasses that also inherit the stdlib type they replace, so
+callers can catch either `RolloutsError` or the familiar builtin (`except ValueError`).
+Messages say what happened, where (file, line, field, engine URL) and what to do.
+"""
+
+from __future__ import annotations
+
+
+class RolloutsError(Exception):
+    """Base class for every error raised on purpose by rollouts, training and engines."""
+
+
+class ConfigError(RolloutsError, ValueError):
+    """A config file, override or argument is invalid (names the key)."""
+
+
+class DataError(RolloutsError, ValueError):
+    """Input data is malformed (names the file, line and field)."""
+
+
+class ModelLoadError(RolloutsError, OSError):
+    """A model or tokenizer directory cannot be loaded (names the path)."""
+
+
+class CheckpointError(RolloutsError, OSError):
+    """A checkpoint is missing, incomplete or does not match the run."""
+
+
+class EngineError(RolloutsError, RuntimeError):
+    """An inference engine answered with an error or could not be reached.
+
+    Carries the engine's URL, the HTTP status (None when there was no answer) and the
+    server's response body, so the message shows what the server said.
+    """
+
+    def __init__(self, message: str, *, url: str = "", status: int | None = None, body: str = ""):
+        detail = message
+        if url:
+            detail = f"{url}: {detail}"
+        if status is not None:
+            detail = f"{detail} (HTTP {status})"
+        if body:
+            detail = f"{detail}: {body[:2000]}"
+        super().__init__(detail)
+        self.url = url
+        self.status = status
+        self.body = body
+
+
+class RewardError(RolloutsError, RuntimeError):
+    """A reward function raised or timed out under a fail-fast policy."""

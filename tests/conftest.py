@@ -1,0 +1,31 @@
+"""Shared fixtures. Expensive artefacts (the tiny model directory) are session-scoped and sync,
+so both trio and plain tests can use them (pytest-trio async fixtures must be function-scoped)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A freshly built tiny model (seed 0) shared by the whole session. Treat as read-only."""
+    from training.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_seed1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture and tokenizer as `tiny_model_dir`, different weights (seed 1)."""
+    from training.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model_seed1"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
