@@ -1,0 +1,143 @@
+"""Synthetic arithmetic task: deterministic problems, answer extraction and correctness reward.
+
+The task is what the tiny model learns in the demo: SFT teaches the format and most answers,
+RL (with the correctness reward) then improves accuracy. Problems are addition or subtraction of
+integers with a configurable number of digits; the prompt is the bare expression ("123+45") and
+the answer is the integer result ("168").
+
+Everything here is pure and seeded: the same arguments always give the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_INT_RE = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """One problem: the question shown to the model and the ground-truth answer."""
+
+    question: str
+    answer: str
+
+    def messages(self) -> list[dict[str, str]]:
+        """The prompt as a chat conversation (one user turn)."""
+        return [{"role": "user", "content": self.question}]
+
+    def sft_record(self) -> dict:
+        """A chat-format SFT record with the correct answer as the assistant turn."""
+        return {"messages": [*self.messages(), {"role": "assistant", "content": self.answer}]}
+
+    def rl_record(self) -> dict:
+        """An RL prompt record: the prompt messages and the ground truth for the reward."""
+        return {"messages": self.messages(), "answer": self.answer}
+
+
+def make_problem(
+    rng: random.Random, *, min_digits: int = 1, max_digits: int = 3, ops: str = "+-"
+) -> ArithmeticProblem:
+    """Draw one problem; operand digit counts are uniform in [min_digits, max_digits]."""
+
+    def operand() -> int:
+        digits = rng.randint(min_digits, max_digits)
+        low = 0 if digits == 1 else 10 ** (digits - 1)
+        return rng.randint(low, 10**digits - 1)
+
+    a, b, op = operand(), operand(), rng.choice(ops)
+    result = a + b if op == "+" else a - b
+    return ArithmeticProblem(question=f"{a}{op}{b}", answer=str(result))
+
+
+def make_problems(
+    n: int,
+    *,
+    seed: int,
+    min_digits: int = 1,
+    max_digits: int = 3,
+    ops: str = "+-",
+    exclude: set[str] | frozenset[str] = frozenset(),
+) -> list[ArithmeticProblem]:
+    """Draw `n` distinct problems (questions not in `exclude`), deterministically from `seed`."""
+    rng = random.Random(seed)
+    seen = set(exclude)
+    out: list[ArithmeticProblem] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise ValueError(
+                f"cannot draw {n} distinct problems with {min_digits}-{max_digits} digits and "
+                f"ops {ops!r}: the problem space is too small"
+            )
+        problem = make_problem(rng, min_digits=min_digits, max_digits=max_digits, ops=ops)
+        if problem.question not in seen:
+            seen.add(problem.question)
+            out.append(problem)
+    return out
+
+
+def extract_answer(text: str) -> str | None:
+    """The last integer in `text` (the model's final answer), or None when there is none."""
+    matches = _INT_RE.findall(text)
+    return matches[-1] if matches else None
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """Exact match of the extracted integer against the ground truth."""
+    extracted = extract_answer(completion)
+    return extracted is not None and int(extracted) == int(answer)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    """Write one JSON object per line (atomically: temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    tmp.replace(path)
+    return path
+
+
+@dataclass(frozen=True)
+class ArithmeticFiles:
+    sft_train: Path
+    sft_eval: Path
+    rl_train: Path
+    rl_eval: Path
+
+
+def write_arithmetic_datasets(
+    out_dir: str | Path,
+    *,
+    n_sft: int = 20000,
+    n_rl: int = 4000,
+    n_eval: int = 500,
+    seed: int = 0,
+    min_digits: int = 1,
+    max_digits: int = 3,
+    ops: str = "+-",
+) -> ArithmeticFiles:
+    """Write SFT (chat) and RL (prompt + answer) JSONL files with a shared held-out split.
+
+    The held-out problems are drawn first and excluded from both training sets, so eval
+    accuracy measures generalisation, not memorisation.
+    """
+    out = Path(out_dir)
+    kwargs = dict(min_digits=min_digits, max_digits=max_digits, ops=ops)
+    held_out = make_problems(n_eval, seed=seed, **kwargs)
+    excluded = {p.question for p in held_out}
+    train = make_problems(n_sft + n_rl, seed=seed + 1, exclude=excluded, **kwargs)
+    sft, rl = train[:n_sft], train[n_sft:]
+    return ArithmeticFiles(
+        sft_train=write_jsonl(out / "sft_train.jsonl", [p.sft_record() for p in sft]),
+        sft_eval=write_jsonl(out / "sft_eval.jsonl", [p.sft_record() for p in held_out]),
+        rl_train=write_jsonl(out / "rl_train.jsonl", [p.rl_record() for p in rl]),
+        rl_eval=write_jsonl(out / "rl_eval.jsonl", [p.rl_record() for p in held_out]),
+    )

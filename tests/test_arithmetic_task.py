@@ -1,0 +1,41 @@
+import json
+
+from rollouts.tasks.arithmetic import (
+    extract_answer,
+    is_correct,
+    make_problems,
+    write_arithmetic_datasets,
+)
+
+
+def test_problems_are_deterministic_and_correct():
+    a = make_problems(50, seed=1, min_digits=1, max_digits=3)
+    assert a == make_problems(50, seed=1, min_digits=1, max_digits=3)
+    assert a != make_problems(50, seed=2, min_digits=1, max_digits=3)
+    for p in a:
+        left, op, right = (
+            p.question.partition("+") if "+" in p.question else p.question.partition("-")
+        )
+        assert int(p.answer) == (int(left) + int(right) if op == "+" else int(left) - int(right))
+
+
+def test_answer_extraction_takes_last_integer():
+    assert extract_answer("the answer is -12") == "-12"
+    assert extract_answer("3 then 45") == "45"
+    assert extract_answer("no digits") is None
+    assert is_correct("= 168", "168") and not is_correct("167", "168") and not is_correct("", "1")
+
+
+def test_held_out_split_is_disjoint_from_training(tmp_path):
+    files = write_arithmetic_datasets(tmp_path, n_sft=300, n_rl=100, n_eval=50, seed=0)
+
+    def questions(path, key):
+        return {json.loads(line)[key][0]["content"] for line in path.read_text().splitlines()}
+
+    held = questions(files.sft_eval, "messages")
+    assert len(held) == 50
+    assert held.isdisjoint(questions(files.sft_train, "messages"))
+    assert held.isdisjoint(questions(files.rl_train, "messages"))
+    assert questions(files.rl_eval, "messages") == held
+    first = json.loads(files.rl_train.read_text().splitlines()[0])
+    assert set(first) == {"messages", "answer"}

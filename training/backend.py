@@ -1,0 +1,394 @@
+"""PyTorchTrainingBackend: owns model, optimizer, LR schedule, loss, device and step counters.
+
+Contract:
+- Tinker-style ordered futures. `forward_backward(samples)`, `optim_step()`, `forward(samples)`,
+  `compute_logprobs(samples)` and `generate_greedy(...)` enqueue work and return a `TrainFuture`
+  at once; `await fut.result()` gives the result. Work runs strictly in the order it was
+  enqueued, on ONE worker thread, so torch never blocks the trio event loop and a
+  `forward_backward` + `optim_step` pair can be queued back to back.
+- A `forward_backward` splits its samples into micro-batches by a token budget and accumulates
+  gradients; the loss is normalised over the whole call (by default per trained token), so the
+  gradient does not depend on the micro-batch size.
+- After any operation fails, every later one fails too (naming the first error): gradients of
+  a half-done step are never applied.
+- `save_checkpoint` writes HF layout + trainer state atomically (see training/checkpoint.py).
+
+Not covered: multi-process data parallelism (one process, one device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+import trio
+
+from rollouts.errors import ModelLoadError, RolloutsError
+from training import checkpoint as ckpt
+from training.config import OptimConfig
+from training.packing import (
+    forward_logits,
+    pack_sequences,
+    prepare_sft_batch,
+    sft_loss,
+    token_logprobs,
+)
+
+R = TypeVar("R")
+LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
+CollateFn = Callable[[Sequence[Any]], Any]
+
+
+class BackendError(RolloutsError, RuntimeError):
+    """A backend operation failed, or an earlier one did and the backend refuses to go on."""
+
+
+class TrainFuture(Generic[R]):
+    """The result of one queued backend operation; `await fut.result()` to get it."""
+
+    def __init__(self, cfut: Future[R]):
+        self._cfut = cfut
+        self._done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: Future[R]) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._done.set)
+
+        cfut.add_done_callback(wake)
+
+    def done(self) -> bool:
+        return self._cfut.done()
+
+    async def result(self) -> R:
+        await self._done.wait()
+        return self._cfut.result()
+
+
+def lr_lambda(optim: OptimConfig, max_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base LR at a step: linear warmup, then cosine to min_lr_ratio or flat."""
+
+    def factor(step: int) -> float:
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        span = max(1, max_steps - optim.warmup_steps)
+        progress = min(1.0, (step - optim.warmup_steps) / span)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
+
+    return factor
+
+
+def load_model_and_tokenizer(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
+    """Load an HF causal LM and its tokenizer from a directory or hub id.
+
+    Raises:
+        ModelLoadError: the path does not hold a loadable model/tokenizer (names the path).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load model from {path!s}: {err}") from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device), tokenizer
+
+
+class PyTorchTrainingBackend:
+    """Training state of one model; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        optim: OptimConfig,
+        max_steps: int,
+        checkpoint_dir: str | Path,
+        micro_batch_tokens: int = 8192,
+        pack_length: int | None = 256,
+        loss_fn: LossFn = sft_loss,
+        collate_fn: CollateFn | None = None,
+        loss_weight_fn: Callable[[Any], float] = lambda batch: batch.n_trained_tokens,
+        keep_last: int | None = 2,
+        num_threads: int | None = None,
+        seed: int = 0,
+    ):
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.optim_config = optim
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.pack_length = pack_length
+        self.loss_fn = loss_fn
+        self.loss_weight_fn = loss_weight_fn
+        self.keep_last = keep_last
+        self.pad_id = tokenizer.pad_token_id
+        self._collate = collate_fn or self._collate_sft
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(optim, max_steps)
+        )
+        self.step = 0
+        self.weight_version = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self._failed: BaseException | None = None
+        model.train()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for queued work to finish and stop the worker thread."""
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> PyTorchTrainingBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _submit(self, fn: Callable[[], R]) -> TrainFuture[R]:
+        def guarded() -> R:
+            if self._failed is not None:
+                raise BackendError(f"an earlier backend operation failed: {self._failed!r}")
+            try:
+                return fn()
+            except BaseException as err:
+                self._failed = err
+                raise
+
+        return TrainFuture(self._executor.submit(guarded))
+
+    # -- batching -------------------------------------------------------------------------------
+
+    def _collate_sft(self, samples: Sequence[Any]) -> Any:
+        packing = self.pack_length is not None
+        return prepare_sft_batch(
+            samples, pad_id=self.pad_id, packing=packing, max_tokens_per_row=self.pack_length
+        )
+
+    def split_microbatches(self, samples: Sequence[Any]) -> list[list[Any]]:
+        """Group samples into micro-batches of at most `micro_batch_tokens` padded slots."""
+        if self.pack_length is not None:
+            rows = pack_sequences(samples, self.pack_length)
+            rows_per_mb = max(1, self.micro_batch_tokens // self.pack_length)
+            return [
+                [samples[i] for row in rows[k : k + rows_per_mb] for i in row]
+                for k in range(0, len(rows), rows_per_mb)
+            ]
+        out: list[list[Any]] = []
+        current: list[Any] = []
+        longest = 0
+        for s in samples:
+            n = len(s.input_ids)
+            if current and (len(current) + 1) * max(longest, n) > self.micro_batch_tokens:
+                out.append(current)
+                current, longest = [], 0
+            current.append(s)
+            longest = max(longest, n)
+        if current:
+            out.append(current)
+        return out
+
+    # -- queued operations ------------------------------------------------------------------------
+
+    def forward_backward(self, samples: Sequence[Any]) -> TrainFuture[dict[str, float]]:
+        """Queue forward + backward over `samples`; gradients accumulate until `optim_step`."""
+        samples = list(samples)
+        return self._submit(lambda: self._forward_backward(samples))
+
+    def _forward_backward(self, samples: list[Any]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
+        total_weight = sum(self.loss_weight_fn(b) for b in batches)
+        if total_weight <= 0:
+            raise BackendError("forward_backward got a batch with no trained tokens")
+        loss_sum = 0.0
+        n_tokens = n_slots = n_trained = 0
+        for batch in batches:
+            logits = forward_logits(self.model, batch)
+            loss, _ = self.loss_fn(logits, batch)
+            weight = self.loss_weight_fn(batch) / total_weight
+            (loss * weight).backward()
+            loss_sum += loss.item() * weight
+            n_tokens += batch.n_tokens
+            n_slots += batch.n_slots
+            n_trained += batch.n_trained_tokens
+        return {
+            "loss": loss_sum,
+            "n_samples": len(samples),
+            "n_tokens": n_tokens,
+            "n_trained_tokens": n_trained,
+            "padding_efficiency": n_tokens / max(1, n_slots),
+            "n_microbatches": len(batches),
+            "time_forward_backward_s": time.perf_counter() - t0,
+        }
+
+    def optim_step(self) -> TrainFuture[dict[str, float]]:
+        """Queue clip + optimizer step + LR schedule step; bumps `step` and `weight_version`."""
+        return self._submit(self._optim_step)
+
+    def _optim_step(self) -> dict[str, float]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        clip = self.optim_config.grad_clip
+        max_norm = clip if clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.weight_version += 1
+        return {"grad_norm": grad_norm, "lr": lr, "step": self.step}
+
+    def forward(self, samples: Sequence[Any]) -> TrainFuture[dict[str, float]]:
+        """Queue a no-grad loss evaluation (held-out loss), token-weighted over `samples`."""
+        samples = list(samples)
+        return self._submit(lambda: self._forward(samples))
+
+    def _forward(self, samples: list[Any]) -> dict[str, float]:
+        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
+        total_weight = sum(self.loss_weight_fn(b) for b in batches)
+        loss_sum = 0.0
+        with torch.no_grad(), _eval_mode(self.model):
+            for batch in batches:
+                loss, _ = self.loss_fn(forward_logits(self.model, batch), batch)
+                loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
+        return {"loss": loss_sum, "n_samples": len(samples)}
+
+    def compute_logprobs(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:
+        """Queue per-sample logprobs of every trained target token, in sample order."""
+        samples = list(samples)
+        return self._submit(lambda: self._compute_logprobs(samples))
+
+    def _compute_logprobs(self, samples: list[Any]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        with torch.no_grad(), _eval_mode(self.model):
+            for mb in self.split_microbatches(samples):
+                batch = self._collate(mb)
+                lp = token_logprobs(forward_logits(self.model, batch), batch.target_ids)
+                trained = batch.target_ids != -100
+                for i in range(len(mb)):
+                    sel = (batch.segment_ids == i) & trained
+                    out.append(lp[sel].float().cpu())
+        return out
+
+    def generate_greedy(
+        self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int = 256
+    ) -> TrainFuture[list[list[int]]]:
+        """Queue greedy decoding of token-id prompts; returns the new token ids (eos included)."""
+        prompts = [list(p) for p in prompts]
+        return self._submit(lambda: self._generate_greedy(prompts, max_new_tokens, batch_size))
+
+    def _generate_greedy(
+        self, prompts: list[list[int]], max_new_tokens: int, batch_size: int
+    ) -> list[list[int]]:
+        eos = self.tokenizer.eos_token_id
+        out: list[list[int]] = []
+        with torch.no_grad(), _eval_mode(self.model):
+            for k in range(0, len(prompts), batch_size):
+                chunk = prompts[k : k + batch_size]
+                width = max(len(p) for p in chunk)
+                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for i, p in enumerate(chunk):  # left padding, as decoder-only generation needs
+                    ids[i, width - len(p) :] = torch.tensor(p)
+                    mask[i, width - len(p) :] = 1
+                gen = self.model.generate(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=self.pad_id,
+                )
+                for row in gen[:, width:].tolist():
+                    out.append(row[: row.index(eos) + 1] if eos in row else row)
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    async def save_checkpoint(
+        self, step: int, metrics: dict[str, Any], *, extra_state: dict[str, Any] | None = None
+    ) -> Path:
+        """Write a checkpoint after all queued work; returns its directory."""
+        return await self._submit(lambda: self._save(step, metrics, extra_state or {})).result()
+
+    def _save(self, step: int, metrics: dict[str, Any], extra: dict[str, Any]) -> Path:
+        torch_state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+        }
+        json_state = {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "metrics": metrics,
+            "extra": extra,
+        }
+        return ckpt.write_checkpoint(
+            self.checkpoint_dir,
+            step,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            torch_state=torch_state,
+            json_state=json_state,
+            keep_last=self.keep_last,
+        )
+
+    async def export_weights(self, out_dir: str | Path) -> Path:
+        """Write the current weights in HF layout (what engines load) after queued work."""
+        out = Path(out_dir)
+        return await self._submit(lambda: ckpt.export_hf(self.model, self.tokenizer, out)).result()
+
+    async def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, scheduler, RNG and counters; returns the extra state."""
+        resolved = ckpt.resolve_checkpoint(path)
+        return await self._submit(lambda: self._load(resolved)).result()
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        json_state, torch_state = ckpt.read_checkpoint_state(path)
+        ckpt.load_weights_into(self.model, path)
+        self.optimizer.load_state_dict(torch_state["optimizer"])
+        self.scheduler.load_state_dict(torch_state["scheduler"])
+        ckpt.set_rng_state(torch_state["rng"])
+        self.step = int(json_state["step"])
+        self.weight_version = int(json_state["weight_version"])
+        self.optimizer.zero_grad(set_to_none=True)
+        return json_state["extra"]
+
+
+class _eval_mode:
+    """Context manager: model.eval() inside, restores the previous mode on exit."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.was_training = model.training
+
+    def __enter__(self) -> None:
+        self.model.eval()
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.train(self.was_training)

@@ -1,0 +1,161 @@
+"""Checkpoints on disk: HF layout plus trainer state, written atomically, pruned to the last K.
+
+Layout of one checkpoint directory (`<checkpoint_dir>/step_000010/`):
+    config.json, model.safetensors, generation_config.json, tokenizer files   (HF layout: an
+        inference server can be started on it, `from_pretrained` loads it)
+    trainer_state.pt     optimizer, scheduler and RNG states (torch.load(weights_only=True))
+    trainer_state.json   step, weight_version, metrics, extra state (DataBuffer, resolved config)
+`<checkpoint_dir>/latest` names the newest complete checkpoint.
+
+Guarantees: a checkpoint is written into a temporary sibling directory and renamed into place
+only when complete, and `latest` is replaced atomically after that, so a crash at any point
+leaves the previous checkpoint and pointer intact. Not covered: concurrent writers to one dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollouts.errors import CheckpointError
+
+LATEST = "latest"
+STATE_JSON = "trainer_state.json"
+STATE_PT = "trainer_state.pt"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def write_checkpoint(
+    checkpoint_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    torch_state: dict[str, Any],
+    json_state: dict[str, Any],
+    keep_last: int | None,
+) -> Path:
+    """Write one checkpoint atomically, point `latest` at it and prune old ones."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir / checkpoint_name(step)
+    tmp = checkpoint_dir / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_hf(model, tokenizer, tmp)
+    torch.save(torch_state, tmp / STATE_PT)
+    (tmp / STATE_JSON).write_text(json.dumps(json_state, indent=1, default=str), encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _write_pointer(checkpoint_dir, final.name)
+    if keep_last is not None:
+        prune_checkpoints(checkpoint_dir, keep_last)
+    return final
+
+
+def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
+    """Save model (safetensors) and tokenizer in HF layout: what engines load."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _write_pointer(checkpoint_dir: Path, name: str) -> None:
+    tmp = checkpoint_dir / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.write_text(name + "\n", encoding="utf-8")
+    tmp.replace(checkpoint_dir / LATEST)
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    return sorted(
+        p for p in checkpoint_dir.glob("step_*") if p.is_dir() and (p / STATE_JSON).is_file()
+    )
+
+
+def prune_checkpoints(checkpoint_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names)."""
+    latest = find_latest_checkpoint(checkpoint_dir)
+    for old in list_checkpoints(checkpoint_dir)[:-keep_last]:
+        if old != latest:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def find_latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """The checkpoint `latest` names, or None when there is none yet."""
+    pointer = checkpoint_dir / LATEST
+    if not pointer.is_file():
+        return None
+    path = checkpoint_dir / pointer.read_text(encoding="utf-8").strip()
+    if not (path / STATE_JSON).is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete")
+    return path
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint directory or a checkpoints directory (then use its `latest`)."""
+    p = Path(path)
+    if (p / STATE_JSON).is_file():
+        return p
+    latest = find_latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(f"no checkpoint at {p}: expected {STATE_JSON} or a '{LATEST}' file")
+    return latest
+
+
+def read_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(json_state, torch_state) of a checkpoint directory."""
+    try:
+        json_state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
+        torch_state = torch.load(path / STATE_PT, weights_only=True)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"cannot read trainer state in {path}: {err}") from err
+    return json_state, torch_state
+
+
+def load_weights_into(model: torch.nn.Module, path: Path) -> None:
+    """Load `model.safetensors` of `path` into `model` in place (tied weights allowed missing).
+
+    Raises:
+        CheckpointError: the file is missing, or its tensors do not match the model.
+    """
+    from safetensors.torch import load_file
+
+    file = path / "model.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"{file} not found")
+    state = load_file(str(file))
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:
+        raise CheckpointError(f"{file} does not match the model: {err}") from err
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded_ptrs = {params[k].data_ptr() for k in state if k in params}
+    untied_missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded_ptrs]
+    if untied_missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"{file} does not match the model: missing {untied_missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )

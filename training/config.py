@@ -1,0 +1,178 @@
+"""Configuration: frozen pydantic models, YAML files and dotted command-line overrides.
+
+Every recipe in `configs/` maps 1:1 onto these models. Unknown keys and bad values are errors
+that name the key (and the file), raised before anything expensive starts. The resolved config
+is logged at start and saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollouts.errors import ConfigError
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class Strict(BaseModel):
+    """Base for every config section: immutable, unknown keys rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(Strict):
+    path: str | None = Field(
+        None, description="HF model directory or hub id; None builds the tiny local model"
+    )
+    tiny_dir: str = "runs/tiny_model"
+    tiny_seed: int = 0
+    tiny_size: Literal["tiny", "small"] = "tiny"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class ArithmeticTaskConfig(Strict):
+    min_digits: int = Field(1, ge=1, le=9)
+    max_digits: int = Field(2, ge=1, le=9)
+    ops: str = Field("+-", pattern=r"^[+\-]+$")
+    n_sft: int = Field(20000, ge=1)
+    n_rl: int = Field(4000, ge=1)
+    n_eval: int = Field(500, ge=1)
+    seed: int = 0
+
+
+class DataConfig(Strict):
+    train_path: str | None = Field(None, description="SFT JSONL; None generates the task data")
+    eval_path: str | None = None
+    task: Literal["arithmetic"] | None = "arithmetic"
+    task_dir: str = "runs/data/arithmetic"
+    arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    max_seq_len: int = Field(512, ge=8)
+    overlong: Literal["truncate", "drop"] = "truncate"
+    packing: bool = True
+    pack_length: int = Field(256, ge=8, description="tokens per packed row")
+    shuffle_seed: int = 0
+
+
+class OptimConfig(Strict):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class BackendConfig(Strict):
+    device: str = "cpu"
+    micro_batch_tokens: int = Field(8192, ge=8, description="token budget per micro-batch")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    seed: int = 0
+
+
+class SFTLoopConfig(Strict):
+    batch_size: int = Field(32, ge=1, description="samples per optimizer step")
+    max_steps: int = Field(400, ge=1)
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(100, ge=1)
+    eval_samples: int = Field(256, ge=0, description="held-out samples for eval loss")
+    greedy_eval_samples: int = Field(500, ge=0, description="held-out prompts for accuracy")
+    checkpoint_every: int = Field(200, ge=1)
+    keep_last: int = Field(2, ge=1)
+    resume: Literal["auto", "never"] = "auto"
+
+
+class SFTRunConfig(Strict):
+    output_dir: str = "runs/sft"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    backend: BackendConfig = BackendConfig()
+    train: SFTLoopConfig = SFTLoopConfig()
+
+
+def _parse_value(raw: str) -> Any:
+    """Interpret an override value as YAML (numbers, booleans, lists), else keep the string."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with `a.b.c=value` overrides applied.
+
+    Raises:
+        ConfigError: an override is not of the form key=value.
+    """
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. optim.lr=1e-4")
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return out
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key {key!r}")
+        else:
+            lines.append(f"{source}: {key}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def build_config(cls: type[C], data: dict[str, Any], *, source: str = "<config>") -> C:
+    """Validate a plain dict into `cls`, turning pydantic errors into ConfigError naming keys."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
+    """Load YAML at `path` (optional), apply dotted overrides, validate into `cls`.
+
+    Raises:
+        ConfigError: missing file, invalid YAML, unknown key or bad value (named).
+    """
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p}: invalid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+        source = f"{source} + overrides"
+    return build_config(cls, data, source=source)
+
+
+def config_to_yaml(config: BaseModel) -> str:
+    """The resolved config as YAML (what is logged and saved with checkpoints)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,105 @@
+"""Metric loggers: plain callables `(step, metrics) -> None`, composed by the caller.
+
+A logger is an extension point (one signature: `Logger`). Shipped: JSONL (one JSON object per
+step, appended, so a resumed run continues the same file), console (a tqdm bar on a TTY, plain
+`logging` lines otherwise), and `fan_out` to combine them. wandb/tensorboard loggers belong to
+the optional extras.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Logger = Callable[[int, dict[str, Any]], None]
+
+log = logging.getLogger("rollouts")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class JsonlLogger:
+    """Append each step's metrics as one JSON line to `path` (flushed every line)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def __call__(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
+    parts = []
+    for key in keys:
+        if key in metrics:
+            v = metrics[key]
+            parts.append(f"{key}={v:.4g}" if isinstance(v, float) else f"{key}={v}")
+    return " ".join(parts)
+
+
+class ConsoleLogger:
+    """A progress bar on a TTY; otherwise a `logging` line every `every` steps."""
+
+    KEYS = (
+        "loss",
+        "eval_loss",
+        "accuracy",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "padding_efficiency",
+    )
+
+    def __init__(self, total_steps: int, *, every: int = 10, initial: int = 0, keys=KEYS):
+        self.every = every
+        self.keys = keys
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial, dynamic_ncols=True)
+
+    def __call__(self, step: int, metrics: dict[str, Any]) -> None:
+        text = format_metrics(metrics, self.keys)
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix_str(text, refresh=False)
+        elif step % self.every == 0 or "eval_loss" in metrics:
+            log.info("step %d %s", step, text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def fan_out(*loggers: Logger) -> Logger:
+    """One logger that calls each of `loggers` in order."""
+
+    def log_all(step: int, metrics: dict[str, Any]) -> None:
+        for logger in loggers:
+            logger(step, metrics)
+
+    return log_all
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Plain timestamped lines on stderr for the `rollouts` logger (call once in a CLI)."""
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )

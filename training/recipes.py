@@ -1,0 +1,178 @@
+"""Recipe glue: turn a validated run config into components and run the SFT loop.
+
+Examples call these so that they stay short; everything here is plain wiring of the public
+pieces (tiny model, data loading, tokenization, backend, loop, loggers), so a user who wants a
+different wiring copies the few lines they need.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollouts.tasks.arithmetic import is_correct, write_arithmetic_datasets
+from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.config import ModelConfig, SFTRunConfig, config_to_yaml
+from training.data_buffer import DataBuffer
+from training.evaluate import EvalPrompt, greedy_accuracy
+from training.loggers import ConsoleLogger, JsonlLogger, fan_out
+from training.sft import SFTData, run_sft_training
+from training.sft_data import load_sft_jsonl
+from training.tiny_model import ensure_tiny_model
+from training.tokenize import TokenizeStats, tokenize_records
+
+log = logging.getLogger("rollouts.recipes")
+
+
+def resolve_model_path(config: ModelConfig) -> str:
+    """The model to load: `config.path`, or the tiny local model (built on first use)."""
+    if config.path is not None:
+        return config.path
+    return str(ensure_tiny_model(config.tiny_dir, seed=config.tiny_seed, size=config.tiny_size))
+
+
+@dataclass(frozen=True)
+class PreparedSFTData:
+    data: SFTData
+    stats: TokenizeStats
+    accuracy_prompts: tuple[EvalPrompt, ...]
+
+
+def load_eval_prompts(path: Path) -> tuple[EvalPrompt, ...]:
+    """Prompts with ground-truth answers from an RL-format JSONL (`messages` + `answer`)."""
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                obj = json.loads(line)
+                prompts.append(EvalPrompt(tuple(obj["messages"]), str(obj["answer"])))
+    return tuple(prompts)
+
+
+def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
+    """Load (or generate) the SFT data, validate and tokenize it, and wrap it in a DataBuffer.
+
+    Raises:
+        DataError: any malformed record (all collected, before training starts).
+        ConfigError: no data source configured.
+    """
+    from rollouts.errors import ConfigError
+
+    dc = config.data
+    accuracy_prompts: tuple[EvalPrompt, ...] = ()
+    if dc.train_path is not None:
+        train_path = Path(dc.train_path)
+        eval_path = Path(dc.eval_path) if dc.eval_path else None
+    elif dc.task == "arithmetic":
+        a = dc.arithmetic
+        files = write_arithmetic_datasets(
+            dc.task_dir, n_sft=a.n_sft, n_rl=a.n_rl, n_eval=a.n_eval, seed=a.seed,
+            min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops,
+        )  # fmt: skip
+        train_path, eval_path = files.sft_train, files.sft_eval
+        accuracy_prompts = load_eval_prompts(files.rl_eval)[: config.train.greedy_eval_samples]
+    else:
+        raise ConfigError("data.train_path is not set and data.task is null: nothing to train on")
+
+    train_records = load_sft_jsonl(train_path)
+    eval_records = load_sft_jsonl(eval_path) if eval_path else []
+    kw = dict(max_seq_len=dc.max_seq_len, overlong=dc.overlong)
+    train_samples, stats = tokenize_records(train_records, tokenizer, **kw)
+    eval_samples, _ = tokenize_records(eval_records[: config.train.eval_samples], tokenizer, **kw)
+    log.info("train data %s: %s", train_path, stats.summary())
+    buffer = DataBuffer(train_samples, seed=dc.shuffle_seed)
+    return PreparedSFTData(SFTData(buffer, tuple(eval_samples)), stats, accuracy_prompts)
+
+
+def build_backend(config: SFTRunConfig, model_path: str) -> PyTorchTrainingBackend:
+    """Load the model and tokenizer and wrap them in a backend configured by `config`."""
+    model, tokenizer = load_model_and_tokenizer(
+        model_path, dtype=config.model.dtype, device=config.backend.device
+    )
+    return PyTorchTrainingBackend(
+        model,
+        tokenizer,
+        optim=config.optim,
+        max_steps=config.train.max_steps,
+        checkpoint_dir=Path(config.output_dir) / "checkpoints",
+        micro_batch_tokens=config.backend.micro_batch_tokens,
+        pack_length=config.data.pack_length if config.data.packing else None,
+        keep_last=config.train.keep_last,
+        num_threads=config.backend.num_threads,
+        seed=config.backend.seed,
+    )
+
+
+@dataclass(frozen=True)
+class SFTSummary:
+    steps: int
+    final_loss: float | None
+    eval_loss: float | None
+    accuracy: float | None
+    wall_time_s: float
+    checkpoint: Path | None
+
+    def line(self) -> str:
+        def fmt(v: float | None, spec: str) -> str:
+            return "n/a" if v is None else format(v, spec)
+
+        return (
+            f"SFT done: steps={self.steps} final_loss={fmt(self.final_loss, '.4f')} "
+            f"eval_loss={fmt(self.eval_loss, '.4f')} "
+            f"heldout_greedy_accuracy={fmt(self.accuracy, '.1%')} "
+            f"wall_time={self.wall_time_s:.1f}s checkpoint={self.checkpoint}"
+        )
+
+
+async def run_sft_recipe(config: SFTRunConfig) -> SFTSummary:
+    """Everything `examples/run_sft.py` does: model, data, backend, loop, loggers, summary."""
+    t0 = time.perf_counter()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = config.model_dump(mode="json")
+    (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
+    log.info("resolved config:\n%s", config_to_yaml(config))
+
+    model_path = resolve_model_path(config.model)
+    with build_backend(config, model_path) as backend:
+        prepared = prepare_sft_data(config, backend.tokenizer)
+
+        async def accuracy(b: PyTorchTrainingBackend) -> dict[str, float]:
+            return await greedy_accuracy(b, prepared.accuracy_prompts, is_correct)
+
+        if config.train.resume == "never":
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        jsonl = JsonlLogger(out / "metrics.jsonl")
+        console = ConsoleLogger(config.train.max_steps, every=config.train.log_every)
+        try:
+            history = await run_sft_training(
+                backend,
+                prepared.data,
+                config.train,
+                logger=fan_out(jsonl, console),
+                evaluate_fn=accuracy if prepared.accuracy_prompts else None,
+                resolved_config=resolved,
+            )
+        finally:
+            jsonl.close()
+            console.close()
+        last = history[-1] if history else {}
+        if not history:  # resumed a finished run: measure the final state again
+            last = {**(await backend.forward(prepared.data.eval_samples).result())}
+            last = {"eval_loss": last["loss"]}
+            if prepared.accuracy_prompts:
+                last.update(await accuracy(backend))
+        from training.checkpoint import find_latest_checkpoint
+
+        return SFTSummary(
+            steps=backend.step,
+            final_loss=last.get("loss"),
+            eval_loss=last.get("eval_loss"),
+            accuracy=last.get("accuracy"),
+            wall_time_s=time.perf_counter() - t0,
+            checkpoint=find_latest_checkpoint(backend.checkpoint_dir),
+        )

@@ -1,0 +1,108 @@
+"""run_sft_training: the supervised fine-tuning loop, a pure async function.
+
+It owns no state: the model, optimizer and step live in the backend, the data cursor in the
+DataBuffer. Resume therefore means loading those components' state from the latest checkpoint.
+Reads top to bottom: maybe resume → per step: batch → forward_backward + optim_step → maybe
+eval → log → maybe checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from training.backend import PyTorchTrainingBackend
+from training.checkpoint import find_latest_checkpoint
+from training.config import SFTLoopConfig
+from training.data_buffer import DataBuffer
+from training.loggers import Logger
+
+log = logging.getLogger("rollouts.sft")
+
+EvaluateFn = Callable[[PyTorchTrainingBackend], Awaitable[dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class SFTData:
+    """What the SFT loop trains and evaluates on: a DataBuffer of tokenized samples + held-out."""
+
+    train: DataBuffer
+    eval_samples: Sequence[Any] = ()
+
+
+async def maybe_resume(
+    backend: PyTorchTrainingBackend, buffer: DataBuffer, config: SFTLoopConfig
+) -> int:
+    """Restore backend and data cursor from the latest checkpoint when `resume == "auto"`.
+
+    Returns:
+        The number of steps already done (0 for a fresh run).
+    """
+    if config.resume != "auto":
+        return 0
+    latest = find_latest_checkpoint(backend.checkpoint_dir)
+    if latest is None:
+        return 0
+    extra = await backend.load_checkpoint(latest)
+    buffer.load_state_dict(extra["data_buffer"])
+    log.info("resumed from %s at step %d", latest, backend.step)
+    return backend.step
+
+
+async def evaluate(
+    backend: PyTorchTrainingBackend, data: SFTData, evaluate_fn: EvaluateFn | None
+) -> dict[str, float]:
+    """Held-out loss, plus whatever `evaluate_fn` measures (e.g. greedy accuracy)."""
+    metrics: dict[str, float] = {}
+    if data.eval_samples:
+        metrics["eval_loss"] = (await backend.forward(data.eval_samples).result())["loss"]
+    if evaluate_fn is not None:
+        metrics.update(await evaluate_fn(backend))
+    return metrics
+
+
+async def run_sft_training(
+    backend: PyTorchTrainingBackend,
+    data: SFTData,
+    config: SFTLoopConfig,
+    *,
+    logger: Logger = lambda step, metrics: None,
+    evaluate_fn: EvaluateFn | None = None,
+    resolved_config: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Train until `config.max_steps` optimizer steps are done.
+
+    Args:
+        backend: owns the model and optimizer; its `checkpoint_dir` is where resume looks.
+        data: training DataBuffer (of tokenized samples) and held-out samples.
+        config: the loop section of the run config.
+        logger: called with (step, metrics) after every step.
+        evaluate_fn: extra evaluation run every `eval_every` steps and at the end.
+        resolved_config: the full run config, saved with each checkpoint.
+
+    Returns:
+        The metrics of each step run by this call (empty when resuming a finished run).
+    """
+    start = await maybe_resume(backend, data.train, config)
+    history: list[dict[str, Any]] = []
+    for step in range(start + 1, config.max_steps + 1):
+        t0 = time.perf_counter()
+        samples = data.train.get_prompts(config.batch_size)
+        fb = backend.forward_backward(samples)
+        opt = backend.optim_step()
+        metrics: dict[str, Any] = {**await fb.result(), **await opt.result()}
+        elapsed = time.perf_counter() - t0
+        metrics["step_time_s"] = elapsed
+        metrics["tokens_per_s"] = metrics["n_trained_tokens"] / elapsed
+        metrics["epoch"] = data.train.epoch_id
+        if step % config.eval_every == 0 or step == config.max_steps:
+            metrics.update(await evaluate(backend, data, evaluate_fn))
+        logger(step, metrics)
+        history.append(metrics)
+        if step % config.checkpoint_every == 0 or step == config.max_steps:
+            extra = {"data_buffer": data.train.state_dict(), "config": resolved_config or {}}
+            await backend.save_checkpoint(step, metrics, extra_state=extra)
+    return history
