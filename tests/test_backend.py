@@ -1,0 +1,114 @@
+"""PyTorchTrainingBackend: ordered futures, non-blocking, micro-batching, checkpoints."""
+
+import pytest
+import torch
+import trio
+
+from rollouts.errors import CheckpointError, ModelLoadError
+from rollouts.tasks.arithmetic import make_problems
+from training.backend import BackendError, PyTorchTrainingBackend, load_model_and_tokenizer
+from training.checkpoint import LATEST, find_latest_checkpoint, list_checkpoints
+from training.config import OptimConfig
+from training.tokenize import tokenize_conversation
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_tokenizer):
+    problems = make_problems(96, seed=5, min_digits=1, max_digits=3)
+    return [tokenize_conversation(tiny_tokenizer, p.sft_record()["messages"]) for p in problems]
+
+
+def make_backend(model_dir, tmp_path, **kw):
+    model, tok = load_model_and_tokenizer(model_dir)
+    kw.setdefault("optim", OptimConfig(lr=1e-3, warmup_steps=2))
+    return PyTorchTrainingBackend(model, tok, max_steps=20, checkpoint_dir=tmp_path / "ckpt", **kw)
+
+
+async def test_queued_calls_run_in_order_and_bump_versions(tiny_model_dir, tmp_path, samples):
+    with make_backend(tiny_model_dir, tmp_path) as backend:
+        futs = [backend.forward_backward(samples[:16]), backend.optim_step()]
+        futs += [backend.forward_backward(samples[16:32]), backend.optim_step()]
+        results = [await f.result() for f in futs]
+    assert results[1]["step"] == 1 and results[3]["step"] == 2
+    assert backend.weight_version == 2
+    assert results[0]["loss"] > 0 and results[1]["grad_norm"] > 0
+    assert results[0]["n_trained_tokens"] == sum(s.n_trained for s in samples[:16])
+
+
+async def test_event_loop_keeps_ticking_during_forward_backward(tiny_model_dir, tmp_path, samples):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0.002)
+
+    with make_backend(tiny_model_dir, tmp_path) as backend:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0)
+            before = ticks
+            await backend.forward_backward(samples * 2).result()
+            nursery.cancel_scope.cancel()
+    assert ticks - before >= 5
+
+
+async def test_gradient_does_not_depend_on_micro_batch_size(tiny_model_dir, tmp_path, samples):
+    grads = []
+    losses = []
+    for budget in (64, 100_000):
+        with make_backend(tiny_model_dir, tmp_path, micro_batch_tokens=budget) as backend:
+            m = await backend.forward_backward(samples[:40]).result()
+            losses.append(m["loss"])
+            grads.append(torch.cat([p.grad.flatten() for p in backend.model.parameters()]))
+            if budget == 64:
+                assert m["n_microbatches"] > 1
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+async def test_failed_operation_refuses_later_ones(tiny_model_dir, tmp_path, samples):
+    with make_backend(tiny_model_dir, tmp_path) as backend:
+        bad = backend.forward_backward([object()])
+        step = backend.optim_step()
+        with pytest.raises(TypeError):
+            await bad.result()
+        with pytest.raises(BackendError, match="earlier backend operation failed"):
+            await step.result()
+
+
+async def test_checkpoints_are_complete_pruned_and_reload(tiny_model_dir, tmp_path, samples):
+    with make_backend(tiny_model_dir, tmp_path, keep_last=2) as backend:
+        for step in range(1, 4):
+            await backend.forward_backward(samples[:8]).result()
+            await backend.optim_step().result()
+            path = await backend.save_checkpoint(step, {"loss": 1.0}, extra_state={"k": step})
+        weights = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    ckdir = tmp_path / "ckpt"
+    assert [p.name for p in list_checkpoints(ckdir)] == ["step_000002", "step_000003"]
+    assert find_latest_checkpoint(ckdir) == path
+    assert (ckdir / LATEST).read_text().strip() == "step_000003"
+    assert not [p for p in ckdir.iterdir() if p.name.startswith(".")]  # no temp dirs left
+    reloaded, _ = load_model_and_tokenizer(path)  # HF layout: from_pretrained works
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+
+    with make_backend(tiny_model_dir, tmp_path / "other") as fresh:
+        extra = await fresh.load_checkpoint(ckdir)
+        assert extra == {"k": 3} and fresh.step == 3 and fresh.weight_version == 3
+        for k, v in fresh.model.state_dict().items():
+            assert torch.equal(v, weights[k]), k
+
+
+async def test_loading_a_missing_checkpoint_names_the_path(tiny_model_dir, tmp_path):
+    with (
+        make_backend(tiny_model_dir, tmp_path) as backend,
+        pytest.raises(CheckpointError, match="no checkpoint at .*nowhere"),
+    ):
+        await backend.load_checkpoint(tmp_path / "nowhere")
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot load model from .*missing_model"):
+        load_model_and_tokenizer(tmp_path / "missing_model")
