@@ -1,0 +1,281 @@
+"""Turn tokenized SFT samples into padded or packed tensor batches, and score them.
+
+Packing puts several samples in one row. Attention isolation comes from `position_ids`: they
+restart at 0 for every sample, and `forward_logits` calls the model with `attention_mask=None`
+and no cache, so transformers' masking utilities (≥4.53; `find_packed_sequence_indices`) split
+each row into its samples and build a block-diagonal causal mask (sdpa/eager/flex), or pass
+the boundaries to varlen kernels (flash attention). RoPE positions restart too, so a packed
+sample sees exactly what it would see alone. Padding continues the positions of the row's last
+sample, so a row holding one sample plus padding still counts as a single sequence: a batch
+without packing keeps SDPA's fast `is_causal` path, and real tokens never attend to the pads
+that follow them.
+
+Targets are pre-shifted: `target_ids[b, t]` is the token at `t+1` of the same sample when that
+token is trained, else -100. The last token of a sample therefore never predicts the first
+token of the next one, and pads never carry a loss.
+
+Pure: imports torch only (no engines, no HTTP).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from rollouts.errors import ConfigError
+from training.tokenize import TokenizedSample
+
+IGNORE_INDEX = -100
+
+# Attention implementations whose transformers mask/kernel path detects packed rows from
+# position_ids when attention_mask is None. sdpa and eager are tested here (CPU).
+PACKING_AWARE_ATTENTION = frozenset(
+    {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"}
+)
+
+
+@dataclass(frozen=True, eq=False)
+class SFTBatch:
+    """Tensors for one SFT forward pass, all [B, T], plus token counts.
+
+    `segment_ids[b, t]` is the index (in the list given to `prepare_sft_batch`) of the sample
+    the token belongs to, -1 for padding. `is_packed` is True when some row holds more than
+    one sample.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    target_ids: torch.Tensor
+    segment_ids: torch.Tensor
+    n_samples: int
+    n_trained_tokens: int
+    n_tokens: int
+    n_slots: int
+    is_packed: bool
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Fraction of the [B, T] slots holding real tokens."""
+        return self.n_tokens / self.n_slots
+
+    def to(self, device: torch.device | str) -> SFTBatch:
+        """The same batch with its tensors on `device`."""
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            target_ids=self.target_ids.to(device),
+            segment_ids=self.segment_ids.to(device),
+        )
+
+
+def pack_sequences(samples: Sequence[TokenizedSample], max_tokens_per_row: int) -> list[list[int]]:
+    """Assign samples to rows of at most `max_tokens_per_row` tokens, by best-fit decreasing.
+
+    Best-fit decreasing (longest sample first, into the fullest row it fits in; ties by lower
+    index) packs about as tightly as first-fit decreasing, is deterministic, and runs in
+    O(n log n). Data order is kept where it does not cost efficiency: each row lists its
+    samples in index order and rows are ordered by their first sample.
+
+    Args:
+        samples: the samples to pack (only their lengths are used).
+        max_tokens_per_row: row capacity in tokens.
+
+    Returns:
+        Rows of indices into `samples`; every index appears exactly once.
+
+    Raises:
+        ConfigError: if a sample is longer than `max_tokens_per_row`.
+    """
+    lengths = [len(s) for s in samples]
+    too_long = [i for i, n in enumerate(lengths) if n > max_tokens_per_row]
+    if too_long:
+        i = too_long[0]
+        raise ConfigError(
+            f"max_tokens_per_row={max_tokens_per_row} is shorter than {len(too_long)} sample(s), "
+            f"e.g. {samples[i].source or f'sample {i}'} with {lengths[i]} tokens; raise it to at "
+            "least max_seq_len"
+        )
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens left, row index), sorted: the best fit is first
+    for i in sorted(range(len(samples)), key=lambda i: (-lengths[i], i)):
+        k = bisect_left(free, (lengths[i], -1))
+        if k == len(free):
+            row, left = len(rows), max_tokens_per_row
+            rows.append([])
+        else:
+            left, row = free.pop(k)
+        rows[row].append(i)
+        if left - lengths[i] > 0:
+            insort(free, (left - lengths[i], row))
+    return sorted((sorted(r) for r in rows), key=lambda r: r[0])
+
+
+def prepare_sft_batch(
+    samples: Sequence[TokenizedSample],
+    *,
+    pad_id: int,
+    packing: bool = True,
+    max_tokens_per_row: int | None = None,
+) -> SFTBatch:
+    """Build the [B, T] tensors for a list of samples, packed or one sample per row.
+
+    Args:
+        samples: tokenized samples (any sub-list of a dataset; the cost is linear in tokens).
+        pad_id: token id written in padding slots (never attended to by real tokens, never a
+            target).
+        packing: pack several samples per row (default); else one per row, right-padded.
+        max_tokens_per_row: row capacity when packing; defaults to the longest sample, so a
+            packed batch is never wider than the unpacked one.
+
+    Returns:
+        The batch; rows are padded to the longest row.
+
+    Raises:
+        ValueError: if `samples` is empty.
+        ConfigError: if a sample is longer than `max_tokens_per_row`.
+    """
+    if not samples:
+        raise ValueError("prepare_sft_batch needs at least one sample")
+    lengths = [len(s) for s in samples]
+    if packing:
+        rows = pack_sequences(samples, max_tokens_per_row or max(lengths))
+    else:
+        rows = [[i] for i in range(len(samples))]
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    target_ids = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    segment_ids = torch.full(shape, -1, dtype=torch.long)
+    for b, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            n = lengths[i]
+            ids = torch.tensor(samples[i].input_ids, dtype=torch.long)
+            trained_next = torch.tensor(samples[i].loss_mask[1:], dtype=torch.bool)
+            targets = ids[1:].masked_fill(~trained_next, IGNORE_INDEX)
+            input_ids[b, offset : offset + n] = ids
+            position_ids[b, offset : offset + n] = torch.arange(n)
+            target_ids[b, offset : offset + n - 1] = targets
+            segment_ids[b, offset : offset + n] = i
+            offset += n
+        # Pads continue the last sample's positions: see the module docstring.
+        position_ids[b, offset:] = torch.arange(lengths[row[-1]], lengths[row[-1]] + width - offset)
+    return SFTBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        target_ids=target_ids,
+        segment_ids=segment_ids,
+        n_samples=len(samples),
+        n_trained_tokens=int((target_ids != IGNORE_INDEX).sum()),
+        n_tokens=sum(lengths),
+        n_slots=shape[0] * shape[1],
+        is_packed=any(len(row) > 1 for row in rows),
+    )
+
+
+def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
+    """Run a causal LM on a batch so that no token attends across samples or to padding.
+
+    Args:
+        model: an HF causal LM (transformers ≥4.53) on the batch's device.
+        batch: from `prepare_sft_batch` (moved with `batch.to(device)` if needed).
+
+    Returns:
+        Logits [B, T, V].
+
+    Raises:
+        ConfigError: if the batch is packed and the model's attention implementation is not
+            one that isolates packed samples via `position_ids`.
+    """
+    if batch.is_packed:
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in PACKING_AWARE_ATTENTION:
+            raise ConfigError(
+                f"attn_implementation {impl!r} does not isolate packed samples; load the model "
+                f"with one of {sorted(PACKING_AWARE_ATTENTION)} or turn packing off"
+            )
+    # attention_mask must stay None: a 2D mask would switch off packed-row detection.
+    out = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=None,
+        use_cache=False,
+    )
+    return out.logits
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each target token, 0 where the target is -100.
+
+    Computed as gathered logit minus logsumexp, so no [B, T, V] log-softmax is kept for
+    backward; half-precision logits are upcast one row at a time to bound the extra memory.
+
+    Args:
+        logits: [B, T, V].
+        target_ids: [B, T], -100 where there is no target.
+
+    Returns:
+        [B, T] float log-probabilities (float32 for half-precision logits).
+    """
+    valid = target_ids != IGNORE_INDEX
+    safe = target_ids.masked_fill(~valid, 0).unsqueeze(-1)
+    if logits.dtype in (torch.float32, torch.float64):
+        logprobs = logits.gather(-1, safe).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    else:
+        rows = []
+        for row_logits, row_targets in zip(logits, safe, strict=True):
+            row_logits = row_logits.float()
+            picked = row_logits.gather(-1, row_targets).squeeze(-1)
+            rows.append(picked - torch.logsumexp(row_logits, dim=-1))
+        logprobs = torch.stack(rows)
+    return logprobs.masked_fill(~valid, 0.0)
+
+
+def sft_loss(
+    logits: torch.Tensor, batch: SFTBatch, *, normalizer: int | None = None
+) -> tuple[torch.Tensor, dict]:
+    """Token-mean cross-entropy over the batch's trained tokens.
+
+    Args:
+        logits: [B, T, V] from `forward_logits`.
+        batch: the batch the logits came from.
+        normalizer: divide the summed loss by this instead of the batch's own
+            `n_trained_tokens`; for gradient accumulation pass the whole step's trained-token
+            count to every micro-batch, so the step's gradient is the token-mean over the step.
+
+    Returns:
+        The loss tensor, and metrics: `loss` (this batch's token-mean, float), `loss_sum`
+        (summed cross-entropy, float; add these up across micro-batches) and
+        `n_trained_tokens`.
+    """
+    loss_sum = -token_logprobs(logits, batch.target_ids).sum()
+    n = batch.n_trained_tokens
+    loss = loss_sum / (normalizer if normalizer is not None else max(n, 1))
+    total = float(loss_sum.detach())
+    return loss, {"loss": total / max(n, 1), "loss_sum": total, "n_trained_tokens": n}
+
+
+def per_sample_loss(logits: torch.Tensor, batch: SFTBatch) -> torch.Tensor:
+    """Mean cross-entropy over each sample's trained tokens.
+
+    Args:
+        logits: [B, T, V] from `forward_logits`.
+        batch: the batch the logits came from.
+
+    Returns:
+        [n_samples], in the order of the samples given to `prepare_sft_batch` (0 for a sample
+        without trained tokens).
+    """
+    logprobs = token_logprobs(logits, batch.target_ids)
+    valid = batch.target_ids != IGNORE_INDEX
+    segments = batch.segment_ids[valid]
+    sums = torch.zeros(batch.n_samples, dtype=logprobs.dtype, device=logprobs.device)
+    sums = sums.index_add(0, segments, -logprobs[valid])
+    counts = torch.zeros_like(sums).index_add(0, segments, torch.ones_like(logprobs[valid]))
+    return sums / counts.clamp(min=1)
