@@ -5,8 +5,6 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
-TINY_MODEL ?= runs/tiny_model
-SFT_OUT ?= runs/sft_tiny
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lint format test demo sft bench clean
@@ -39,10 +37,10 @@ test: setup lint  ## lint, then the test suite
 	$(PY) -m pytest -q
 
 sft: setup  ## SFT the tiny model on the synthetic arithmetic task
-	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --model $(TINY_MODEL) --output-dir $(SFT_OUT)
+	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
 
 demo: setup  ## the main job on the embedded default (SFT on the tiny model)
-	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --model $(TINY_MODEL) --output-dir $(SFT_OUT)
+	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
 
 bench: setup  ## run every benchmark script
 	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

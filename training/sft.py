@@ -96,7 +96,8 @@ async def run_sft_training(
         metrics: dict[str, Any] = {**await fb.result(), **await opt.result()}
         elapsed = time.perf_counter() - t0
         metrics["step_time_s"] = elapsed
-        metrics["tokens_per_s"] = metrics["n_trained_tokens"] / elapsed
+        metrics["tokens_per_s"] = metrics["n_tokens"] / elapsed
+        metrics["trained_tokens_per_s"] = metrics["n_trained_tokens"] / elapsed
         metrics["epoch"] = data.train.epoch_id
         if step % config.eval_every == 0 or step == config.max_steps:
             metrics.update(await evaluate(backend, data, evaluate_fn))

@@ -79,6 +79,8 @@ def _tokenizer_corpus() -> list[str]:
     lines += [f"{a}-{b}={a - b}" for a in range(0, 100, 9) for b in range(0, 100, 7)]
     lines += [f"{a}*{b}={a * b}" for a in range(0, 50, 7) for b in range(0, 50, 9)]
     lines += ['{"name": "calculator", "arguments": {"expression": "12*34"}}'] * 5
+    # Chat roles become single tokens, so a chat turn costs few tokens (faster training).
+    lines += ["system", "user", "assistant", "tool"] * 200
     return lines
 
 
@@ -96,7 +98,7 @@ def build_tokenizer(model_max_length: int = 1024):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320,
+        vocab_size=384,
         min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

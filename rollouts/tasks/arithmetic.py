@@ -62,8 +62,13 @@ def make_problems(
     max_digits: int = 3,
     ops: str = "+-",
     exclude: set[str] | frozenset[str] = frozenset(),
+    distinct: bool = True,
 ) -> list[ArithmeticProblem]:
-    """Draw `n` distinct problems (questions not in `exclude`), deterministically from `seed`."""
+    """Draw `n` problems whose questions are not in `exclude`, deterministically from `seed`.
+
+    With `distinct`, no question repeats (held-out sets); without, training sets may repeat
+    questions, as a small problem space (2-digit numbers) requires.
+    """
     rng = random.Random(seed)
     seen = set(exclude)
     out: list[ArithmeticProblem] = []
@@ -72,12 +77,13 @@ def make_problems(
         attempts += 1
         if attempts > 100 * n + 1000:
             raise ValueError(
-                f"cannot draw {n} distinct problems with {min_digits}-{max_digits} digits and "
-                f"ops {ops!r}: the problem space is too small"
+                f"cannot draw {n} problems with {min_digits}-{max_digits} digits and ops "
+                f"{ops!r} outside the {len(exclude)} excluded ones: the problem space is too small"
             )
         problem = make_problem(rng, min_digits=min_digits, max_digits=max_digits, ops=ops)
         if problem.question not in seen:
-            seen.add(problem.question)
+            if distinct:
+                seen.add(problem.question)
             out.append(problem)
     return out
 
@@ -133,7 +139,7 @@ def write_arithmetic_datasets(
     kwargs = dict(min_digits=min_digits, max_digits=max_digits, ops=ops)
     held_out = make_problems(n_eval, seed=seed, **kwargs)
     excluded = {p.question for p in held_out}
-    train = make_problems(n_sft + n_rl, seed=seed + 1, exclude=excluded, **kwargs)
+    train = make_problems(n_sft + n_rl, seed=seed + 1, exclude=excluded, distinct=False, **kwargs)
     sft, rl = train[:n_sft], train[n_sft:]
     return ArithmeticFiles(
         sft_train=write_jsonl(out / "sft_train.jsonl", [p.sft_record() for p in sft]),
