@@ -112,3 +112,16 @@ async def test_loading_a_missing_checkpoint_names_the_path(tiny_model_dir, tmp_p
 def test_bad_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="cannot load model from .*missing_model"):
         load_model_and_tokenizer(tmp_path / "missing_model")
+
+
+async def test_compute_logprobs_matches_a_plain_forward(tiny_model_dir, tmp_path, samples):
+    with make_backend(tiny_model_dir, tmp_path, micro_batch_tokens=128) as backend:
+        got = await backend.compute_logprobs(samples[:10]).result()
+        model = backend.model
+        for sample, lp in zip(samples[:10], got, strict=True):
+            ids = torch.tensor([sample.input_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, :-1]
+            full = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            trained = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
+            torch.testing.assert_close(lp, full[trained], rtol=0, atol=1e-5)
