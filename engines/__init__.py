@@ -1,0 +1,30 @@
+"""Talking to inference servers: the SGLang HTTP protocol, a pool, a launcher, weight sync.
+
+Layers: `types` (records, `InferenceEngine`, errors) → `client.SGLangEngine` (httpx) →
+`pool.EnginePool` (routing, failover) and `weight_sync` (fan-out refit); `launch` runs server
+processes; `engines.local` is the CPU server itself (imports torch only when it runs).
+Nothing here imports torch.
+"""
+
+from rollouts.errors import EngineError as EngineError
+
+from .client import EngineTimeouts as EngineTimeouts
+from .client import SGLangEngine as SGLangEngine
+from .launch import EngineLaunchError as EngineLaunchError
+from .launch import LaunchedEngine as LaunchedEngine
+from .launch import find_free_port as find_free_port
+from .launch import launch_engine as launch_engine
+from .pool import EnginePool as EnginePool
+from .pool import EngineStats as EngineStats
+from .pool import PoolStatistics as PoolStatistics
+from .types import EngineTimeoutError as EngineTimeoutError
+from .types import EngineUnavailableError as EngineUnavailableError
+from .types import FinishReason as FinishReason
+from .types import GenerateResult as GenerateResult
+from .types import InferenceEngine as InferenceEngine
+from .types import ModelInfo as ModelInfo
+from .types import PauseMode as PauseMode
+from .types import ScoreResult as ScoreResult
+from .types import WeightSpan as WeightSpan
+from .types import WeightSyncError as WeightSyncError
+from .weight_sync import sync_weights_to_engines as sync_weights_to_engines

@@ -29,3 +29,31 @@ def tiny_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# ----- engines ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir: Path):
+    """The tiny model loaded in this process (float32, eval): the reference the engine must match."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture
+async def local_engine(tiny_model_dir: Path):
+    """A local engine server on a free loopback port, in this test's nursery, plus a client.
+
+    Yields (server, engine): `server.url`, `server.state` (in-process state, for inspection
+    only) and an open `SGLangEngine` without retries.
+    """
+    from engines import SGLangEngine
+    from engines.local import open_local_engine
+
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):
+        yield server, engine

@@ -1,0 +1,11 @@
+"""The local engine: a CPU inference server that speaks SGLang's HTTP protocol.
+
+Layers: `params` (request validation, pure) → `scheduler` (trio, continuous batching) →
+`runner` (torch, batched KV cache) ; `asgi` + `native_api` + `openai_api` are the HTTP side;
+`server` assembles them. Importing this package does not import torch.
+"""
+
+from .server import LocalEngineServer as LocalEngineServer
+from .server import open_local_engine as open_local_engine
+from .server import serve as serve
+from .state import LocalEngineConfig as LocalEngineConfig

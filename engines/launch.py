@@ -1,0 +1,200 @@
+"""`launch_engine`: run an inference server process for the duration of an `async with`.
+
+Contract:
+- Starts `python -m sglang.launch_server ...` (kind="sglang"), `python -m engines.local ...`
+  (kind="local", same flag names) or your own command, under trio, on a free loopback port
+  unless `port` is given; the process's stdout and stderr go to `log_path`.
+- Yields a `LaunchedEngine` only after `GET /health_generate` answered 200. If the process exits
+  first or the deadline passes, raises `EngineLaunchError` with the tail of its log.
+- When the block exits — normally, by an exception, or by cancellation (also mid-start) — the
+  process gets SIGTERM, then SIGKILL after `terminate_timeout_s`; the block does not exit
+  before the process is gone.
+
+Not covered: process groups (a server that forks workers must stop them on SIGTERM itself,
+as SGLang does), restarting a crashed server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import trio
+
+from rollouts.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+_MODULES = {"sglang": "sglang.launch_server", "local": "engines.local"}
+
+
+class EngineLaunchError(EngineError):
+    """The server process died or did not become healthy in time (message has its log tail)."""
+
+
+@dataclass(frozen=True)
+class LaunchedEngine:
+    url: str
+    port: int
+    pid: int
+    log_path: Path
+    command: tuple[str, ...]
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS may hand it out again; bind soon)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def build_command(
+    kind: Literal["sglang", "local"],
+    model_path: str,
+    host: str,
+    port: int,
+    extra_args: Sequence[str] = (),
+    command: Sequence[str] | None = None,
+) -> list[str]:
+    """The server command line: the program, then `--model-path --host --port`, then extras."""
+    prefix = list(command) if command else [sys.executable, "-m", _MODULES[kind]]
+    return [
+        *prefix,
+        "--model-path",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *extra_args,
+    ]
+
+
+async def _terminate(process: trio.Process, timeout_s: float) -> None:
+    """trio.run_process's deliver_cancel: SIGTERM, then SIGKILL if it lingers."""
+    process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(timeout_s) as scope:
+        await process.wait()
+    if scope.cancelled_caught:
+        logger.warning(
+            "engine pid %d ignored SIGTERM for %.0f s; killing it", process.pid, timeout_s
+        )
+        process.kill()
+
+
+@asynccontextmanager
+async def launch_engine(
+    command: Sequence[str] | None = None,
+    *,
+    kind: Literal["sglang", "local"] = "local",
+    model_path: str | os.PathLike[str],
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+    log_path: str | os.PathLike[str] | None = None,
+    startup_timeout_s: float = 600.0,
+    terminate_timeout_s: float = 10.0,
+    poll_interval_s: float = 0.5,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[LaunchedEngine]:
+    """Start an engine server process, wait until it is healthy, stop it on exit.
+
+    Args:
+        command: program prefix replacing `python -m <module>` (e.g. `["sglang", "serve"]`).
+        kind: "local" (this project's CPU engine) or "sglang".
+        model_path: model directory (or HF id for SGLang).
+        port: None picks a free port.
+        extra_args: more server flags, e.g. `["--weight-version", "v0"]`.
+        log_path: where the server's output goes (default: a new temp file).
+        api_key: passed as `--api-key` and used for the health check.
+
+    Raises:
+        EngineLaunchError: the process exited or was not healthy within `startup_timeout_s`.
+    """
+    port = port or find_free_port(host)
+    if api_key:
+        extra_args = [*extra_args, "--api-key", api_key]
+    argv = build_command(kind, str(model_path), host, port, extra_args, command)
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log = Path(log_path)
+    url = f"http://{host}:{port}"
+    child_env = {**os.environ, **(env or {})}
+    if kind == "local" and not command:  # make `engines` importable from wherever we run
+        root = str(Path(__file__).resolve().parent.parent)
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+    logger.info("launching engine: %s (log: %s)", " ".join(argv), log)
+    with log.open("ab") as log_file:
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                partial(
+                    trio.run_process,
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                    env=child_env,
+                    deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s),
+                )
+            )
+            try:
+                await _wait_until_healthy(
+                    process, url, log, startup_timeout_s, poll_interval_s, api_key
+                )
+                yield LaunchedEngine(
+                    url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
+                )
+            finally:
+                nursery.cancel_scope.cancel()
+    logger.info("engine %s stopped (exit code %s)", url, process.returncode)
+
+
+async def _wait_until_healthy(
+    process: trio.Process, url: str, log: Path, timeout_s: float, poll_s: float, api_key: str | None
+) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = trio.current_time() + timeout_s
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=10.0) as client:
+        while True:
+            if process.returncode is not None:
+                raise EngineLaunchError(
+                    f"engine process exited with code {process.returncode} before becoming "
+                    f"healthy; log {log} ends with:\n{log_tail(log)}",
+                    url=url,
+                )
+            try:
+                response = await client.get("/health_generate")
+                if response.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            if trio.current_time() > deadline:
+                raise EngineLaunchError(
+                    f"engine not healthy after {timeout_s} s; log {log} ends with:\n{log_tail(log)}",
+                    url=url,
+                )
+            await trio.sleep(poll_s)

@@ -1,0 +1,297 @@
+"""SGLang's native HTTP routes on the local engine (sglang_protocol.md §1–3, §7 items 1–8)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+
+from .asgi import (
+    SSE_DONE,
+    App,
+    Request,
+    Response,
+    StreamingResponse,
+    error_response,
+    json_response,
+    object_error,
+    sse_event,
+    text_response,
+)
+from .params import BadRequestError, GenerateItem, RequestValidationError, SamplingParams
+from .scheduler import PauseMode
+from .sequence import Sequence
+from .state import VERSION, EngineState
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+_FLUSH_NOTE = (
+    "Please check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)\n"
+)
+
+
+def not_ready() -> Response:
+    return object_error("The server is starting up (loading the model).", 503)
+
+
+def read_json(request: Request) -> Any:
+    try:
+        return request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestValidationError(f"JSON decode error: {exc}") from None
+
+
+async def wait_finished(seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        while not seq.finished:
+            await seq.changed.wait()
+
+
+async def stream_sequences(
+    state: EngineState, seqs: list[Sequence], render, *, indexed: bool
+) -> AsyncIterator[tuple[int, Sequence, bool]]:
+    """Yield (index, seq, final) whenever a sequence has new tokens or finished."""
+    sent = [0] * len(seqs)
+    pending = list(range(len(seqs)))
+    while pending:
+        head = seqs[pending[0]]
+        event = head.changed
+        if not head.finished and len(head.output_ids) == sent[pending[0]]:
+            await event.wait()
+        for i in list(pending):
+            seq = seqs[i]
+            if seq.finished:
+                pending.remove(i)
+                yield i, seq, True
+            elif len(seq.output_ids) > sent[i]:
+                sent[i] = len(seq.output_ids)
+                yield i, seq, False
+
+
+def register_native_routes(app: App, state: EngineState) -> None:
+    @app.route("/health")
+    async def health(request: Request) -> Response:
+        return Response(200 if state.ready.is_set() else 503, b"", "")
+
+    @app.route("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        if not state.ready.is_set():
+            return Response(503, b"", "")
+        scheduler = state.scheduler
+        if scheduler.paused or scheduler.busy:  # busy means it is generating; paused on purpose
+            return Response(200, b"", "")
+        item = GenerateItem(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            input_ids=[0],
+            params=SamplingParams(max_new_tokens=1, top_k=1),
+            return_logprob=False,
+            logprob_start_len=0,
+            top_logprobs_num=0,
+            return_text_in_logprobs=False,
+        )
+        with trio.move_on_after(HEALTH_CHECK_TIMEOUT_S):
+            async with scheduler.submit([item], lock=False) as seqs:
+                await wait_finished(seqs)
+                if seqs[0].error is None:
+                    return Response(200, b"", "")
+        return Response(503, b"", "")
+
+    async def model_info(request: Request) -> Response:
+        return json_response(
+            {
+                "model_path": state.model_path,
+                "tokenizer_path": state.config.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": state.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": state.model_type,
+                "architectures": state.architectures,
+            }
+        )
+
+    async def server_info(request: Request) -> Response:
+        info = state.config.server_args()
+        info["model_path"] = state.model_path
+        scheduler = state.scheduler
+        limits = state.limits
+        if limits is not None:
+            info["max_total_num_tokens"] = limits.context_len * state.config.max_running_requests
+            info["max_req_input_len"] = limits.context_len - 1
+            info["context_length"] = limits.context_len
+        else:
+            info["max_total_num_tokens"] = 0
+        info["internal_states"] = [
+            {
+                "last_gen_throughput": scheduler.last_gen_throughput if scheduler else 0.0,
+                "num_running_reqs": len(scheduler.running) if scheduler else 0,
+                "num_waiting_reqs": len(scheduler.waiting) if scheduler else 0,
+                "paused": bool(scheduler and scheduler.paused),
+                "memory_usage": {},
+            }
+        ]
+        info["version"] = VERSION
+        return json_response(info)
+
+    for path in ("/get_model_info", "/model_info"):
+        app.route(path)(model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.route(path)(server_info)
+
+    @app.route("/get_weight_version")
+    async def get_weight_version(request: Request) -> Response:
+        return object_error(
+            "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use "
+            "'/model_info' instead.",
+            404,
+        )
+
+    @app.route("/generate", methods=("POST", "PUT"), cancel_on_disconnect=True)
+    async def generate(request: Request) -> Response | StreamingResponse:
+        if not state.ready.is_set():
+            return not_ready()
+        try:
+            parsed = state.parse(read_json(request))
+        except RequestValidationError as exc:
+            return object_error(str(exc), 400, "Bad Request")
+        except BadRequestError as exc:
+            return error_response(str(exc))
+        if parsed.stream:
+            return StreamingResponse(_stream_generate(state, parsed.items, parsed.is_batch))
+        async with state.scheduler.submit(parsed.items) as seqs:
+            await wait_finished(seqs)
+        failed = [s for s in seqs if s.error is not None]
+        if failed:
+            return object_error(failed[0].error or "generation failed", 500)
+        records = [state.generate_record(s) for s in seqs]
+        return json_response(records if parsed.is_batch else records[0])
+
+    @app.route("/abort_request", methods=("POST",))
+    async def abort_request(request: Request) -> Response:
+        try:
+            body = read_json(request)
+            if not isinstance(body, dict):
+                raise RequestValidationError("Input should be a valid dictionary")
+        except RequestValidationError as exc:
+            return error_response(str(exc))
+        if state.scheduler is not None:
+            state.scheduler.abort(body.get("rid") or None, abort_all=bool(body.get("abort_all")))
+        return Response(200, b"", "")
+
+    @app.route("/pause_generation", methods=("POST",))
+    async def pause_generation(request: Request) -> Response:
+        try:
+            body = read_json(request)
+        except RequestValidationError as exc:
+            return object_error(str(exc), 400, "Bad Request")
+        mode: PauseMode = (body or {}).get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            return error_response(f"mode must be one of abort, retract, in_place; got {mode!r}.")
+        if state.scheduler is None:
+            return not_ready()
+        await state.scheduler.pause(mode)
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.route("/continue_generation", methods=("POST",))
+    async def continue_generation(request: Request) -> Response:
+        if state.scheduler is None:
+            return not_ready()
+        state.scheduler.resume()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.route("/flush_cache", methods=("GET", "POST"))
+    async def flush_cache(request: Request) -> Response:
+        # There is no prefix cache to drop; keep SGLang's refusal while requests are queued.
+        if state.scheduler is not None and state.scheduler.busy:
+            return text_response("Cache not flushed.\n" + _FLUSH_NOTE, 400)
+        return text_response("Cache flushed.\n" + _FLUSH_NOTE)
+
+    @app.route("/update_weights_from_disk", methods=("POST",))
+    async def update_weights_from_disk(request: Request) -> Response:
+        try:
+            body = read_json(request)
+            path = body.get("model_path") if isinstance(body, dict) else None
+            if not isinstance(path, str) or not path:
+                raise RequestValidationError("model_path: Field required (a non-empty string)")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise RequestValidationError("weight_version: Input should be a valid string")
+        except RequestValidationError as exc:
+            return object_error(str(exc), 400, "Bad Request")
+        if state.scheduler is None:
+            return not_ready()
+        success, message = await state.scheduler.update_weights(
+            path, version, abort_all_requests=bool(body.get("abort_all_requests", False))
+        )
+        body = {"success": success, "message": message, "num_paused_requests": 0}
+        return json_response(body, 200 if success else 400)
+
+    @app.route("/update_weight_version", methods=("POST",))
+    async def update_weight_version(request: Request) -> Response:
+        try:
+            body = read_json(request)
+            version = body.get("new_version") if isinstance(body, dict) else None
+            if not isinstance(version, str) or not version:
+                raise RequestValidationError("new_version: Field required (a non-empty string)")
+        except RequestValidationError as exc:
+            return object_error(str(exc), 400, "Bad Request")
+        if state.scheduler is None:
+            return not_ready()
+        if body.get("abort_all_requests", True):
+            state.scheduler.abort(abort_all=True)
+        state.scheduler.weight_version = version
+        return json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {version}",
+                "new_version": version,
+            }
+        )
+
+    async def memory_occupation(request: Request) -> Response:
+        # Nothing to release on a CPU engine; answer like SGLang's success.
+        return json_response(None)
+
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        app.route(path, methods=("GET", "POST"))(memory_occupation)
+
+
+async def _stream_generate(
+    state: EngineState, items: list[GenerateItem], is_batch: bool
+) -> AsyncIterator[bytes]:
+    incremental = state.config.incremental_streaming_output
+    async with state.scheduler.submit(items) as seqs:
+        sent_tokens = [0] * len(seqs)
+        sent_text = [""] * len(seqs)
+        async for index, seq, final in stream_sequences(state, seqs, None, indexed=is_batch):
+            if seq.error is not None:
+                yield sse_event({"error": {"message": seq.error}})
+                break
+            record = state.generate_record(seq, final=final)
+            if incremental:
+                record = _delta(record, sent_tokens[index], sent_text[index])
+                sent_tokens[index] = len(seq.output_ids)
+                sent_text[index] += record["text"]
+            if is_batch:
+                record["index"] = index
+            yield sse_event(record)
+    yield SSE_DONE
+
+
+def _delta(record: dict[str, Any], tokens_sent: int, text_sent: str) -> dict[str, Any]:
+    """Incremental streaming: output ids, text and output logprobs since the last chunk."""
+    record["output_ids"] = record["output_ids"][tokens_sent:]
+    text = record["text"]
+    record["text"] = text[len(text_sent) :] if text.startswith(text_sent) else text
+    meta = record["meta_info"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = meta[key][tokens_sent:]
+    return record

@@ -1,0 +1,375 @@
+"""OpenAI-compatible routes on the local engine: `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (sglang_protocol.md §3.3), enough for the official `openai` client.
+
+Requests are translated into native `/generate` items, so validation, sampling and logprobs
+are exactly those of `/generate`. Not covered: tool-call parsing into `tool_calls` (the text
+is returned as content), `echo` together with streaming, `best_of`, `suffix`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .asgi import (
+    SSE_DONE,
+    App,
+    Request,
+    Response,
+    StreamingResponse,
+    json_response,
+    object_error,
+    sse_event,
+)
+from .native_api import not_ready, read_json, stream_sequences, wait_finished
+from .params import BadRequestError, GenerateRequest, RequestValidationError
+from .sequence import Sequence
+from .state import EngineState
+
+# OpenAI field -> SGLang sampling key (identity where equal).
+_SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "n": "n",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "logit_bias": "logit_bias",
+}
+
+
+def bad_request(message: str) -> Response:
+    return object_error(message, 400, "BadRequestError")
+
+
+def _sampling(body: dict[str, Any], max_tokens: Any) -> dict[str, Any]:
+    params = {dst: body[src] for src, dst in _SAMPLING_FIELDS.items() if body.get(src) is not None}
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    return params
+
+
+def _finish(seq: Sequence) -> tuple[str | None, Any]:
+    reason = seq.finish_reason
+    if reason is None:
+        return None, None
+    return reason["type"], reason.get("matched")
+
+
+def _usage(seqs: list[Sequence], n: int) -> dict[str, Any]:
+    prompt = sum(len(s.item.input_ids) for s in seqs[::n])
+    completion = sum(len(s.output_ids) for s in seqs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+    }
+
+
+def register_openai_routes(app: App, state: EngineState) -> None:
+    def card() -> dict[str, Any]:
+        name = state.served_model_name
+        max_len = state.limits.context_len if state.limits else None
+        return {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": max_len,
+        }
+
+    @app.route("/v1/models")
+    async def list_models(request: Request) -> Response:
+        return json_response({"object": "list", "data": [card()]})
+
+    @app.route("/v1/models/{id}")
+    async def get_model(request: Request) -> Response:
+        model = request.path_params["id"]
+        if model != state.served_model_name:
+            error = {
+                "message": f"The model '{model}' does not exist",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+            return json_response({"error": error}, 404)
+        return json_response(card())
+
+    async def parse(
+        request: Request, to_native
+    ) -> tuple[dict[str, Any], GenerateRequest] | Response:
+        if not state.ready.is_set():
+            return not_ready()
+        if not request.headers.get("content-type", "").startswith("application/json"):
+            return object_error("Content-Type must be application/json", 400, "Bad Request")
+        try:
+            body = read_json(request)
+            if not isinstance(body, dict):
+                raise RequestValidationError("Input should be a valid dictionary")
+            native = to_native(body)
+            return body, state.parse(native)
+        except RequestValidationError as exc:
+            return object_error(str(exc), 400, "Bad Request")
+        except BadRequestError as exc:
+            return bad_request(str(exc))
+
+    # ----- completions ----------------------------------------------------------------------
+
+    def completion_native(body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body.get("prompt")
+        max_tokens = body.get("max_tokens", 16)
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise BadRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}.")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+            raise BadRequestError(f"logprobs must be a non-negative integer, got {logprobs!r}.")
+        if body.get("echo") and body.get("stream"):
+            raise BadRequestError("echo is not supported together with stream.")
+        is_ids = isinstance(prompt, list) and prompt and not isinstance(prompt[0], str)
+        native: dict[str, Any] = {("input_ids" if is_ids else "text"): prompt}
+        native.update(
+            sampling_params=_sampling(body, max_tokens),
+            return_logprob=logprobs is not None,
+            top_logprobs_num=logprobs or 0,
+            logprob_start_len=0 if body.get("echo") else -1,
+            return_text_in_logprobs=True,
+        )
+        if body.get("rid") is not None:
+            native["rid"] = body["rid"]
+        return native
+
+    def completion_logprobs(seq: Sequence, echo: bool) -> dict[str, Any]:
+        lps: list[float | None] = []
+        ids: list[int] = []
+        tops: list[Any] = []
+        if echo:
+            lps += seq.input_logprobs or []
+            ids += seq.item.input_ids[: len(lps)]
+            tops += seq.input_top or [None] * len(lps)
+        lps += seq.output_logprobs
+        ids += seq.output_ids
+        tops += seq.output_top or [None] * len(seq.output_ids)
+        k = seq.item.top_logprobs_num
+        return {
+            "text_offset": [-1] * len(ids),
+            "token_logprobs": lps,
+            "tokens": [state.token_text(t) for t in ids],
+            "top_logprobs": [
+                {state.token_text(t): lp for lp, t in row} if (row and k) else None for row in tops
+            ],
+        }
+
+    def completion_choice(index: int, seq: Sequence, body: dict[str, Any]) -> dict[str, Any]:
+        echo = bool(body.get("echo"))
+        text = state.output_text(seq, final=True)
+        if echo:
+            text = state.decode(seq.item.input_ids) + text
+        reason, matched = _finish(seq)
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": completion_logprobs(seq, echo) if seq.item.return_logprob else None,
+            "finish_reason": reason,
+            "matched_stop": matched,
+        }
+
+    @app.route("/v1/completions", methods=("POST",), cancel_on_disconnect=True)
+    async def completions(request: Request) -> Response | StreamingResponse:
+        parsed = await parse(request, completion_native)
+        if isinstance(parsed, Response):
+            return parsed
+        body, req = parsed
+        n = req.items[0].params.n
+        header = {
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.served_model_name,
+        }
+        if req.stream:
+            return StreamingResponse(_stream_openai(state, req, body, header, chat=False))
+        async with state.scheduler.submit(req.items) as seqs:
+            await wait_finished(seqs)
+        failed = [s for s in seqs if s.error is not None]
+        if failed:
+            return object_error(failed[0].error or "generation failed", 500, "InternalServerError")
+        return json_response(
+            {
+                "id": f"cmpl-{seqs[0].rid}",
+                **header,
+                "choices": [completion_choice(i, s, body) for i, s in enumerate(seqs)],
+                "usage": _usage(seqs, n),
+                "metadata": {"weight_version": state.weight_version},
+            }
+        )
+
+    # ----- chat -----------------------------------------------------------------------------
+
+    def chat_native(body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestValidationError("messages: Input should be a non-empty list")
+        rendered = []
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise RequestValidationError("messages: each message needs a role")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            rendered.append({**m, "content": content})
+        try:
+            input_ids = state.tokenizer.apply_chat_template(
+                rendered, tools=body.get("tools"), add_generation_prompt=True, tokenize=True
+            )
+        except Exception as exc:
+            raise BadRequestError(f"Failed to apply the chat template: {exc}") from exc
+        if isinstance(input_ids, dict):  # newer transformers return a BatchEncoding
+            input_ids = input_ids["input_ids"]
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        top = body.get("top_logprobs") or 0
+        native: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": _sampling(body, max_tokens),
+            "return_logprob": bool(body.get("logprobs")),
+            "top_logprobs_num": top if body.get("logprobs") else 0,
+            "return_text_in_logprobs": True,
+        }
+        if body.get("rid") is not None:
+            native["rid"] = body["rid"]
+        return native
+
+    def chat_logprobs(seq: Sequence, start: int = 0) -> dict[str, Any]:
+        def entry(lp: float, tid: int) -> dict[str, Any]:
+            token = state.token_text(tid)
+            return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": lp}
+
+        tops = seq.output_top or [[] for _ in seq.output_ids]
+        content = [
+            {**entry(lp, tid), "top_logprobs": [entry(v, t) for v, t in top]}
+            for lp, tid, top in zip(
+                seq.output_logprobs[start:], seq.output_ids[start:], tops[start:], strict=True
+            )
+        ]
+        return {"content": content}
+
+    @app.route("/v1/chat/completions", methods=("POST",), cancel_on_disconnect=True)
+    async def chat_completions(request: Request) -> Response | StreamingResponse:
+        parsed = await parse(request, chat_native)
+        if isinstance(parsed, Response):
+            return parsed
+        body, req = parsed
+        n = req.items[0].params.n
+        header = {
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.served_model_name,
+        }
+        if req.stream:
+            chunk_header = {**header, "object": "chat.completion.chunk"}
+            return StreamingResponse(
+                _stream_openai(state, req, body, chunk_header, chat=True, logprobs=chat_logprobs)
+            )
+        async with state.scheduler.submit(req.items) as seqs:
+            await wait_finished(seqs)
+        failed = [s for s in seqs if s.error is not None]
+        if failed:
+            return object_error(failed[0].error or "generation failed", 500, "InternalServerError")
+        choices = []
+        for i, seq in enumerate(seqs):
+            reason, matched = _finish(seq)
+            message = {
+                "role": "assistant",
+                "content": state.output_text(seq, final=True),
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": chat_logprobs(seq) if seq.item.return_logprob else None,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                }
+            )
+        return json_response(
+            {
+                "id": f"chatcmpl-{seqs[0].rid}",
+                **header,
+                "choices": choices,
+                "usage": _usage(seqs, n),
+                "metadata": {"weight_version": state.weight_version},
+            }
+        )
+
+
+async def _stream_openai(
+    state: EngineState,
+    req: GenerateRequest,
+    body: dict[str, Any],
+    header: dict[str, Any],
+    *,
+    chat: bool,
+    logprobs=None,
+) -> AsyncIterator[bytes]:
+    """OpenAI streaming: text deltas per choice, one chunk with the finish reason per choice."""
+    chunk_id = ("chatcmpl-" if chat else "cmpl-") + req.items[0].rid
+    async with state.scheduler.submit(req.items) as seqs:
+        sent_text = [""] * len(seqs)
+        sent_tokens = [0] * len(seqs)
+        async for index, seq, final in stream_sequences(state, seqs, None, indexed=True):
+            if seq.error is not None:
+                yield sse_event(
+                    {
+                        "error": {
+                            "object": "error",
+                            "message": seq.error,
+                            "type": "InternalServerError",
+                            "param": None,
+                            "code": 500,
+                        }
+                    }
+                )
+                break
+            text = state.output_text(seq, final=final)
+            if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
+                text = text.rstrip("\ufffd")
+            delta_text = text[len(sent_text[index]) :] if text.startswith(sent_text[index]) else ""
+            reason, matched = _finish(seq) if final else (None, None)
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            }
+            if chat:
+                delta: dict[str, Any] = {"content": delta_text}
+                if not sent_text[index] and not sent_tokens[index]:
+                    delta["role"] = "assistant"
+                choice["delta"] = delta
+                if seq.item.return_logprob:
+                    choice["logprobs"] = logprobs(seq, sent_tokens[index])
+            else:
+                choice["text"] = delta_text
+                choice["logprobs"] = None
+            sent_text[index] += delta_text
+            sent_tokens[index] = len(seq.output_ids)
+            yield sse_event({"id": chunk_id, **header, "choices": [choice]})
+        else:
+            options = body.get("stream_options") or {}
+            if options.get("include_usage"):
+                usage = _usage(seqs, req.items[0].params.n)
+                yield sse_event({"id": chunk_id, **header, "choices": [], "usage": usage})
+    yield SSE_DONE

@@ -1,0 +1,138 @@
+"""Next-token sampling and logprobs for a batch of rows, each with its own parameters.
+
+Follows SGLang's sampler: logit bias and penalties are applied to the raw logits, then the
+temperature; the reported logprob of a token is log-softmax of the temperature-scaled logits
+(before top-k/top-p/min-p filtering), clamped to the float32 minimum so JSON never sees -inf.
+Greedy rows (top_k == 1, which is how temperature 0 arrives) take the argmax. A row whose
+distribution has no finite probability (NaN weights, a bias that bans every token) is reported
+as an error for that row only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence, TopLogprobs
+
+_MIN_LOGPROB = torch.finfo(torch.float32).min
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]
+    tops: list[TopLogprobs | None]
+    errors: list[str | None]
+
+
+def _adjust_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_ids: frozenset[int]) -> None:
+    """In-place: logit bias, frequency/presence/repetition penalties, min_new_tokens."""
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        params = seq.item.params
+        if params.logit_bias:
+            ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
+            bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device)
+            logits[row].index_add_(0, ids, bias.to(logits.dtype))
+        if params.has_penalties and seq.output_ids:
+            counts = torch.bincount(
+                torch.tensor(seq.output_ids, device=logits.device), minlength=vocab
+            )[:vocab].to(logits.dtype)
+            seen = counts > 0
+            if params.repetition_penalty != 1.0:
+                penalised = torch.where(
+                    logits[row] > 0,
+                    logits[row] / params.repetition_penalty,
+                    logits[row] * params.repetition_penalty,
+                )
+                logits[row] = torch.where(seen, penalised, logits[row])
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * seen
+        if len(seq.output_ids) < params.min_new_tokens and not params.ignore_eos:
+            banned = [t for t in eos_ids | params.stop_token_ids if t < vocab]
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def _needs_adjust(seq: Sequence) -> bool:
+    params = seq.item.params
+    return bool(
+        params.logit_bias
+        or (params.has_penalties and seq.output_ids)
+        or len(seq.output_ids) < params.min_new_tokens
+    )
+
+
+def top_logprobs(logprobs_row: torch.Tensor, k: int) -> TopLogprobs:
+    values, ids = torch.topk(logprobs_row, k)
+    return list(zip(values.clamp(min=_MIN_LOGPROB).tolist(), ids.tolist(), strict=True))
+
+
+def scaled_logprobs(logits: torch.Tensor, temperatures: Seq[float]) -> torch.Tensor:
+    temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
+    return torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    seqs: Seq[Sequence],
+    eos_ids: frozenset[int],
+    generator: torch.Generator,
+) -> Sampled:
+    """Sample one token per row of `logits` ([N, V]) for the sequences `seqs`."""
+    logits = logits.float()
+    if any(_needs_adjust(s) for s in seqs):
+        logits = logits.clone()
+        _adjust_logits(logits, seqs, eos_ids)
+    params = [s.item.params for s in seqs]
+    logprobs = scaled_logprobs(logits, [p.temperature for p in params])
+    invalid = torch.isnan(logprobs).any(-1) | ~torch.isfinite(logprobs).any(-1)
+    errors: list[str | None] = [None] * len(seqs)
+    if bool(invalid.any()):
+        for row in invalid.nonzero().flatten().tolist():
+            errors[row] = (
+                "Sampling failed: the next-token distribution has no finite probability "
+                "(NaN weights or a logit_bias that bans every token)."
+            )
+        logprobs = torch.where(invalid[:, None], torch.zeros_like(logprobs), logprobs)
+
+    tokens = logprobs.argmax(-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy and errors[i] is None]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = logprobs[rows].exp()
+        sorted_probs, order = probs.sort(-1, descending=True)
+        sub = [params[i] for i in sampled_rows]
+        if any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in sub):
+            vocab = probs.shape[-1]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in sub])
+            top_p = torch.tensor([p.top_p for p in sub])
+            min_p = torch.tensor([p.min_p for p in sub])
+            ranks = torch.arange(vocab)[None, :]
+            keep = ranks < top_k[:, None].to(ranks.device)
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs
+            keep &= mass_before < top_p[:, None].to(probs.device)
+            keep &= sorted_probs >= min_p[:, None].to(probs.device) * sorted_probs[:, :1]
+            keep[:, 0] = True
+            sorted_probs = sorted_probs * keep
+        picks = []
+        for j, row in enumerate(sampled_rows):
+            own = seqs[row].runner_state
+            seed_gen = own if own is not None else generator
+            picks.append(torch.multinomial(sorted_probs[j], 1, generator=seed_gen))
+        chosen = order.gather(1, torch.stack(picks))
+        tokens[rows] = chosen.flatten()
+
+    chosen_lp = logprobs.gather(1, tokens[:, None]).flatten().clamp(min=_MIN_LOGPROB)
+    tops: list[TopLogprobs | None] = [None] * len(seqs)
+    k_max = max(s.item.top_logprobs_num for s in seqs)
+    if k_max:
+        values, ids = torch.topk(logprobs, k_max, dim=-1)
+        values, ids = values.clamp(min=_MIN_LOGPROB).tolist(), ids.tolist()
+        for row, seq in enumerate(seqs):
+            k = seq.item.top_logprobs_num
+            if k:
+                tops[row] = list(zip(values[row][:k], ids[row][:k], strict=True))
+    return Sampled(tokens.tolist(), chosen_lp.tolist(), tops, errors)

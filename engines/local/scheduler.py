@@ -1,0 +1,297 @@
+"""Continuous batching for the local engine: the trio side of the model loop.
+
+Contract:
+- One trio task (`run`) owns the waiting queue and the running batch. Each iteration it
+  admits waiting sequences (up to `max_running_requests` and a prefill token budget), then
+  runs ONE model step (decode every running row + prefill the admitted ones) on a single worker
+  thread, then applies the results: append tokens, check stop conditions, wake waiters. So a
+  new request joins at the next step instead of waiting for the batch to drain.
+- All mutation of sequences happens here, on the trio thread, between steps.
+- Abort is immediate for the caller (the sequence finishes with `finish_reason.type ==
+  "abort"`; "Abort in waiting queue" if it had not started); its row is dropped at the next step.
+- `pause(mode)`: "abort" aborts everything, "retract" moves running requests back to the queue
+  (recomputed on resume, `num_retractions` grows), "in_place" freezes them with their KV cache.
+  Each returns once no step is running. New requests queue until `resume()`.
+- Weight updates hold a writer lock against every in-flight `/generate` (reader), like SGLang:
+  the update waits for in-flight requests (or aborts them with `abort_all_requests`) and new
+  requests queue behind it; when paused, the update runs at once. The load runs on the model
+  thread, so it never overlaps a step. On failure the old weights, `model_path` and
+  `weight_version` stay.
+
+Not covered: priorities, preemption under memory pressure, a radix prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import trio
+
+from .params import GenerateItem
+from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+def abort_reason(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+class _ReadWriteLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+        self._changed = trio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[None]:
+        while self._writer or self._writers_waiting:
+            await self._changed.wait()
+        self._readers += 1
+        try:
+            yield
+        finally:
+            self._readers -= 1
+            self._notify()
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[None]:
+        self._writers_waiting += 1
+        try:
+            while self._writer or self._readers:
+                await self._changed.wait()
+        finally:
+            self._writers_waiting -= 1
+            self._notify()
+        self._writer = True
+        try:
+            yield
+        finally:
+            self._writer = False
+            self._notify()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: Any,
+        decode: Callable[[list[int], bool], str],
+        *,
+        model_path: str,
+        weight_version: str,
+        max_running_requests: int = 128,
+        max_prefill_tokens: int = 8192,
+    ) -> None:
+        self.runner = runner
+        self._decode = decode  # (token ids, skip_special_tokens) -> text
+        self.model_path = model_path
+        self.weight_version = weight_version
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.paused = False
+        self._wakeup = trio.Event()
+        self._limiter = trio.CapacityLimiter(1)  # the single model thread
+        self._step_done = trio.Event()
+        self._stepping = False
+        self._update_lock = _ReadWriteLock()
+        self.generated_tokens = 0
+        self.last_gen_throughput = 0.0
+
+    # ----- the loop -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            while self.paused or not (self.waiting or self.running):
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+            self.running = [s for s in self.running if not s.finished]
+            admit = self._admit()
+            if not self.running and not admit:
+                continue
+            keep = list(self.running)
+            self.running += admit
+            self._stepping, self._step_done = True, trio.Event()
+            started = time.perf_counter()
+            try:
+                out = await trio.to_thread.run_sync(
+                    self.runner.step, keep, admit, limiter=self._limiter
+                )
+            finally:
+                self._stepping = False
+                self._step_done.set()
+            self._apply(out, time.perf_counter() - started)
+
+    def _admit(self) -> list[Sequence]:
+        admit: list[Sequence] = []
+        longest = 0
+        while self.waiting and len(self.running) + len(admit) < self.max_running_requests:
+            seq = self.waiting[0]
+            if seq.finished:
+                self.waiting.popleft()
+                continue
+            longest = max(longest, len(seq.prefill_ids))
+            if admit and longest * (len(admit) + 1) > self.max_prefill_tokens:
+                break
+            admit.append(self.waiting.popleft())
+        return admit
+
+    def _apply(self, out: Any, elapsed: float) -> None:
+        touched: set[Sequence] = set()
+        for p in out.prefilled:
+            seq = p.seq
+            if seq.finished:
+                continue
+            if not seq.prefilled:
+                seq.input_logprobs, seq.input_top = p.input_logprobs, p.input_top
+                seq.cached_tokens = p.cached_tokens
+                seq.prefilled = True
+            if seq.item.params.max_new_tokens == 0:
+                seq.finish_reason = {"type": "length", "length": 0}
+            touched.add(seq)
+        for seq, token, logprob, top in out.tokens:
+            if seq.finished:
+                continue
+            seq.append(token, logprob, top, self.weight_version)
+            self._check_finished(seq)
+            touched.add(seq)
+        for seq, message in out.errors:
+            if not seq.finished:
+                seq.error = message
+                touched.add(seq)
+        self.generated_tokens += len(out.tokens)
+        if elapsed > 0 and out.tokens:
+            self.last_gen_throughput = len(out.tokens) / elapsed
+        for seq in touched:
+            notify(seq)
+
+    def _check_finished(self, seq: Sequence) -> None:
+        params = seq.item.params
+        if len(seq.output_ids) >= params.max_new_tokens:
+            seq.finish_reason = {"type": "length", "length": params.max_new_tokens}
+            return
+        last = seq.output_ids[-1]
+        if not params.ignore_eos and (last in self.runner.eos_ids or last in params.stop_token_ids):
+            seq.finish_reason = {"type": "stop", "matched": last}
+            return
+        if params.stop:
+            seq.text = self._decode(seq.output_ids, params.skip_special_tokens)
+            for stop in params.stop:
+                if stop in seq.text:
+                    seq.finish_reason = {"type": "stop", "matched": stop}
+                    return
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    # ----- requests -------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def submit(self, items: Iterable[GenerateItem], *, lock: bool = True):
+        """Queue the items; yield their sequences. Unfinished ones are aborted on exit."""
+        async with self._update_lock.read() if lock else _null():
+            seqs = [Sequence(item) for item in items]
+            self.waiting.extend(seqs)
+            self._wake()
+            try:
+                yield seqs
+            finally:
+                self.abort_sequences([s for s in seqs if not s.finished])
+
+    def abort_sequences(self, seqs: Iterable[Sequence]) -> int:
+        count = 0
+        for seq in seqs:
+            if seq.finished:
+                continue
+            started = seq.prefilled or seq in self.running
+            seq.finish_reason = abort_reason("Aborted" if started else "Abort in waiting queue")
+            notify(seq)
+            count += 1
+        return count
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
+        if not abort_all and not rid:
+            return 0
+        live = [*self.waiting, *self.running]
+        return self.abort_sequences(s for s in live if abort_all or s.rid == rid)
+
+    async def wait_idle(self) -> None:
+        """Return once no model step is running."""
+        while self._stepping:
+            await self._step_done.wait()
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        self.paused = True
+        if mode == "abort":
+            self.abort(abort_all=True)
+        await self.wait_idle()
+        if mode == "retract":
+            retracted = [s for s in self.running if not s.finished]
+            for seq in retracted:
+                seq.num_retractions += 1
+            self.running = []
+            self.waiting.extendleft(reversed(retracted))
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake()
+
+    @property
+    def busy(self) -> bool:
+        return any(not s.finished for s in [*self.running, *self.waiting])
+
+    # ----- weights --------------------------------------------------------------------------
+
+    async def update_weights(
+        self, path: str, weight_version: str | None, *, abort_all_requests: bool = False
+    ) -> tuple[bool, str]:
+        if abort_all_requests:
+            self.abort(abort_all=True)
+        if self.paused:
+            return await self._load(path, weight_version)
+        async with self._update_lock.write():
+            return await self._load(path, weight_version)
+
+    async def _load(self, path: str, weight_version: str | None) -> tuple[bool, str]:
+        from .runner import WeightLoadError  # torch-side module, imported lazily
+
+        started = time.perf_counter()
+        try:
+            await trio.to_thread.run_sync(self.runner.load_weights, path, limiter=self._limiter)
+        except WeightLoadError as exc:
+            logger.warning("weight update from %s failed: %s", path, exc)
+            return False, str(exc)
+        self.model_path = path
+        message = "Succeeded to update model weights."
+        if weight_version is not None:
+            self.weight_version = weight_version
+            message += f" Weight version updated to {weight_version}."
+        logger.info("updated weights from %s in %.3f s", path, time.perf_counter() - started)
+        return True, message
+
+
+def notify(seq: Sequence) -> None:
+    """Wake everyone waiting on `seq.changed`."""
+    event, seq.changed = seq.changed, trio.Event()
+    event.set()
+
+
+@asynccontextmanager
+async def _null() -> AsyncIterator[None]:
+    yield

@@ -1,0 +1,182 @@
+"""Run the local engine: bind, load the model on the worker thread, serve until cancelled.
+
+`serve(config)` is the whole server as one trio task (`python -m engines.local` runs it);
+`open_local_engine(...)` runs it inside your nursery and yields once it answers
+`/health_generate`, which is how tests and the embedded default use it. The port is bound
+before the model loads, so `/health` answers 503 until the model is ready (as SGLang does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import trio
+
+from .asgi import App
+from .native_api import register_native_routes
+from .openai_api import register_openai_routes
+from .state import EngineState, LocalEngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Sampling keys SGLang takes from generation_config.json (`--sampling-defaults model`).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class LocalEngineServer:
+    """A running local engine: where it listens and what it serves."""
+
+    url: str
+    config: LocalEngineConfig
+    state: EngineState
+
+
+def build_app(state: EngineState) -> App:
+    app = App(api_key=state.config.api_key)
+    register_native_routes(app, state)
+    register_openai_routes(app, state)
+    return app
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int | None):
+    """Set torch's intra-op threads for the calling (model) thread only, restoring after."""
+    if count is None:
+        yield
+        return
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class _ThreadedRunner:
+    """Wraps a ModelRunner so every call runs with the configured torch thread count."""
+
+    def __init__(self, runner: Any, threads: int | None) -> None:
+        self._runner, self._threads = runner, threads
+        self.eos_ids = runner.eos_ids
+
+    def step(self, keep, admit):
+        with _torch_threads(self._threads):
+            return self._runner.step(keep, admit)
+
+    def load_weights(self, path: str) -> None:
+        with _torch_threads(self._threads):
+            self._runner.load_weights(path)
+
+
+def _load(config: LocalEngineConfig):
+    """Runs on a worker thread: tokenizer, model, and the model's sampling defaults."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from .params import ModelLimits
+    from .runner import ModelRunner
+
+    with _torch_threads(config.num_threads):
+        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        runner = ModelRunner(
+            config.model_path, dtype=config.dtype, device=config.device, seed=config.random_seed
+        )
+    try:
+        generation = GenerationConfig.from_pretrained(config.model_path).to_dict()
+    except OSError:
+        generation = {}
+    defaults = {
+        key: generation[key]
+        for key in _GENERATION_DEFAULTS
+        if generation.get(key) is not None and generation.get("do_sample", True)
+    }
+    limits = ModelLimits(
+        vocab_size=runner.vocab_size, context_len=runner.context_len, sampling_defaults=defaults
+    )
+    return tokenizer, runner, limits
+
+
+async def serve(
+    config: LocalEngineConfig,
+    *,
+    task_status: trio.TaskStatus[LocalEngineServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled. `task_status.started(server)` once generation works."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from .scheduler import Scheduler
+
+    state = EngineState(config)
+    hconfig = Config()
+    hconfig.bind = [f"{config.host}:{config.port}"]
+    hconfig.accesslog = None
+    hconfig.keep_alive_timeout = 75.0  # longer than clients' keep-alive, so they close first
+    hconfig.graceful_timeout = 1.0
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(hypercorn_serve, build_app(state), hconfig)
+        url = binds[0].replace("0.0.0.0", "127.0.0.1")
+        logger.info("local engine listening on %s; loading %s", url, config.model_path)
+        tokenizer, runner, limits = await trio.to_thread.run_sync(_load, config)
+        state.tokenizer, state.limits = tokenizer, limits
+        state.model_type = getattr(runner.model.config, "model_type", "")
+        state.architectures = list(getattr(runner.model.config, "architectures", None) or [])
+        state.scheduler = Scheduler(
+            _ThreadedRunner(runner, config.num_threads),
+            state.decode,
+            model_path=config.model_path,
+            weight_version=config.weight_version,
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+        )
+        await nursery.start(state.scheduler.run)
+        if not config.skip_server_warmup:
+            await _warmup(state)
+        state.ready.set()
+        logger.info("The server is fired up and ready to roll! (%s)", url)
+        task_status.started(LocalEngineServer(url=url, config=config, state=state))
+
+
+async def _warmup(state: EngineState) -> None:
+    from .params import GenerateItem, SamplingParams
+
+    item = GenerateItem(
+        rid="warmup",
+        input_ids=[0, 1, 2],
+        params=SamplingParams(max_new_tokens=2, top_k=1),
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=0,
+        return_text_in_logprobs=False,
+    )
+    async with state.scheduler.submit([item], lock=False) as seqs:
+        while not seqs[0].finished:
+            await seqs[0].changed.wait()
+    if seqs[0].error:
+        raise RuntimeError(f"local engine warmup failed: {seqs[0].error}")
+
+
+@contextlib.asynccontextmanager
+async def open_local_engine(
+    model_path: str, *, host: str = "127.0.0.1", port: int = 0, **options: Any
+) -> AsyncIterator[LocalEngineServer]:
+    """Run a local engine in the background of the caller's task; yield it once ready.
+
+    Args:
+        model_path: HF model directory.
+        host, port: where to bind; port 0 picks a free port (see `server.url`).
+        **options: any other `LocalEngineConfig` field (api_key, weight_version, ...).
+    """
+    config = replace(LocalEngineConfig(model_path=str(model_path)), host=host, port=port, **options)
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, config)
+        try:
+            yield server
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,157 @@
+"""Configuration and shared state of a local engine server, and SGLang-shaped output records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import trio
+
+from .params import GenerateItem, GenerateRequest, ModelLimits, parse_generate_request
+from .sequence import Sequence, TopLogprobs
+
+VERSION = "0.5.x-rollouts-local"
+
+
+@dataclass(frozen=True)
+class LocalEngineConfig:
+    """Server options; the names are SGLang's `launch_server` flags (`--max-running-requests`)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    weight_version: str = "default"
+    max_running_requests: int = 128
+    max_prefill_tokens: int = 8192
+    dtype: str = "float32"
+    device: str = "cpu"
+    served_model_name: str | None = None
+    random_seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads of the model thread; None = torch's
+    incremental_streaming_output: bool = False
+    skip_server_warmup: bool = False
+
+    def server_args(self) -> dict[str, Any]:
+        args = asdict(self)
+        args.pop("api_key")  # never echo a secret in /get_server_info
+        args["tokenizer_path"] = self.model_path
+        args["served_model_name"] = self.served_model_name or self.model_path
+        args.update(tp_size=1, dp_size=1, skip_tokenizer_init=False)
+        return args
+
+
+class EngineState:
+    """What the HTTP handlers share: config, tokenizer, and the scheduler once loaded."""
+
+    def __init__(self, config: LocalEngineConfig) -> None:
+        self.config = config
+        self.created = int(time.time())
+        self.ready = trio.Event()
+        self.scheduler: Any = None  # Scheduler, set when the model is loaded
+        self.tokenizer: Any = None
+        self.limits: ModelLimits | None = None
+        self.model_type = ""
+        self.architectures: list[str] = []
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.config.model_path
+
+    @property
+    def model_path(self) -> str:
+        return self.scheduler.model_path if self.scheduler else self.config.model_path
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version if self.scheduler else self.config.weight_version
+
+    # ----- tokenizer helpers ----------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def parse(self, body: Any) -> GenerateRequest:
+        assert self.limits is not None
+        return parse_generate_request(body, self.limits, self.encode)
+
+    # ----- SGLang output records ------------------------------------------------------------
+
+    def output_text(self, seq: Sequence, *, final: bool) -> str:
+        """Detokenised completion; on the final record the matched stop is trimmed (SGLang)."""
+        params, reason = seq.item.params, seq.finish_reason or {}
+        ids = seq.output_ids
+        matched = reason.get("matched") if reason.get("type") == "stop" else None
+        if final and isinstance(matched, int) and not params.no_stop_trim and ids:
+            ids = ids[:-1]
+        text = self.decode(ids, params.skip_special_tokens)
+        if final and isinstance(matched, str) and not params.no_stop_trim:
+            position = text.find(matched)
+            if position != -1:
+                text = text[:position]
+        return text
+
+    def _triples(self, item: GenerateItem, logprobs, token_ids) -> list[list[Any]]:
+        with_text = item.return_text_in_logprobs
+        return [
+            [lp, tid, self.token_text(tid) if with_text else None]
+            for lp, tid in zip(logprobs, token_ids, strict=True)
+        ]
+
+    def _top(self, item: GenerateItem, rows: list[TopLogprobs | None]) -> list[Any]:
+        return [
+            None if row is None else self._triples(item, [lp for lp, _ in row], [t for _, t in row])
+            for row in rows
+        ]
+
+    def meta_info(self, seq: Sequence, *, final: bool) -> dict[str, Any]:
+        item = seq.item
+        spans = [{"version": v, "start": s, "end": e} for v, s, e in seq.weight_spans]
+        meta: dict[str, Any] = {
+            "id": item.rid,
+            "finish_reason": seq.finish_reason if final else None,
+            "prompt_tokens": len(item.input_ids),
+            "weight_version": spans[-1]["version"] if spans else self.weight_version,
+            "num_retractions": seq.num_retractions,
+        }
+        if item.return_logprob:
+            prompt_part = item.input_ids[item.logprob_start_len :]
+            input_lp = seq.input_logprobs or []
+            meta["input_token_logprobs"] = self._triples(
+                item, input_lp, prompt_part[: len(input_lp)]
+            )
+            meta["output_token_logprobs"] = self._triples(item, seq.output_logprobs, seq.output_ids)
+            meta["output_token_logprobs_length"] = len(seq.output_ids)
+            if item.top_logprobs_num:
+                meta["input_top_logprobs"] = self._top(item, seq.input_top or [])
+                meta["output_top_logprobs"] = self._top(item, seq.output_top)
+        meta.update(
+            reasoning_tokens=0,
+            completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_tokens,
+            cached_tokens_details=None,
+            dp_rank=None,
+            weight_versions=spans,
+        )
+        if final:
+            meta["e2e_latency"] = time.perf_counter() - seq.created_at
+            meta["response_sent_to_client_ts"] = time.time()
+        return meta
+
+    def generate_record(self, seq: Sequence, *, final: bool = True) -> dict[str, Any]:
+        return {
+            "text": self.output_text(seq, final=final),
+            "output_ids": list(seq.output_ids),
+            "meta_info": self.meta_info(seq, final=final),
+        }

@@ -1,0 +1,242 @@
+"""`EnginePool`: spread requests over several engines and survive an engine dying.
+
+Contract:
+- Each request goes to the healthy engine with the fewest outstanding requests (ties: the one
+  picked least recently).
+- An engine that fails with `EngineUnavailableError` (connection refused or dropped, 503 after
+  its own retries) is marked down; a background task probes `/health_generate` every
+  `probe_interval_s` and marks it up again. The pool's tasks live in the nursery opened by
+  `async with pool:`.
+- A request whose engine fails that way is retried on another engine, once per failure and
+  never on an engine that already failed it; it returns exactly one result or raises, so a
+  sample is never lost silently nor duplicated. When no other engine is left it raises
+  `EngineUnavailableError`. Every other error (400, 500, timeout) is raised at once.
+- The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
+
+Not covered: prefix-affinity routing (sglang-router's cache_aware policy), weighted engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from rollouts.errors import EngineError
+
+from .types import EngineUnavailableError, GenerateResult, InferenceEngine, ScoreResult
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    url: str
+    healthy: bool
+    in_flight: int
+    done: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    engines: tuple[EngineStats, ...]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(e.in_flight for e in self.engines)
+
+    @property
+    def done(self) -> int:
+        return sum(e.done for e in self.engines)
+
+    @property
+    def failed(self) -> int:
+        return sum(e.failed for e in self.engines)
+
+
+class _Slot:
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self.healthy = True
+        self.in_flight = 0
+        self.done = 0
+        self.failed = 0
+        self.last_pick = 0
+
+
+class EnginePool:
+    def __init__(
+        self,
+        engines: Sequence[InferenceEngine],
+        *,
+        probe_interval_s: float = 2.0,
+        wait_for_engine_s: float = 60.0,
+    ) -> None:
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine")
+        self._slots = [_Slot(e) for e in engines]
+        self.probe_interval_s = probe_interval_s
+        self.wait_for_engine_s = wait_for_engine_s
+        self._picks = itertools.count(1)
+        self._changed = trio.Event()  # set and replaced whenever an engine goes down or up
+        self._rid_slot: dict[str, _Slot] = {}
+        self._nursery_manager: Any = None
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def engines(self) -> list[InferenceEngine]:
+        return [s.engine for s in self._slots]
+
+    async def __aenter__(self) -> EnginePool:
+        self._nursery_manager = trio.open_nursery()
+        self._nursery = await self._nursery_manager.__aenter__()
+        self._nursery.start_soon(self._probe_loop)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        self._nursery = None
+        return await self._nursery_manager.__aexit__(*exc_info)
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            tuple(
+                EngineStats(s.engine.url, s.healthy, s.in_flight, s.done, s.failed)
+                for s in self._slots
+            )
+        )
+
+    # ----- health ---------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _mark_down(self, slot: _Slot, reason: BaseException) -> None:
+        if slot.healthy:
+            logger.warning("engine %s marked down: %s", slot.engine.url, reason)
+            slot.healthy = False
+            self._notify()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            down = [s for s in self._slots if not s.healthy]
+            if not down:
+                await self._changed.wait()
+                continue
+            for slot in down:
+                if await _probe(slot.engine, self.probe_interval_s):
+                    logger.info("engine %s is healthy again", slot.engine.url)
+                    slot.healthy = True
+                    self._notify()
+            await trio.sleep(self.probe_interval_s)
+
+    async def _acquire(self, exclude: set[_Slot]) -> _Slot:
+        with trio.move_on_after(self.wait_for_engine_s):
+            while True:
+                candidates = [s for s in self._slots if s.healthy and s not in exclude]
+                if candidates:
+                    slot = min(candidates, key=lambda s: (s.in_flight, s.last_pick))
+                    slot.last_pick = next(self._picks)
+                    return slot
+                if all(s in exclude for s in self._slots):
+                    break
+                await self._changed.wait()
+        tried = ", ".join(s.engine.url for s in exclude) or "none"
+        raise EngineUnavailableError(
+            f"no healthy engine left for this request (failed on: {tried}; waited up to "
+            f"{self.wait_for_engine_s} s for one to come back)"
+        )
+
+    # ----- requests -------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[[InferenceEngine], Awaitable[T]], rid: str | None) -> T:
+        failed_on: set[_Slot] = set()
+        while True:
+            slot = await self._acquire(failed_on)
+            slot.in_flight += 1
+            if rid is not None:
+                self._rid_slot[rid] = slot
+            try:
+                result = await fn(slot.engine)
+            except EngineUnavailableError as exc:
+                slot.failed += 1
+                failed_on.add(slot)
+                self._mark_down(slot, exc)
+                if rid is not None:  # the old engine may still run it: best effort, bounded
+                    with trio.move_on_after(1.0):
+                        with contextlib.suppress(EngineError):
+                            await slot.engine.abort(rid)
+                logger.warning(
+                    "request %s failed on %s; retrying on another engine",
+                    rid or "",
+                    slot.engine.url,
+                )
+                continue
+            except EngineError:
+                slot.failed += 1
+                raise
+            else:
+                slot.done += 1
+                return result
+            finally:
+                slot.in_flight -= 1
+                if rid is not None and self._rid_slot.get(rid) is slot:
+                    del self._rid_slot[rid]
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> GenerateResult:
+        """`InferenceEngine.generate` on the least-loaded healthy engine (see the contract)."""
+        return await self._call(
+            lambda e: e.generate(input_ids, sampling_params, **kwargs), kwargs.get("rid")
+        )
+
+    async def score(
+        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0
+    ) -> ScoreResult:
+        return await self._call(lambda e: e.score(input_ids, start, temperature=temperature), None)
+
+    async def abort(self, rid: str) -> None:
+        """Abort `rid` on the engine running it (on every engine if unknown)."""
+        slot = self._rid_slot.get(rid)
+        targets = [slot] if slot is not None else [s for s in self._slots if s.healthy]
+        async with trio.open_nursery() as nursery:
+            for target in targets:
+                nursery.start_soon(target.engine.abort, rid)
+
+    async def abort_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for slot in self._slots:
+                if slot.healthy:
+                    nursery.start_soon(slot.engine.abort_all)
+
+    async def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        async with trio.open_nursery() as nursery:
+            for slot in self._slots:
+                nursery.start_soon(slot.engine.wait_healthy, timeout_s)
+
+
+async def _probe(engine: InferenceEngine, timeout_s: float) -> bool:
+    is_healthy = getattr(engine, "is_healthy", None)
+    with trio.move_on_after(max(timeout_s, 1.0)):
+        if is_healthy is not None:
+            return bool(await is_healthy())
+        try:
+            await engine.wait_healthy(timeout_s)
+            return True
+        except EngineError:
+            return False
+    return False

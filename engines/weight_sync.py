@@ -1,0 +1,100 @@
+"""`sync_weights_to_engines`: push a checkpoint to every engine, concurrently, and verify it.
+
+Contract (per engine, all engines at once): pause → `update_weights_from_disk(dir, version)` →
+read `/get_model_info` and check it reports `version` → continue.
+- Every engine that was paused is resumed, whatever happened: a failure, another engine's
+  failure, or cancellation (the resume runs shielded, bounded by `resume_timeout_s`).
+- Engines do not cancel each other: each finishes its own sequence, then one `WeightSyncError`
+  names every engine that failed with the server's message. Engines that succeeded keep the new
+  weights (SGLang keeps the old ones on a failed load), so after an error the fleet may be
+  mixed; the error says which engine has what.
+- Returns the wall time of the whole sync in seconds.
+
+Not covered: rollback of the engines that succeeded; NCCL/tensor-based refit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import trio
+
+from rollouts.errors import EngineError
+
+from .types import InferenceEngine, PauseMode, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+
+async def sync_weights_to_engines(
+    engines: Sequence[InferenceEngine],
+    checkpoint_dir: str | os.PathLike[str],
+    weight_version: str,
+    *,
+    pause_mode: PauseMode = "abort",
+    resume_timeout_s: float = 30.0,
+) -> float:
+    """Update every engine's weights from `checkpoint_dir` and label them `weight_version`.
+
+    Args:
+        engines: the engines to update (e.g. `pool.engines`).
+        checkpoint_dir: HF-layout directory the engines can read (same filesystem).
+        weight_version: the new label; each engine must report it afterwards.
+        pause_mode: how in-flight requests are paused ("abort" aborts them, as SGLang's RL
+            recipe does; "retract"/"in_place" keep them, finishing under the new weights).
+
+    Returns:
+        Seconds the sync took.
+
+    Raises:
+        WeightSyncError: one or more engines failed; the message names each with its reason.
+    """
+    path = str(checkpoint_dir)
+    failures: dict[str, list[str]] = {}
+    started = time.perf_counter()
+
+    async def sync_one(engine: InferenceEngine) -> None:
+        paused = False
+        try:
+            await engine.pause(pause_mode)
+            paused = True
+            await engine.update_weights_from_disk(path, weight_version)
+            info = await engine.model_info()
+            if info.weight_version != weight_version:
+                failures.setdefault(engine.url, []).append(
+                    f"reports weight_version {info.weight_version!r} after the update, "
+                    f"expected {weight_version!r}"
+                )
+        except EngineError as exc:
+            failures.setdefault(engine.url, []).append(str(exc))
+        finally:
+            # Also after a failed pause: the request may have reached the server.
+            with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
+                try:
+                    await engine.resume()
+                except EngineError as exc:
+                    failures.setdefault(engine.url, []).append(
+                        f"could not be resumed, it may still be paused: {exc}"
+                    )
+            if scope.cancelled_caught and paused:
+                failures.setdefault(engine.url, []).append(
+                    f"resume timed out after {resume_timeout_s} s"
+                )
+
+    async with trio.open_nursery() as nursery:
+        for engine in engines:
+            nursery.start_soon(sync_one, engine)
+    duration = time.perf_counter() - started
+    if failures:
+        lines = [f"{url}: {'; '.join(reasons)}" for url, reasons in failures.items()]
+        raise WeightSyncError(
+            f"weight sync to {weight_version!r} from {path} failed on {len(failures)} of "
+            f"{len(engines)} engine(s):\n  " + "\n  ".join(lines)
+        )
+    logger.info(
+        "synced weights %s to %d engine(s) in %.3f s", weight_version, len(engines), duration
+    )
+    return duration
