@@ -111,6 +111,20 @@ def test_other_templates_get_masks_without_generation_markers(tiny_tokenizer):
     assert "<r>1</r>\n<r>2</r><|im_end|>" in merging.decode(sample.input_ids)
 
 
+# Adds an empty reasoning block only when prompting for generation (as Qwen3 does).
+THINKING_PROMPT_TEMPLATE = (
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think></think>' -}}{%- endif -%}"
+)
+
+
+def test_generation_prompt_extras_missing_from_the_turn_are_not_trained(tiny_tokenizer):
+    tokenizer = with_template(tiny_tokenizer, THINKING_PROMPT_TEMPLATE)
+    sample = tokenize_conversation(tokenizer, CONVERSATION[1:3])
+    assert trained_spans(tokenizer, sample) == ["the sum is 5<|im_end|>"]
+
+
 # Writes the number of messages first, so every prefix renders differently from the next.
 COUNTING_TEMPLATE = (
     "{{- messages | length -}}"

@@ -5,7 +5,8 @@ Two record formats are accepted, one JSON object per line (blank lines are skipp
 - chat: `{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}` in the OpenAI
   format. Assistant messages may carry `tool_calls` (content may then be null or absent) and
   `weight` (0 or 1, as in OpenAI fine-tuning: 0 keeps the turn as context but does not train
-  on it); tool messages may carry `tool_call_id` and `name`. Other keys on a message (such as
+  on it); a trained assistant turn may not open the conversation (its role header could not be
+  told apart from its content); tool messages may carry `tool_call_id` and `name`. Other keys on a message (such as
   `reasoning_content`) are passed through to the chat template untouched.
 - prompt/completion: `{"prompt": "...", "completion": "..."}` (strings), turned into a user
   message followed by an assistant message.

@@ -1,18 +1,18 @@
 """Tokenize SFT conversations with assistant-only loss masks, for any chat template.
 
-How the mask is found: the conversation is rendered with the tokenizer's own chat template at
-the boundaries of every trained assistant turn i — `messages[:i]`, the same with
-`add_generation_prompt=True` (which adds the assistant role header) and `messages[:i+1]` — and
-the token ids are diffed. The tokens the assistant message adds after its header are trained; everything else
-(system, user and tool turns, role headers, tool schemas) is not. No `{% generation %}` markers
-are needed, so any template works as long as it is prefix-stable.
+How the mask is found: for every trained assistant turn i, the tokenizer's own chat template
+renders `messages[:i]`, the same with `add_generation_prompt=True` (which appends the assistant
+role header) and `messages[:i+1]`, and the token ids are diffed. The tokens the assistant message
+adds after its header are trained; everything else (system, user and tool turns, role headers,
+tool schemas) is not. No `{% generation %}` markers are needed, so any template works as long
+as it is prefix-stable.
 
 What is guaranteed:
-- The prefix property is VERIFIED: each render's token ids must be a prefix of the next one
-  (`messages[:i]` of both the generation-prompt render and `messages[:i+1]`, which is a prefix
-  of the next turn's `messages[:j]` and of the full conversation); a template that rewrites history (e.g. one that strips
-  past reasoning) raises `DataError` naming the record instead of training on misaligned masks.
-  Renders are taken only at assistant boundaries, so templates that merge consecutive
+- The prefix property is VERIFIED: `messages[:i]` must be a prefix of both its generation-prompt
+  render and `messages[:i+1]`, which must be a prefix of the next turn's `messages[:j]` and of
+  the full conversation. A template that rewrites history (e.g. one that strips past
+  reasoning) raises `DataError` naming the record instead of training on misaligned masks.
+  Renders are taken only at assistant turns, so templates that merge consecutive
   non-assistant messages (Qwen2.5 groups tool results into one turn) still work.
 - The end-of-turn token (`<|im_end|>` for ChatML) of an assistant turn is trained; whitespace
   the template writes after the turn's last special token (ChatML's "\\n") is not, since the
