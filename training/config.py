@@ -11,17 +11,12 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
+from rollouts.config import Strict
 from rollouts.errors import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
-
-
-class Strict(BaseModel):
-    """Base for every config section: immutable, unknown keys rejected."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ModelConfig(Strict):

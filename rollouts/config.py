@@ -1,0 +1,52 @@
+"""Rollout configuration (pydantic, frozen, unknown keys rejected) and the config base class."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    """Base for every config section: immutable, unknown keys rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    max_new_tokens: int = Field(16, ge=1)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+
+    def params(self) -> dict:
+        """SGLang `sampling_params` for these settings."""
+        out: dict = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+        }
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+
+class RolloutConfig(Strict):
+    batch_size: int = Field(8, ge=1, description="prompt groups per training step")
+    n_samples_per_prompt: int = Field(8, ge=1)
+    max_concurrency: int = Field(64, ge=1, description="requests in flight across engines")
+    sampling: SamplingConfig = SamplingConfig()
+    mode: Literal["sync", "overlap", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0, description="async mode: weight versions a sample may lag")
+    stale_policy: Literal["drop", "regenerate"] = "regenerate"
+    filter_groups: Literal["reward_varies", "none"] = "reward_varies"
+    extra_groups: int = Field(0, ge=0, description="groups launched beyond batch_size up front")
+    max_launch_factor: float = Field(4.0, ge=1, description="cap on groups launched per batch")
+    reward_timeout_s: float = Field(30.0, gt=0)
+    reward_fail_fast: bool = False
+    engine_fail_fast: bool = True

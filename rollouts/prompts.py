@@ -1,0 +1,99 @@
+"""RL prompts: JSONL records of chat messages plus ground truth, tokenized once.
+
+Format, one JSON object per line: `{"messages": [{"role": "user", "content": "12+34"}],
+"answer": "46", ...}`. `messages` (or a plain `"prompt"` string, turned into one user message)
+is the conversation the model continues; every other key is metadata handed to the reward
+function (`sample.metadata["answer"]`). Any malformed line fails loading with file:line:field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollouts.errors import DataError
+from rollouts.jsonl import format_errors, iter_jsonl
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One RL prompt: its token ids (chat template + generation header) and metadata."""
+
+    prompt_ids: tuple[int, ...]
+    messages: tuple[Mapping[str, Any], ...]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_ids": list(self.prompt_ids),
+            "messages": [dict(m) for m in self.messages],
+            "metadata": dict(self.metadata),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PromptItem:
+        return cls(tuple(d["prompt_ids"]), tuple(d["messages"]), d["metadata"], d["source"])
+
+
+def _validate(obj: Any, source: str) -> tuple[list[dict] | None, list[str]]:
+    if not isinstance(obj, dict):
+        return None, [f"{source}: expected a JSON object, got {type(obj).__name__}"]
+    if "messages" not in obj and isinstance(obj.get("prompt"), str):
+        return [{"role": "user", "content": obj["prompt"]}], []
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None, [f"{source}: messages: expected a non-empty list of messages"]
+    problems = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            problems.append(f"{source}: messages[{i}]: expected an object")
+        elif m.get("role") not in ROLES:
+            problems.append(
+                f"{source}: messages[{i}].role: unknown role {m.get('role')!r} "
+                f"(expected one of {', '.join(ROLES)})"
+            )
+        elif not isinstance(m.get("content"), str):
+            problems.append(f"{source}: messages[{i}].content: expected a string")
+    return (None if problems else messages), problems
+
+
+def encode_prompt(tokenizer: Any, messages: list[Mapping[str, Any]], tools=None) -> list[int]:
+    """Token ids of `messages` rendered by the chat template with the generation header."""
+    out = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tools=tools, add_generation_prompt=True, tokenize=True
+    )
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def load_prompt_jsonl(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None = None
+                      ) -> list[PromptItem]:  # fmt: skip
+    """Load, validate and tokenize RL prompts.
+
+    Raises:
+        DataError: malformed lines (all collected, first 10 shown), prompts longer than
+            `max_prompt_len`, or an empty file.
+    """
+    errors: list[str] = []
+    items: list[PromptItem] = []
+    for source, obj in iter_jsonl(path, errors):
+        messages, problems = _validate(obj, source)
+        errors.extend(problems)
+        if messages is None:
+            continue
+        ids = encode_prompt(tokenizer, messages, obj.get("tools"))
+        if max_prompt_len is not None and len(ids) > max_prompt_len:
+            errors.append(f"{source}: messages: prompt is {len(ids)} tokens > {max_prompt_len}")
+            continue
+        metadata = {k: v for k, v in obj.items() if k not in ("messages", "prompt")}
+        items.append(PromptItem(tuple(ids), tuple(messages), metadata, source))
+    if errors:
+        raise DataError(format_errors(errors, what=str(path)))
+    if not items:
+        raise DataError(f"{path}: no prompts (the file is empty or has only blank lines)")
+    return items

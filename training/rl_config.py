@@ -1,0 +1,79 @@
+"""Configuration of RL runs (`configs/rl_*.yaml`): frozen pydantic models, unknown keys rejected."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rollouts.config import RolloutConfig, Strict
+from training.config import ArithmeticTaskConfig, BackendConfig, ModelConfig, OptimConfig
+
+
+class RLDataConfig(Strict):
+    train_path: str | None = Field(None, description="RL prompt JSONL; None: the task's prompts")
+    eval_path: str | None = None
+    task: Literal["arithmetic"] | None = "arithmetic"
+    task_dir: str = "runs/data/arithmetic"
+    arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    max_prompt_len: int = Field(1024, ge=1)
+    shuffle_seed: int = 0
+
+
+class EnginesConfig(Strict):
+    urls: list[str] = Field([], description="live SGLang servers; empty: launch local engines")
+    api_key: str | None = None
+    n_local: int = Field(1, ge=1)
+    local_threads: int | None = Field(1, ge=1, description="torch threads per local engine")
+    max_running_requests: int = Field(64, ge=1)
+    startup_timeout_s: float = Field(300.0, gt=0)
+    generate_timeout_s: float = Field(600.0, gt=0)
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class RewardConfig(Strict):
+    fn: str = Field(
+        "rollouts.tasks.arithmetic:correctness_reward",
+        description="module:function returning a reward callable's value for a sample",
+    )
+
+
+class AlgorithmSection(Strict):
+    """The algorithm preset and overrides; `then`/`switch_at_step` switch presets mid-run."""
+
+    preset: Literal[
+        "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "online_dpo"
+    ] = "grpo"
+    overrides: dict[str, float | int | str | bool | None] = {}
+    then: str | None = None
+    switch_at_step: int | None = None
+
+
+class RLLoopConfig(Strict):
+    max_steps: int = Field(50, ge=1)
+    sync_every: int = Field(1, ge=1)
+    log_every: int = Field(1, ge=1)
+    eval_every: int = Field(10, ge=1)
+    eval_samples: int = Field(300, ge=0, description="held-out prompts for greedy accuracy")
+    eval_max_new_tokens: int = Field(16, ge=1)
+    checkpoint_every: int = Field(25, ge=1)
+    keep_last: int = Field(2, ge=1)
+    resume: Literal["auto", "never"] = "never"
+    dump_rollouts: bool = False
+
+
+class RLRunConfig(Strict):
+    output_dir: str = "runs/rl"
+    sft_config: str | None = Field(
+        "configs/sft_tiny.yaml",
+        description="with model.path null: start from this SFT recipe's checkpoint (run if missing)",
+    )
+    model: ModelConfig = ModelConfig()
+    data: RLDataConfig = RLDataConfig()
+    engines: EnginesConfig = EnginesConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    reward: RewardConfig = RewardConfig()
+    optim: OptimConfig = OptimConfig(lr=1e-5, schedule="constant", grad_clip=1.0)
+    backend: BackendConfig = BackendConfig()
+    train: RLLoopConfig = RLLoopConfig()
