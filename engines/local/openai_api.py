@@ -147,6 +147,7 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             top_logprobs_num=logprobs or 0,
             logprob_start_len=0 if body.get("echo") else -1,
             return_text_in_logprobs=True,
+            stream=body.get("stream") or False,
         )
         if body.get("rid") is not None:
             native["rid"] = body["rid"]
@@ -236,7 +237,7 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             )
         except Exception as exc:
             raise BadRequestError(f"Failed to apply the chat template: {exc}") from exc
-        if isinstance(input_ids, dict):  # newer transformers return a BatchEncoding
+        if not isinstance(input_ids, list):  # transformers 5 returns a BatchEncoding
             input_ids = input_ids["input_ids"]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         top = body.get("top_logprobs") or 0
@@ -246,6 +247,7 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             "return_logprob": bool(body.get("logprobs")),
             "top_logprobs_num": top if body.get("logprobs") else 0,
             "return_text_in_logprobs": True,
+            "stream": body.get("stream") or False,
         }
         if body.get("rid") is not None:
             native["rid"] = body["rid"]
