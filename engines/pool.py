@@ -105,7 +105,14 @@ class EnginePool:
         assert self._nursery is not None
         self._nursery.cancel_scope.cancel()
         self._nursery = None
-        return await self._nursery_manager.__aexit__(*exc_info)
+        try:
+            return await self._nursery_manager.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            # The prober never raises, so a lone error is the body's own: let it through as
+            # it was raised instead of wrapped in a group.
+            if len(group.exceptions) == 1 and group.exceptions[0] is exc_info[1]:
+                return False
+            raise
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(

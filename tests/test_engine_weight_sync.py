@@ -1,0 +1,79 @@
+"""`sync_weights_to_engines` over two local engine processes (started with `launch_engine`)."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+
+from engines import (
+    SGLangEngine,
+    WeightSyncError,
+    find_free_port,
+    launch_engine,
+    sync_weights_to_engines,
+)
+
+
+async def test_sync_updates_both_engines_and_a_failure_names_the_engine_and_leaves_none_paused(
+    tiny_model_dir, tiny_model_dir_seed1, tmp_path
+):
+    launched: dict[int, object] = {}
+    both_up = trio.Event()
+
+    async def run_engine(i: int) -> None:  # each process lives in its own task until cancelled
+        async with launch_engine(
+            kind="local", model_path=tiny_model_dir, log_path=tmp_path / f"e{i}.log"
+        ) as engine:
+            launched[i] = engine
+            if len(launched) == 2:
+                both_up.set()
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        for i in range(2):  # start both processes at once
+            nursery.start_soon(run_engine, i)
+        await both_up.wait()
+        launched_engines = [launched[0], launched[1]]
+        engines = [
+            await stack.enter_async_context(SGLangEngine(e.url, max_retries=0))
+            for e in launched_engines
+        ]
+        prompt, params = [4, 5, 6, 7], {"max_new_tokens": 8, "temperature": 0}
+        before = [await e.generate(prompt, params) for e in engines]
+
+        duration = await sync_weights_to_engines(engines, tiny_model_dir_seed1, "step-1")
+        assert duration > 0
+        for engine in engines:
+            info = await engine.model_info()
+            assert (info.weight_version, info.model_path) == ("step-1", str(tiny_model_dir_seed1))
+        after = [await e.generate(prompt, params) for e in engines]
+        assert after[0].output_ids == after[1].output_ids and after[0].weight_version == "step-1"
+        assert after[0].output_logprobs != before[0].output_logprobs
+
+        # the server refuses (bad path): both fail with its message, keep step-1, none paused
+        with pytest.raises(WeightSyncError) as info:
+            await sync_weights_to_engines(engines, tmp_path / "no_such_checkpoint", "step-2")
+        message = str(info.value)
+        assert (
+            all(e.url in message for e in engines) and "Failed to get weights iterator" in message
+        )
+        for engine in engines:
+            assert (await engine.model_info()).weight_version == "step-1"
+
+        # one engine is down: the error names it; the healthy one is updated and not paused
+        dead = await stack.enter_async_context(
+            SGLangEngine(f"http://127.0.0.1:{find_free_port()}", max_retries=0)
+        )
+        with pytest.raises(WeightSyncError) as info:
+            await sync_weights_to_engines([engines[0], dead], tiny_model_dir, "step-3")
+        assert dead.url in str(info.value) and engines[0].url not in str(info.value)
+        assert "cannot reach the engine" in str(info.value)
+        for engine in engines:
+            state = (await engine.server_info())["internal_states"][0]
+            assert state["paused"] is False
+        with trio.fail_after(30):  # it serves at once: it was resumed
+            result = await engines[0].generate(prompt, params)
+        assert result.weight_version == "step-3" and result.output_ids == before[0].output_ids
+        nursery.cancel_scope.cancel()
