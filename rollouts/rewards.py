@@ -1,0 +1,389 @@
+"""Reward functions: pure builders, and `score_sample`, which runs one under a timeout.
+
+A reward is a plain callable `(sample) -> float`, or `(sample) -> Mapping[str, float]` for a
+vector reward, and may be `async def`. Convention for vector rewards: the mapping holds the
+named components plus the aggregated scalar under the key "total" (`TOTAL`); `score_sample`
+turns it into `sample.with_reward(total, components_without_total)`. A mapping without "total"
+is an error, so an aggregate is never guessed.
+
+The builders are pure: they only read the sample. `score_sample` (and `call_reward`, which it
+uses) are the only functions here that touch trio: sync rewards run in a worker thread so a
+slow verifier never blocks the event loop; async rewards are awaited.
+
+What is not covered: a sync reward that hangs cannot be killed. On timeout its thread is
+abandoned (`abandon_on_cancel=True`): the sample is marked failed at once, the thread runs on
+in the background and keeps its CapacityLimiter token until it returns. Pass a dedicated
+`limiter` to bound how many such threads can pile up.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeAlias
+
+import trio
+
+from rollouts.errors import ConfigError, DataError, RewardError
+from rollouts.types import Sample
+
+RewardValue: TypeAlias = float | Mapping[str, float]
+RewardFn: TypeAlias = Callable[[Sample], RewardValue | Awaitable[RewardValue]]
+Aggregator: TypeAlias = Callable[[Mapping[str, float]], float]
+
+TOTAL = "total"
+"""Key of the aggregated scalar in a vector reward's mapping."""
+
+_INT_RE = re.compile(r"[-+]?\d+")
+
+
+# ----- answer extraction and exact match -------------------------------------------------------
+
+
+def last_integer(text: str) -> str | None:
+    """The last integer in `text` (e.g. "so the answer is 46." → "46"), or None."""
+    matches = _INT_RE.findall(text.replace(",", ""))
+    return matches[-1] if matches else None
+
+
+def boxed_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def normalize_answer(answer: str) -> str:
+    """Strip whitespace and a trailing period; integers compare by value ("+046" == "46")."""
+    answer = answer.strip().rstrip(".").strip()
+    try:
+        return str(int(answer.replace(",", "")))
+    except ValueError:
+        return answer
+
+
+def exact_match_reward(
+    extract: Callable[[str], str | None] = last_integer,
+    *,
+    key: str = "answer",
+    normalize: Callable[[str], str] = normalize_answer,
+) -> Callable[[Sample], float]:
+    """A reward of 1.0 when the extracted answer equals `sample.metadata[key]`, else 0.0.
+
+    Args:
+        extract: pulls the final answer out of `sample.response_text` (None: no answer, 0.0).
+        key: metadata field holding the ground truth (converted with `str`).
+        normalize: applied to both sides before comparing.
+
+    Returns:
+        A sync RewardFn. It raises `DataError` when the sample has no `key` in its metadata,
+        which `score_sample` turns into a failed sample (or a RewardError under fail-fast).
+    """
+
+    def exact_match(sample: Sample) -> float:
+        if key not in sample.metadata:
+            raise DataError(
+                f"exact_match_reward: sample metadata has no {key!r} "
+                f"(keys: {sorted(sample.metadata)}); add the ground truth to the prompt record"
+            )
+        predicted = extract(sample.response_text)
+        if predicted is None:
+            return 0.0
+        return float(normalize(predicted) == normalize(str(sample.metadata[key])))
+
+    return exact_match
+
+
+# ----- format and length shaping ---------------------------------------------------------------
+
+
+def regex_format_reward(
+    pattern: str | re.Pattern[str], *, reward: float = 1.0, penalty: float = 0.0, flags: int = 0
+) -> Callable[[Sample], float]:
+    """`reward` when `pattern` is found in the response text (`re.search`), else `penalty`.
+
+    Anchor the pattern (`^...$`, with `flags=re.DOTALL`) to require the whole response to
+    have the format, e.g. r"^<think>.*</think>\\s*<answer>.*</answer>$".
+    """
+    compiled = re.compile(pattern, flags)
+
+    def regex_format(sample: Sample) -> float:
+        return reward if compiled.search(sample.response_text) else penalty
+
+    return regex_format
+
+
+def length_penalty(max_tokens: int, coef: float) -> Callable[[Sample], float]:
+    """`-coef` per model token beyond `max_tokens` (0 within budget).
+
+    Counts the tokens the model generated (loss_mask == 1), so tool output does not count
+    against the policy.
+    """
+    if max_tokens < 0 or coef < 0:
+        raise ConfigError(
+            f"length_penalty: need max_tokens >= 0 and coef >= 0, got {max_tokens}, {coef}"
+        )
+
+    def length(sample: Sample) -> float:
+        return -coef * max(0, sample.num_trained_tokens - max_tokens)
+
+    return length
+
+
+def overlong_penalty(
+    max_response_len: int, cache_len: int, penalty_factor: float = 1.0
+) -> Callable[[Sample], float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty_factor`.
+
+    With L = len(response_ids): 0 while L <= max_response_len - cache_len, then linear down to
+    -penalty_factor at L = max_response_len, and -penalty_factor beyond. Add it to the task
+    reward (see `add_overlong_shaping`). cache_len = 0 gives a hard step at the limit.
+
+    Raises:
+        ConfigError: cache_len is outside [0, max_response_len].
+    """
+    if not 0 <= cache_len <= max_response_len:
+        raise ConfigError(
+            f"overlong_penalty: cache_len={cache_len} must be in [0, max_response_len={max_response_len}]"
+        )
+    soft_start = max_response_len - cache_len
+
+    def overlong(sample: Sample) -> float:
+        n = len(sample.response_ids)
+        if n <= soft_start:
+            return 0.0
+        if n > max_response_len:
+            return -penalty_factor
+        return penalty_factor * (soft_start - n) / cache_len
+
+    return overlong
+
+
+# ----- vector rewards and aggregators ----------------------------------------------------------
+
+
+def weighted_sum(weights: Mapping[str, float]) -> Aggregator:
+    """Σ weights[k] * components[k]; components without a weight are reported, not summed."""
+
+    def aggregate(components: Mapping[str, float]) -> float:
+        missing = sorted(set(weights) - set(components))
+        if missing:
+            raise KeyError(f"weighted_sum: components {missing} were weighted but not computed")
+        return sum(w * components[k] for k, w in weights.items())
+
+    return aggregate
+
+
+def min_aggregate(components: Mapping[str, float]) -> float:
+    """The smallest component: a sample is only as good as its worst criterion."""
+    return min(components.values())
+
+
+def gated(
+    gate_key: str,
+    threshold: float,
+    then: Aggregator | None = None,
+    *,
+    otherwise: float = 0.0,
+) -> Aggregator:
+    """`then(components)` if components[gate_key] >= threshold, else `otherwise`.
+
+    E.g. a format gate: no correctness credit unless the answer is well-formed. `then`
+    defaults to the plain sum of the other components.
+    """
+
+    def aggregate(components: Mapping[str, float]) -> float:
+        if components[gate_key] < threshold:
+            return otherwise
+        if then is not None:
+            return then(components)
+        return sum(v for k, v in components.items() if k != gate_key)
+
+    return aggregate
+
+
+def lexicographic(keys: Sequence[str], *, scale: float = 10.0) -> Aggregator:
+    """Σ_i components[keys[i]] * scale**(len(keys) - 1 - i): earlier keys dominate.
+
+    The order is strictly lexicographic when every later component's range is smaller than
+    `scale` times the smallest gap between distinct values of the earlier ones (e.g. 0/1
+    correctness first, then a format score in [0, 1], with scale > 1).
+    """
+
+    def aggregate(components: Mapping[str, float]) -> float:
+        n = len(keys)
+        return sum(components[k] * scale ** (n - 1 - i) for i, k in enumerate(keys))
+
+    return aggregate
+
+
+def vector_reward(components: Mapping[str, RewardFn], aggregate: Aggregator) -> RewardFn:
+    """A reward returning each named component plus `aggregate(components)` under "total".
+
+    If any component is async the result is async too, and its sync components run in worker
+    threads (as in `score_sample`); otherwise it is a plain sync function.
+
+    Raises:
+        ConfigError: no components, or a component is named "total".
+    """
+    if not components:
+        raise ConfigError("vector_reward needs at least one component")
+    if TOTAL in components:
+        raise ConfigError(f"vector_reward: {TOTAL!r} is reserved for the aggregate")
+    fns = dict(components)
+
+    def finish(values: dict[str, float]) -> dict[str, float]:
+        return {**values, TOTAL: float(aggregate(values))}
+
+    if not any(_is_async(fn) for fn in fns.values()):
+
+        def vector(sample: Sample) -> dict[str, float]:
+            return finish({k: scalar_reward(fn(sample), k) for k, fn in fns.items()})  # type: ignore[arg-type]
+
+        return vector
+
+    async def vector_async(sample: Sample) -> dict[str, float]:
+        return finish({k: scalar_reward(await call_reward(fn, sample), k) for k, fn in fns.items()})
+
+    return vector_async
+
+
+def add_overlong_shaping(
+    reward_fn: RewardFn, *, max_response_len: int, cache_len: int, penalty_factor: float = 1.0
+) -> RewardFn:
+    """`reward_fn` plus DAPO's overlong penalty, as a vector reward with an "overlong" component.
+
+    The inner reward's components (or its scalar, as "task") are kept; "total" = inner total
+    + overlong penalty. Async-ness of `reward_fn` is preserved.
+    """
+    overlong = overlong_penalty(max_response_len, cache_len, penalty_factor)
+
+    def combine(value: RewardValue, sample: Sample) -> dict[str, float]:
+        total, parts = split_reward(value)
+        penalty = overlong(sample)
+        return {**(parts or {"task": total}), "overlong": penalty, TOTAL: total + penalty}
+
+    if not _is_async(reward_fn):
+
+        def shaped(sample: Sample) -> dict[str, float]:
+            return combine(reward_fn(sample), sample)  # type: ignore[arg-type]
+
+        return shaped
+
+    async def shaped_async(sample: Sample) -> dict[str, float]:
+        return combine(await reward_fn(sample), sample)  # type: ignore[misc]
+
+    return shaped_async
+
+
+# ----- running a reward ------------------------------------------------------------------------
+
+
+def scalar_reward(value: object, name: str = "reward") -> float:
+    """`value` as a finite float (bools allowed).
+
+    Raises:
+        TypeError: not a real number. ValueError: NaN or infinite.
+    """
+    if not isinstance(value, int | float):
+        raise TypeError(f"{name} returned {type(value).__name__}, expected a float")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} returned {out}, expected a finite number")
+    return out
+
+
+def split_reward(value: object) -> tuple[float, dict[str, float] | None]:
+    """(total, components or None) from a reward's return value, checking the convention."""
+    if isinstance(value, Mapping):
+        if TOTAL not in value:
+            raise ValueError(
+                f"a vector reward must return its aggregate under {TOTAL!r}; got keys "
+                f"{sorted(value)} (build it with vector_reward)"
+            )
+        parts = {k: scalar_reward(v, k) for k, v in value.items() if k != TOTAL}
+        return scalar_reward(value[TOTAL], TOTAL), parts
+    return scalar_reward(value), None
+
+
+async def call_reward(
+    reward_fn: RewardFn, sample: Sample, *, limiter: trio.CapacityLimiter | None = None
+) -> RewardValue:
+    """Run `reward_fn` on `sample`: awaited if async, else in an abandonable worker thread.
+
+    A sync callable that returns an awaitable (e.g. a lambda wrapping an async function) has
+    that awaitable awaited in the event loop.
+    """
+    if _is_async(reward_fn):
+        return await reward_fn(sample)  # type: ignore[misc]
+    value = await trio.to_thread.run_sync(
+        reward_fn, sample, abandon_on_cancel=True, limiter=limiter
+    )
+    if inspect.isawaitable(value):
+        value = await value
+    return value  # type: ignore[return-value]
+
+
+async def score_sample(
+    reward_fn: RewardFn,
+    sample: Sample,
+    *,
+    timeout_s: float,
+    fail_fast: bool = False,
+    limiter: trio.CapacityLimiter | None = None,
+) -> Sample:
+    """`sample` with its reward (and components) set, or marked failed if the reward could not be computed.
+
+    A reward that raises, returns a non-finite or non-numeric value, or runs past
+    `timeout_s` marks the sample failed with the reason in `sample.error` (count these in
+    metrics); it does not stop the run unless `fail_fast`. On timeout a sync reward's thread
+    is abandoned, not killed (see the module docstring).
+    Score only samples whose generation succeeded: a failed sample's error would be
+    overwritten by the reward's.
+
+    Args:
+        reward_fn: the reward (sync or async; scalar or vector with "total").
+        sample: the trajectory to score; its status is otherwise left as is.
+        timeout_s: wall-clock budget for this reward call.
+        fail_fast: raise instead of marking the sample failed.
+        limiter: CapacityLimiter for sync rewards' threads (default: trio's global one).
+
+    Returns:
+        The scored sample, or a failed copy.
+
+    Raises:
+        RewardError: only with `fail_fast`; names the sample and the cause.
+    """
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    error: str | None = None
+    cause: BaseException | None = None
+    with trio.move_on_after(timeout_s) as scope:
+        try:
+            total, components = split_reward(await call_reward(reward_fn, sample, limiter=limiter))
+        except Exception as exc:
+            error, cause = f"reward {name} raised {type(exc).__name__}: {exc}", exc
+    if scope.cancelled_caught:
+        error = f"reward {name} timed out after {timeout_s} s"
+    if error is None:
+        return sample.with_reward(total, components)
+    if fail_fast:
+        raise RewardError(
+            f"group {sample.group_id} sample {sample.index_in_group}: {error} "
+            "(reward fail-fast is on; turn it off to mark such samples failed instead)"
+        ) from cause
+    return sample.failed(error)
+
+
+def _is_async(fn: object) -> bool:
+    """True for `async def` functions, partials of them and objects with an async __call__."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - checking the method, not callability
+    )

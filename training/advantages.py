@@ -1,0 +1,120 @@
+"""Advantage estimators: per-sequence advantages from a [groups, samples] reward matrix.
+
+Every estimator maps `rewards_GN` (float tensor, G prompts × N samples each, group-major like
+`RolloutBatch.samples`) to advantages of the same shape; flatten with `.reshape(-1)` to get
+`advantages_B` in sample order. They are pure, differentiable-free (inputs are rewards) and
+never look at tokens: the advantage of a sequence is broadcast over its tokens by the loss.
+Unequal group sizes are not supported (pad or drop at batch construction).
+
+`AdvantageFn` is the extension point: any `(rewards_GN) -> advantages_GN` function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeAlias
+
+import torch
+
+from rollouts.errors import ConfigError
+
+AdvantageFn: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _check(rewards_GN: torch.Tensor, estimator: str, *, min_n: int = 1) -> torch.Tensor:
+    if rewards_GN.dim() != 2:
+        raise ValueError(
+            f"{estimator}: rewards must be [groups, samples_per_group], got shape "
+            f"{tuple(rewards_GN.shape)}"
+        )
+    if rewards_GN.shape[1] < min_n:
+        raise ConfigError(
+            f"{estimator} needs at least {min_n} samples per prompt, got {rewards_GN.shape[1]}; "
+            "raise n_samples_per_prompt"
+        )
+    return rewards_GN.float() if not rewards_GN.is_floating_point() else rewards_GN
+
+
+def grpo_advantages(
+    rewards_GN: torch.Tensor, *, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath §4.1.2): (r - group mean) / (group std + eps).
+
+    Uses the unbiased (n-1) std, like TRL and verl. A group whose rewards are all equal gets
+    zero advantages (no signal), not a division by zero. `scale_by_std=False` gives the
+    mean-centred form; the std scaling is what Dr.GRPO identifies as a difficulty bias.
+
+    Args:
+        rewards_GN: [G, N] rewards, N >= 2 when scaling by std.
+        scale_by_std: divide by the group std.
+        eps: added to the std.
+
+    Returns:
+        [G, N] advantages.
+
+    Raises:
+        ConfigError: N < 2 with `scale_by_std` (the std is undefined).
+    """
+    rewards_GN = _check(rewards_GN, "grpo", min_n=2 if scale_by_std else 1)
+    centred_GN = rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
+    if not scale_by_std:
+        return centred_GN
+    return centred_GN / (rewards_GN.std(dim=1, keepdim=True) + eps)
+
+
+def dr_grpo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - group mean.
+
+    No std division. The other half of Dr.GRPO, summing token losses and dividing by a
+    constant instead of the response length, is the "seq-mean-token-sum-norm" aggregation in
+    `training.rl_losses.aggregate_loss`.
+    """
+    rewards_GN = _check(rewards_GN, "dr_grpo")
+    return rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
+
+
+def rloo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics"): r_i - mean of the other N-1 rewards.
+
+    Computed as N/(N-1) * (r_i - group mean), which is the same quantity.
+
+    Raises:
+        ConfigError: N < 2 (no other samples to form the baseline).
+    """
+    rewards_GN = _check(rewards_GN, "rloo", min_n=2)
+    n = rewards_GN.shape[1]
+    return (rewards_GN - rewards_GN.mean(dim=1, keepdim=True)) * (n / (n - 1))
+
+
+def reinforce_pp_advantages(
+    rewards_GN: torch.Tensor, *, group_baseline: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): optional group-mean baseline, then whitening over the batch.
+
+    `group_baseline=True` is the paper's "REINFORCE++-baseline" (subtract each prompt's mean
+    reward first, which is what makes it robust to reward scale across prompts);
+    `group_baseline=False` is plain REINFORCE++. Either way the result is normalised by the
+    mean and std of the whole batch, not of each group.
+
+    Departures: the paper whitens per-token returns that include a token-level KL penalty; we
+    whiten per-sequence advantages (every sequence weighs the same, whatever its length) and
+    leave KL to `training.rl_losses` (as a loss or a per-sequence reward penalty).
+
+    Raises:
+        ConfigError: fewer than 2 samples in the whole batch (no batch std).
+    """
+    rewards_GN = _check(rewards_GN, "reinforce_pp")
+    if rewards_GN.numel() < 2:
+        raise ConfigError("reinforce_pp needs at least 2 samples per batch to normalise")
+    adv_GN = rewards_GN - rewards_GN.mean(dim=1, keepdim=True) if group_baseline else rewards_GN
+    return (adv_GN - adv_GN.mean()) / (adv_GN.std() + eps)
+
+
+def reinforce_baseline_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """REINFORCE with a batch-mean baseline (Williams 1992): r - mean of all rewards.
+
+    Ignores the group structure, so prompts of different difficulty share one baseline; use
+    it as the simplest reference point, GRPO/RLOO in practice.
+    """
+    rewards_GN = _check(rewards_GN, "reinforce_baseline")
+    return rewards_GN - rewards_GN.mean()

@@ -1,0 +1,332 @@
+"""Policy losses on per-token logprobs: policy gradient, PPO/GRPO clip, GSPO, CISPO, online DPO.
+
+Conventions shared by every function here:
+- `logprobs_BT`: log π_θ of the sampled response tokens, [B, T], carrying the gradient.
+  `old_logprobs_BT` / `ref_logprobs_BT`: the same tokens under the behaviour / reference
+  policy; treated as constants (detached here).
+- `mask_BT`: bool or 0/1 float, 1 on tokens the model sampled and is trained on; 0 on
+  prompt, padding and tool/environment tokens. Masked-out positions contribute exactly zero
+  loss and zero gradient, even when they hold garbage (they are replaced before any `exp`).
+- `advantages_B`: one advantage per sequence, broadcast over its tokens (detached).
+- `is_weights_BT`: optional detached per-token multiplier, e.g. `truncated_is_weights`.
+- Every loss returns `(loss, metrics)`: a scalar tensor with a gradient, and floats for
+  logging. `entropy_estimate` is the mean of −log π over trained tokens, an unbiased entropy
+  estimate when the tokens were sampled from (nearly) the current policy; use
+  `training.kl.entropy_from_logits` for the exact value when logits are at hand.
+
+Aggregation (`agg`) turns the per-token loss into a scalar; see `aggregate_loss`. For
+gradient accumulation over micro-batches, weight each micro-batch's loss by its share of
+trained tokens under "token-mean" and by its share of sequences under the "seq-mean-*" modes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from rollouts.errors import ConfigError
+from training.kl import KLKind, bool_mask, kl_estimate, masked_mean
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossOutput = tuple[torch.Tensor, dict[str, float]]
+
+
+def aggregate_loss(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: Aggregation,
+    *,
+    max_tokens: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar over masked-in tokens.
+
+    Modes:
+        "token-mean": Σ loss / number of trained tokens in the batch; every token weighs the
+            same (DAPO's token-level loss; long answers are not down-weighted).
+        "seq-mean-token-mean": mean over tokens within each sequence, then over sequences
+            (the original GRPO objective; each sequence weighs the same).
+        "seq-mean-token-sum-norm": Σ over each sequence's tokens / `max_tokens`, then mean
+            over sequences (Dr.GRPO: a constant normaliser, so no length bias).
+    Sequence means run over all B rows; a row with no trained tokens contributes 0.
+
+    Args:
+        loss_BT: per-token loss.
+        mask_BT: trained-token mask.
+        mode: one of the three modes above.
+        max_tokens: the constant for "seq-mean-token-sum-norm"; use the generation budget
+            (max response length). None falls back to T, which varies with padding.
+
+    Raises:
+        ConfigError: unknown mode.
+    """
+    m = bool_mask(mask_BT)
+    loss_BT = torch.where(m, loss_BT, 0)
+    if mode == "token-mean":
+        return loss_BT.sum() / m.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return (loss_BT.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)).mean()
+    if mode == "seq-mean-token-sum-norm":
+        norm = max_tokens if max_tokens is not None else loss_BT.shape[-1]
+        return (loss_BT.sum(dim=-1) / norm).mean()
+    raise ConfigError(
+        f"unknown loss aggregation {mode!r}; use token-mean, seq-mean-token-mean or "
+        "seq-mean-token-sum-norm"
+    )
+
+
+def _entropy_estimate(logprobs_BT: torch.Tensor, m: torch.Tensor) -> float:
+    return masked_mean(-logprobs_BT.detach(), m).item()
+
+
+def _log_ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, m: torch.Tensor):
+    """log π_θ − log π_old, 0 on masked-out tokens (so exp never sees garbage)."""
+    return torch.where(m, logprobs_BT - old_logprobs_BT.detach(), 0)
+
+
+def _weighted(loss_BT: torch.Tensor, is_weights_BT: torch.Tensor | None) -> torch.Tensor:
+    return loss_BT if is_weights_BT is None else loss_BT * is_weights_BT.detach()
+
+
+def policy_gradient_loss(
+    logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation = "token-mean",
+    max_tokens: int | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+) -> LossOutput:
+    """Vanilla policy gradient (REINFORCE): −A · log π_θ per token, aggregated.
+
+    Exactly on-policy only; for several updates per batch use `ppo_clip_loss`.
+    """
+    m = bool_mask(mask_BT)
+    loss_BT = _weighted(-advantages_B.detach()[:, None] * logprobs_BT, is_weights_BT)
+    loss = aggregate_loss(loss_BT, m, agg, max_tokens=max_tokens)
+    return loss, {"policy_loss": loss.item(), "entropy_estimate": _entropy_estimate(logprobs_BT, m)}
+
+
+def _clipped_surrogate(ratio_BT, advantages_B, clip_low: float, clip_high: float):
+    """PPO's pessimistic surrogate max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)), and where the
+    clipped branch is the active one (its gradient is zero there)."""
+    adv = advantages_B.detach()[:, None]
+    unclipped = -adv * ratio_BT
+    clipped = -adv * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def ppo_clip_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: Aggregation = "token-mean",
+    max_tokens: int | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+) -> LossOutput:
+    """PPO/GRPO clipped-ratio loss with separate low/high clip ranges (Schulman et al. 2017).
+
+    r = π_θ / π_old per token, clipped to [1 − clip_low, 1 + clip_high]. DAPO's clip-higher
+    (Yu et al. 2025) is clip_low=0.2, clip_high=0.28: low-probability tokens may grow more,
+    which keeps entropy from collapsing.
+
+    Metrics: clip_fraction (trained tokens where the clipped branch is active, i.e. the
+    token gets no gradient), clip_fraction_low / _high (split by the sign of A),
+    approx_kl (k3 estimate of KL(π_old ‖ π_θ)), ratio_mean, entropy_estimate.
+    """
+    m = bool_mask(mask_BT)
+    log_ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT, m)
+    ratio_BT = torch.exp(log_ratio_BT)
+    loss_BT, clipped_BT = _clipped_surrogate(ratio_BT, advantages_B, clip_low, clip_high)
+    loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
+    clipped_BT = clipped_BT & m
+    positive_BT = (advantages_B > 0)[:, None].expand_as(m)
+    metrics = {
+        "policy_loss": loss.item(),
+        "clip_fraction": masked_mean(clipped_BT.float(), m).item(),
+        "clip_fraction_high": masked_mean((clipped_BT & positive_BT).float(), m).item(),
+        "clip_fraction_low": masked_mean((clipped_BT & ~positive_BT).float(), m).item(),
+        "approx_kl": masked_mean(
+            kl_estimate(old_logprobs_BT, logprobs_BT.detach(), "k3", mask_BT=m), m
+        ).item(),
+        "ratio_mean": masked_mean(ratio_BT.detach(), m).item(),
+        "entropy_estimate": _entropy_estimate(logprobs_BT, m),
+    }
+    return loss, metrics
+
+
+def gspo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: Aggregation = "seq-mean-token-mean",
+    max_tokens: int | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+) -> LossOutput:
+    """GSPO (Zheng et al. 2025): PPO clipping on a sequence-level ratio.
+
+    s_i = exp(mean over trained tokens of log(π_θ / π_old)), the length-normalised sequence
+    likelihood ratio, clipped to [1 − clip_low, 1 + clip_high] (paper: 3e-4 / 4e-4). Written
+    in the paper's GSPO-token form, s_i,t = sg(s_i) · π_θ(y_t) / sg(π_θ(y_t)): every token of a
+    sequence carries the value s_i, and with the default "seq-mean-token-mean" aggregation the
+    gradient equals that of −min(s_i A_i, clip(s_i) A_i) averaged over sequences.
+
+    Metrics: clip_fraction (fraction of sequences clipped), seq_ratio_mean,
+    entropy_estimate.
+    """
+    m = bool_mask(mask_BT)
+    n_tokens_B = m.sum(dim=-1)
+    log_ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT, m)
+    seq_log_ratio_B = log_ratio_BT.sum(dim=-1) / n_tokens_B.clamp(min=1)
+    # Value s_i on every token, gradient of log π_θ(y_t); the clamp only guards exp overflow.
+    token_log_ratio_BT = (
+        seq_log_ratio_B.detach().clamp(max=20.0)[:, None] + logprobs_BT - logprobs_BT.detach()
+    )
+    ratio_BT = torch.exp(torch.where(m, token_log_ratio_BT, 0))
+    loss_BT, clipped_BT = _clipped_surrogate(ratio_BT, advantages_B, clip_low, clip_high)
+    loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
+    has_tokens_B = n_tokens_B > 0
+    seq_ratio_B = torch.exp(seq_log_ratio_B.detach())
+    clipped_B = (clipped_BT & m).any(dim=-1)
+    n_seqs = has_tokens_B.sum().clamp(min=1)
+    metrics = {
+        "policy_loss": loss.item(),
+        "clip_fraction": (clipped_B.sum() / n_seqs).item(),
+        "seq_ratio_mean": (torch.where(has_tokens_B, seq_ratio_B, 0).sum() / n_seqs).item(),
+        "entropy_estimate": _entropy_estimate(logprobs_BT, m),
+    }
+    return loss, metrics
+
+
+def cispo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+    agg: Aggregation = "token-mean",
+    max_tokens: int | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+) -> LossOutput:
+    """CISPO (MiniMax-M1, 2025): −sg(clip(r, 1 − clip_low, 1 + clip_high)) · A · log π_θ.
+
+    Clips the importance weight instead of the update, so every token keeps a gradient
+    (PPO's clip drops rare, high-ratio tokens such as "Wait"). The paper sets no lower bound
+    and tunes only the upper one; clip_low=1.0 (a lower bound of 0) does that, and
+    clip_high=0.28 follows common open implementations (the paper gives no value).
+
+    Metrics: clip_fraction (trained tokens whose weight was truncated), cispo_weight_mean,
+    entropy_estimate.
+    """
+    m = bool_mask(mask_BT)
+    ratio_BT = torch.exp(_log_ratio(logprobs_BT, old_logprobs_BT, m)).detach()
+    weight_BT = ratio_BT.clamp(max(0.0, 1 - clip_low), 1 + clip_high)
+    loss_BT = -weight_BT * advantages_B.detach()[:, None] * logprobs_BT
+    loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
+    metrics = {
+        "policy_loss": loss.item(),
+        "clip_fraction": masked_mean((weight_BT != ratio_BT).float(), m).item(),
+        "cispo_weight_mean": masked_mean(weight_BT, m).item(),
+        "entropy_estimate": _entropy_estimate(logprobs_BT, m),
+    }
+    return loss, metrics
+
+
+def pairwise_preference_loss(
+    logprobs_BT: torch.Tensor,
+    ref_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    rewards_GN: torch.Tensor,
+    *,
+    beta: float = 0.1,
+) -> LossOutput:
+    """Online DPO over the best and worst sample of each group.
+
+    The DPO loss (Rafailov et al. 2023), −log σ(β [(log π_θ − log π_ref)(y_w) −
+    (log π_θ − log π_ref)(y_l)]), on pairs built online from the policy's own samples (as in
+    Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"): y_w / y_l are
+    the highest / lowest-reward samples of a group (first index on ties). Groups whose best
+    and worst rewards are equal carry no preference and are skipped. This is its own
+    algorithm, not DAPO. Sequence logprobs sum over trained tokens only.
+
+    Args:
+        logprobs_BT: [G·N, T], rows group-major (row g·N + n is sample n of group g).
+        ref_logprobs_BT: reference-model logprobs of the same tokens.
+        mask_BT: trained-token mask.
+        rewards_GN: [G, N] rewards, used only to pick the pairs.
+        beta: DPO temperature.
+
+    Returns:
+        (loss, metrics): the mean over kept pairs (a zero that still backpropagates when no
+        group has a preference); metrics num_pairs, preference_accuracy (implicit reward of
+        y_w above y_l) and reward_margin (mean β-scaled implicit margin).
+
+    Raises:
+        ValueError: the number of rows is not G·N.
+    """
+    n_groups, n_per_group = rewards_GN.shape
+    if logprobs_BT.shape[0] != n_groups * n_per_group:
+        raise ValueError(
+            f"pairwise_preference_loss: {logprobs_BT.shape[0]} sequences for rewards of shape "
+            f"{tuple(rewards_GN.shape)}; expected {n_groups * n_per_group} (group-major)"
+        )
+    rewards_GN = rewards_GN.to(logprobs_BT.device)
+    m = bool_mask(mask_BT)
+    seq_logprob_B = torch.where(m, logprobs_BT, 0).sum(dim=-1)
+    seq_ref_B = torch.where(m, ref_logprobs_BT.detach(), 0).sum(dim=-1)
+    implicit_GN = (seq_logprob_B - seq_ref_B).view(n_groups, n_per_group)
+    best_G = rewards_GN.argmax(dim=1, keepdim=True)
+    worst_G = rewards_GN.argmin(dim=1, keepdim=True)
+    keep_G = rewards_GN.amax(dim=1) > rewards_GN.amin(dim=1)
+    margin_G = beta * (implicit_GN.gather(1, best_G) - implicit_GN.gather(1, worst_G)).squeeze(1)
+    margin_K = margin_G[keep_G]
+    if margin_K.numel() == 0:
+        loss = (seq_logprob_B * 0.0).sum()
+        return loss, {
+            "policy_loss": 0.0,
+            "num_pairs": 0.0,
+            "preference_accuracy": 0.0,
+            "reward_margin": 0.0,
+        }
+    loss = -F.logsigmoid(margin_K).mean()
+    metrics = {
+        "policy_loss": loss.item(),
+        "num_pairs": float(margin_K.numel()),
+        "preference_accuracy": (margin_K > 0).float().mean().item(),
+        "reward_margin": margin_K.detach().mean().item(),
+    }
+    return loss, metrics
+
+
+def kl_loss(
+    logprobs_BT: torch.Tensor,
+    ref_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    kind: KLKind = "k3",
+    agg: Aggregation = "token-mean",
+    max_tokens: int | None = None,
+) -> LossOutput:
+    """KL(π_θ ‖ π_ref) as a loss term (multiply by a coefficient and add to the policy loss).
+
+    Uses reference-model logprobs of the *same* tokens. See `training.kl` for which estimator
+    to prefer (k3 is GRPO's; k2 has the unbiased gradient).
+
+    Returns:
+        (loss, {"kl": loss value}).
+    """
+    m = bool_mask(mask_BT)
+    kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, kind, mask_BT=m)
+    loss = aggregate_loss(kl_BT, m, agg, max_tokens=max_tokens)
+    return loss, {"kl": loss.item()}
