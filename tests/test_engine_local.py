@@ -441,3 +441,14 @@ async def test_health_and_info_endpoints(local_engine):
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
         assert (await http.get("/get_weight_version")).status_code == 404
     assert (await engine.model_info()).weight_version == "default"
+
+
+async def test_top_k_top_p_and_min_p_restrict_what_is_sampled(local_engine):
+    _, engine = local_engine
+    prompt = PROMPTS[1]
+    for params, allowed in (({"top_k": 2}, 2), ({"top_p": 1e-6}, 1), ({"min_p": 1.0}, 1)):
+        result = await engine.generate(
+            prompt, {"max_new_tokens": 30, "ignore_eos": True, **params}, top_logprobs_num=2
+        )
+        for token, top in zip(result.output_ids, result.output_top_logprobs, strict=True):
+            assert token in [t for _, t in top[:allowed]], params

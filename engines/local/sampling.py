@@ -65,6 +65,28 @@ def _needs_adjust(seq: Sequence) -> bool:
     )
 
 
+def _filtered(probs: torch.Tensor, params: list) -> torch.Tensor:
+    """Zero what top-k / top-p / min-p exclude (rows that need none are left as they are)."""
+    need = [p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+    if not any(need):
+        return probs
+    rows = torch.tensor([i for i, n in enumerate(need) if n], device=probs.device)
+    sub = [p for p, n in zip(params, need, strict=True) if n]
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs[rows].sort(-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in sub], device=probs.device)
+    top_p = torch.tensor([p.top_p for p in sub], device=probs.device)
+    min_p = torch.tensor([p.min_p for p in sub], device=probs.device)
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
+    keep = ranks < top_k[:, None]
+    keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]  # mass before the token
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    keep[:, 0] = True
+    probs = probs.clone()
+    probs[rows] = torch.zeros_like(sorted_probs).scatter(1, order, sorted_probs * keep)
+    return probs
+
+
 def top_logprobs(logprobs_row: torch.Tensor, k: int) -> TopLogprobs:
     values, ids = torch.topk(logprobs_row, k)
     return list(zip(values.clamp(min=_MIN_LOGPROB).tolist(), ids.tolist(), strict=True))
@@ -102,28 +124,17 @@ def sample(
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy and errors[i] is None]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = logprobs[rows].exp()
-        sorted_probs, order = probs.sort(-1, descending=True)
-        sub = [params[i] for i in sampled_rows]
-        if any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in sub):
-            vocab = probs.shape[-1]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in sub])
-            top_p = torch.tensor([p.top_p for p in sub])
-            min_p = torch.tensor([p.min_p for p in sub])
-            ranks = torch.arange(vocab)[None, :]
-            keep = ranks < top_k[:, None].to(ranks.device)
-            mass_before = sorted_probs.cumsum(-1) - sorted_probs
-            keep &= mass_before < top_p[:, None].to(probs.device)
-            keep &= sorted_probs >= min_p[:, None].to(probs.device) * sorted_probs[:, :1]
-            keep[:, 0] = True
-            sorted_probs = sorted_probs * keep
-        picks = []
+        probs = _filtered(logprobs[rows].exp(), [params[i] for i in sampled_rows])
+        picks = torch.empty(len(sampled_rows), dtype=torch.long, device=logits.device)
+        shared = [j for j, row in enumerate(sampled_rows) if seqs[row].runner_state is None]
+        if shared:  # one draw for every row that uses the engine's generator
+            index = torch.tensor(shared, device=logits.device)
+            picks[index] = torch.multinomial(probs[index], 1, generator=generator).flatten()
         for j, row in enumerate(sampled_rows):
-            own = seqs[row].runner_state
-            seed_gen = own if own is not None else generator
-            picks.append(torch.multinomial(sorted_probs[j], 1, generator=seed_gen))
-        chosen = order.gather(1, torch.stack(picks))
-        tokens[rows] = chosen.flatten()
+            own = seqs[row].runner_state  # a request's own `sampling_seed` generator
+            if own is not None:
+                picks[j] = torch.multinomial(probs[j], 1, generator=own)[0]
+        tokens[rows] = picks
 
     chosen_lp = logprobs.gather(1, tokens[:, None]).flatten().clamp(min=_MIN_LOGPROB)
     tops: list[TopLogprobs | None] = [None] * len(seqs)
