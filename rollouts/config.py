@@ -44,7 +44,9 @@ class RolloutConfig(Strict):
     mode: Literal["sync", "overlap", "async"] = "sync"
     max_staleness: int = Field(1, ge=0, description="async mode: weight versions a sample may lag")
     stale_policy: Literal["drop", "regenerate"] = "regenerate"
-    filter_groups: Literal["reward_varies", "none"] = "reward_varies"
+    filter_groups: Literal["auto", "reward_varies", "none"] = Field(
+        "auto", description="auto: as the algorithm says (DAPO's dynamic sampling filters)"
+    )
     extra_groups: int = Field(0, ge=0, description="groups launched beyond batch_size up front")
     max_launch_factor: float = Field(4.0, ge=1, description="cap on groups launched per batch")
     reward_timeout_s: float = Field(30.0, gt=0)

@@ -214,30 +214,43 @@ class PyTorchTrainingBackend:
 
     # -- queued operations ------------------------------------------------------------------------
 
-    def forward_backward(self, samples: Sequence[Any]) -> TrainFuture[dict[str, float]]:
-        """Queue forward + backward over `samples`; gradients accumulate until `optim_step`."""
-        samples = list(samples)
-        return self._submit(lambda: self._forward_backward(samples))
+    def forward_backward(
+        self,
+        samples: Sequence[Any],
+        *,
+        loss_fn: LossFn | None = None,
+        loss_weight_fn: Callable[[Any], float] | None = None,
+    ) -> TrainFuture[dict[str, float]]:
+        """Queue forward + backward over `samples`; gradients accumulate until `optim_step`.
 
-    def _forward_backward(self, samples: list[Any]) -> dict[str, float]:
+        `loss_fn` / `loss_weight_fn` replace the backend's defaults for this call (e.g. the RL
+        loss of this step's algorithm). Loss metrics are averaged over micro-batches with the
+        same weights as the loss; keys ending in `_max` take the maximum.
+        """
+        samples = list(samples)
+        fn = loss_fn or self.loss_fn
+        weight_fn = loss_weight_fn or self.loss_weight_fn
+        return self._submit(lambda: self._forward_backward(samples, fn, weight_fn))
+
+    def _forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn) -> dict[str, float]:
         t0 = time.perf_counter()
         batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
-        total_weight = sum(self.loss_weight_fn(b) for b in batches)
+        total_weight = sum(weight_fn(b) for b in batches)
         if total_weight <= 0:
             raise BackendError("forward_backward got a batch with no trained tokens")
-        loss_sum = 0.0
+        merged: dict[str, float] = {}
         n_tokens = n_slots = n_trained = 0
         for batch in batches:
-            logits = forward_logits(self.model, batch)
-            loss, _ = self.loss_fn(logits, batch)
-            weight = self.loss_weight_fn(batch) / total_weight
+            logits = forward_logits(self.model, batch.to(self.device))
+            loss, metrics = loss_fn(logits, batch)
+            weight = weight_fn(batch) / total_weight
             (loss * weight).backward()
-            loss_sum += loss.item() * weight
+            _merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
             n_tokens += batch.n_tokens
             n_slots += batch.n_slots
             n_trained += batch.n_trained_tokens
         return {
-            "loss": loss_sum,
+            **merged,
             "n_samples": len(samples),
             "n_tokens": n_tokens,
             "n_trained_tokens": n_trained,
@@ -274,7 +287,7 @@ class PyTorchTrainingBackend:
         loss_sum = 0.0
         with torch.no_grad(), _eval_mode(self.model):
             for batch in batches:
-                loss, _ = self.loss_fn(forward_logits(self.model, batch), batch)
+                loss, _ = self.loss_fn(forward_logits(self.model, batch.to(self.device)), batch)
                 loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
         return {"loss": loss_sum, "n_samples": len(samples)}
 
@@ -287,7 +300,7 @@ class PyTorchTrainingBackend:
         out: list[torch.Tensor] = []
         with torch.no_grad(), _eval_mode(self.model):
             for mb in self.split_microbatches(samples):
-                batch = self._collate(mb)
+                batch = self._collate(mb).to(self.device)
                 lp = token_logprobs(forward_logits(self.model, batch), batch.target_ids)
                 trained = batch.target_ids != -100
                 for i in range(len(mb)):
@@ -378,6 +391,16 @@ class PyTorchTrainingBackend:
         self.weight_version = int(json_state["weight_version"])
         self.optimizer.zero_grad(set_to_none=True)
         return json_state["extra"]
+
+
+def _merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
+    for key, value in metrics.items():
+        if not isinstance(value, int | float):
+            continue
+        if key.endswith("_max"):
+            into[key] = max(into.get(key, float("-inf")), float(value))
+        else:
+            into[key] = into.get(key, 0.0) + float(value) * weight
 
 
 class _eval_mode:

@@ -147,3 +147,12 @@ def write_arithmetic_datasets(
         rl_train=write_jsonl(out / "rl_train.jsonl", [p.rl_record() for p in rl]),
         rl_eval=write_jsonl(out / "rl_eval.jsonl", [p.rl_record() for p in held_out]),
     )
+
+
+def correctness_reward(sample) -> dict[str, float]:
+    """RL reward: 1 when the response's last integer equals `metadata["answer"]`, else 0.
+
+    Returned as a vector reward ({"correct", "total"}) so accuracy shows up in rollout metrics.
+    """
+    correct = float(is_correct(sample.response_text, str(sample.metadata["answer"])))
+    return {"correct": correct, "total": correct}

@@ -1,0 +1,313 @@
+"""Rollout generation as functions: one group, a batch of groups with filtering and refill.
+
+`collect_groups` is the engine of every rollout mode: it runs one task per prompt group under a
+global concurrency limit, scores samples as they finish, keeps groups that pass the filter
+(default: reward std > 0, DAPO's dynamic sampling), launches replacement prompts for rejected
+ones (over-sampling) until `n_groups` are accepted, then aborts the surplus requests. Groups
+cut short are handed back (prompt + finished samples) so the caller can return them to the
+DataBuffer's holding area. Everything else here is pure: transforms, filters, conversion to a
+`RolloutBatch`, metrics.
+
+What is not covered: retrying a failed engine request (the EnginePool does that once per
+failure); a group with any failed sample is rejected as a whole and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import trio
+
+from rollouts.errors import EngineError, RolloutsError
+from rollouts.prompts import PromptItem
+from rollouts.rewards import RewardFn, score_sample
+from rollouts.types import RolloutBatch, Sample
+
+log = logging.getLogger("rollouts.generation")
+
+Group = tuple[Sample, ...]
+GroupFilter = Callable[[Group], bool]
+SampleTransform = Callable[[Sample], Sample]
+
+
+class GenerateEngine(Protocol):
+    """The part of an engine/EnginePool that rollouts use."""
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True,
+                       top_logprobs_num=0, logprob_start_len=None): ...  # fmt: skip
+
+    async def abort(self, rid: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerateContext:
+    """What a generate function gets besides the prompt: where and how to sample."""
+
+    engine: GenerateEngine
+    sampling_params: Mapping[str, Any]
+    limiter: trio.CapacityLimiter
+    rid_prefix: str
+    group_id: int
+    tokenizer: Any = None
+    in_flight: set[str] = field(default_factory=set)  # rids currently at the engine
+    report: Callable[[Sample], None] = lambda sample: None  # early scoring; see GenerateFn
+
+
+GenerateFn = Callable[[PromptItem, int, GenerateContext], Awaitable[list[Sample]]]
+"""(prompt, n, ctx) -> n samples with distinct `index_in_group`. It may call `ctx.report(s)`
+as each sample finishes, so its reward is computed at once and the sample survives if the group
+is cut short; samples it returns without reporting are scored after it returns."""
+
+
+def version_number(version: str | None, default: int) -> int:
+    """Engines report weight versions as strings; ours are integers ("12")."""
+    return int(version) if version is not None and version.isdigit() else default
+
+
+_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+
+
+async def single_turn_generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
+    """The default GenerateFn: `n` independent samples of one assistant turn, token in/out."""
+
+    async def one(i: int, out: list[Sample | None]) -> None:
+        rid = f"{ctx.rid_prefix}-{i}"
+        async with ctx.limiter:
+            ctx.in_flight.add(rid)
+            try:
+                r = await ctx.engine.generate(prompt.prompt_ids, ctx.sampling_params, rid=rid)
+            finally:
+                ctx.in_flight.discard(rid)
+        out[i] = Sample(
+            prompt_ids=prompt.prompt_ids,
+            response_ids=r.output_ids,
+            loss_mask=(1,) * len(r.output_ids),
+            rollout_logprobs=r.output_logprobs or (),
+            response_text=r.text,
+            status=_STATUS.get(r.finish_reason.type, "completed"),
+            group_id=ctx.group_id,
+            index_in_group=i,
+            weight_version=version_number(r.weight_version, 0),
+            metadata=prompt.metadata,
+            finish_reason=r.finish_reason.type,
+        )
+        ctx.report(out[i])
+
+    out: list[Sample | None] = [None] * n
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i, out)
+    return [s for s in out if s is not None]
+
+
+def keep_if_reward_varies(group: Group, *, eps: float = 1e-6) -> bool:
+    """DAPO dynamic sampling: keep a group only if its rewards are not all equal (std > eps).
+
+    Works for binary and continuous rewards; a group of one sample has no spread.
+    """
+    rewards = [s.reward for s in group]
+    return len(rewards) > 1 and statistics.pstdev(rewards) > eps
+
+
+def keep_all(group: Group) -> bool:
+    return True
+
+
+def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[SampleTransform]
+                            ) -> list[Sample]:  # fmt: skip
+    """Apply reward shaping / bookkeeping transforms in order (pure)."""
+    out = list(samples)
+    for transform in transforms:
+        out = [transform(s) for s in out]
+    return out
+
+
+def convert_to_batch(groups: Sequence[Group], epoch_id: int, step_id: int,
+                     metrics: Mapping[str, float] | None = None) -> RolloutBatch:  # fmt: skip
+    """Freeze accepted groups into a RolloutBatch with their metrics (pure)."""
+    merged = {**rollout_metrics(groups), **(metrics or {})}
+    return RolloutBatch(tuple(tuple(g) for g in groups), step_id, epoch_id, merged)
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Reward, accuracy, length and truncation statistics of accepted groups (pure)."""
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {}
+    rewards = [s.reward for s in samples]
+    lengths = [len(s.response_ids) for s in samples]
+    out = {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "response_len_mean": statistics.fmean(lengths),
+        "response_len_max": float(max(lengths)),
+        "truncation_rate": sum(s.status == "truncated" for s in samples) / len(samples),
+        "n_samples": float(len(samples)),
+    }
+    correct = [s.reward_components["correct"] for s in samples if "correct" in s.reward_components]
+    if correct:
+        out["accuracy"] = statistics.fmean(correct)
+    return out
+
+
+@dataclass
+class CollectResult:
+    """Outcome of one `collect_groups` call."""
+
+    accepted: list[Group]
+    partial: list[tuple[PromptItem, list[Sample]]]  # cut short: prompt + finished samples
+    n_launched: int = 0
+    n_filtered: int = 0
+    n_failed_groups: int = 0
+    n_failed_samples: int = 0
+    completion_tokens: int = 0
+    wall_time_s: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "groups_launched": float(self.n_launched),
+            "groups_filtered": float(self.n_filtered),
+            "groups_failed": float(self.n_failed_groups),
+            "samples_failed": float(self.n_failed_samples),
+            "groups_returned_partial": float(len(self.partial)),
+            "generate_time_s": self.wall_time_s,
+            "rollout_tokens_per_s": self.completion_tokens / max(self.wall_time_s, 1e-9),
+        }
+
+
+@dataclass(frozen=True)
+class GroupSource:
+    """Where groups come from: held (partial) groups first, then fresh prompts."""
+
+    next_prompt: Callable[[], tuple[PromptItem, list[Sample]]]
+
+
+async def collect_groups(
+    source: GroupSource,
+    *,
+    n_groups: int,
+    n_samples: int,
+    engine: GenerateEngine,
+    sampling_params: Mapping[str, Any],
+    reward_fn: RewardFn,
+    generate_fn: GenerateFn = single_turn_generate,
+    group_filter: GroupFilter = keep_if_reward_varies,
+    limiter: trio.CapacityLimiter,
+    extra_groups: int = 0,
+    max_launches: int | None = None,
+    reward_timeout_s: float = 30.0,
+    reward_fail_fast: bool = False,
+    engine_fail_fast: bool = True,
+    rid_prefix: str = "r",
+    tokenizer: Any = None,
+) -> CollectResult:
+    """Generate and score groups until `n_groups` pass `group_filter`; abort the surplus.
+
+    Args:
+        source: yields (prompt, already finished samples) — partial groups resume here.
+        extra_groups: groups launched beyond `n_groups` up front to hide filtering latency.
+        max_launches: cap on groups launched in total (default 4 × n_groups + extra); when it is
+            reached and nothing is in flight, fewer than `n_groups` groups are returned.
+        engine_fail_fast: an engine error raises (default) instead of dropping the group.
+
+    Raises:
+        EngineError: an engine request failed and `engine_fail_fast` is set.
+        RewardError: a reward raised or timed out and `reward_fail_fast` is set.
+    """
+    started = time.perf_counter()
+    cap = max_launches if max_launches is not None else 4 * n_groups + extra_groups
+    result = CollectResult(accepted=[], partial=[])
+    send, recv = trio.open_memory_channel[tuple[str, PromptItem, list[Sample]]](math.inf)
+    running: dict[int, tuple[PromptItem, list[Sample], GenerateContext]] = {}
+
+    async def run_group(gid: int, prompt: PromptItem, done: list[Sample]) -> None:
+        offset = len(done)
+        started_scoring: set[int] = set()
+
+        async def score_into(sample: Sample) -> None:
+            done.append(await score_sample(reward_fn, sample, timeout_s=reward_timeout_s,
+                                           fail_fast=reward_fail_fast))  # fmt: skip
+
+        try:
+            async with trio.open_nursery() as scoring:
+
+                def report(sample: Sample) -> None:
+                    sample = replace(sample, index_in_group=sample.index_in_group + offset)
+                    if sample.index_in_group not in started_scoring:
+                        started_scoring.add(sample.index_in_group)
+                        scoring.start_soon(score_into, sample)
+
+                ctx = GenerateContext(engine, sampling_params, limiter, f"{rid_prefix}-g{gid}",
+                                      gid, tokenizer, report=report)  # fmt: skip
+                running[gid] = (prompt, done, ctx)
+                for sample in await generate_fn(prompt, n_samples - offset, ctx):
+                    report(sample)
+            outcome = "done"
+        except EngineError as err:
+            if engine_fail_fast:
+                raise
+            log.warning("group %d dropped after an engine error: %s", gid, err)
+            outcome = "failed"
+        finally:
+            running.pop(gid, None)  # before the send: a finished group is never also "partial"
+        await send.send((outcome, prompt, done))
+
+    async with trio.open_nursery() as nursery:
+
+        def launch() -> None:
+            prompt, done = source.next_prompt()
+            nursery.start_soon(run_group, result.n_launched, prompt, list(done))
+            result.n_launched += 1
+
+        for _ in range(min(cap, n_groups + extra_groups)):
+            launch()
+        while len(result.accepted) < n_groups:
+            if not running and result.n_launched >= cap:
+                log.warning("over-sampling cap of %d groups reached with %d/%d accepted", cap,
+                            len(result.accepted), n_groups)  # fmt: skip
+                break
+            kind, prompt, samples = await recv.receive()
+            group = tuple(sorted(samples, key=lambda s: s.index_in_group))
+            n_failed = sum(s.status == "failed" for s in group)
+            result.n_failed_samples += n_failed
+            if kind == "failed" or n_failed or len(group) < n_samples:
+                result.n_failed_groups += 1
+            elif group_filter(group):
+                result.accepted.append(group)
+                result.completion_tokens += sum(len(s.response_ids) for s in group)
+                continue
+            else:
+                result.n_filtered += 1
+            if result.n_launched < cap:
+                launch()
+        # Full: cut the surplus short. Finished samples of unfinished groups are kept.
+        for prompt, done, ctx in list(running.values()):
+            result.partial.append((prompt, list(done)))
+            with trio.move_on_after(5) as scope:
+                scope.shield = True
+                for rid in list(ctx.in_flight):
+                    await _abort_quietly(engine, rid)
+        nursery.cancel_scope.cancel()
+    # groups that finished between the last receive and the cancel are surplus too
+    while True:
+        try:
+            kind, prompt, samples = recv.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+        if kind == "done":
+            result.partial.append((prompt, samples))
+    result.wall_time_s = time.perf_counter() - started
+    return result
+
+
+async def _abort_quietly(engine: GenerateEngine, rid: str) -> None:
+    try:
+        await engine.abort(rid)
+    except (EngineError, RolloutsError) as err:
+        log.warning("abort of %s failed: %s", rid, err)

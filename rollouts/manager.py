@@ -1,0 +1,287 @@
+"""AsyncRolloutManager: owns rollout concurrency and turns prompts into training batches.
+
+Contract:
+- `await manager.generate_batch()` returns a RolloutBatch of `batch_size` groups ×
+  `n_samples_per_prompt` samples (fewer groups only if the over-sampling cap is reached, logged).
+  Prompts come from the DataBuffer; held (partial) groups are served first.
+- Generation goes through one engine or EnginePool from token ids; sampled ids and engine
+  logprobs are kept as they came (never re-tokenized). A global CapacityLimiter bounds requests
+  in flight across engines. Rewards run as samples finish, each under a timeout.
+- Groups failing the filter are replaced by new prompts (over-sampling); once the batch is full
+  the surplus requests are aborted and the unfinished groups go back to the DataBuffer's holding
+  area with their finished samples, tagged with the current weight version.
+- Modes, each its own small method: "sync" (generate on demand, on-policy), "overlap" (batch
+  k+1 is generated in the background while the caller trains on batch k), "async" (a producer
+  keeps generating; samples more than `max_staleness` versions behind the trainer are dropped
+  or regenerated, and counted — never trained on silently).
+- Lifecycle: `async with manager:` (or `await nursery.start(manager.run)`) ties background
+  generation to a nursery the caller owns; leaving it cancels generation and aborts requests.
+
+Not covered: partial rollouts that continue a cut-short *sample* (only whole samples are kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from rollouts.config import RolloutConfig
+from rollouts.errors import RolloutsError
+from rollouts.generation import (
+    CollectResult,
+    GenerateFn,
+    GroupFilter,
+    GroupSource,
+    SampleTransform,
+    apply_sample_transforms,
+    collect_groups,
+    convert_to_batch,
+    keep_all,
+    keep_if_reward_varies,
+    single_turn_generate,
+)
+from rollouts.prompts import PromptItem
+from rollouts.rewards import RewardFn
+from rollouts.types import RolloutBatch, Sample
+
+log = logging.getLogger("rollouts.manager")
+
+
+@dataclass(frozen=True)
+class ManagerStatistics:
+    batches_served: int
+    batches_ready: int
+    stale_groups_dropped: int
+    held_groups: int
+
+
+class AsyncRolloutManager:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        engine: Any,
+        data_buffer: Any,
+        config: RolloutConfig,
+        *,
+        reward_fn: RewardFn,
+        generate_fn: GenerateFn = single_turn_generate,
+        group_filter: GroupFilter | None = None,
+        transforms: Sequence[SampleTransform] = (),
+        current_version: Callable[[], int] = lambda: 0,
+        tokenizer: Any = None,
+    ):
+        self.engine = engine
+        self.data_buffer = data_buffer
+        self.config = config
+        self.reward_fn = reward_fn
+        self.generate_fn = generate_fn
+        if group_filter is None:
+            group_filter = (
+                keep_if_reward_varies if config.filter_groups == "reward_varies" else keep_all
+            )
+        self.group_filter = group_filter
+        self.transforms = tuple(transforms)
+        self.current_version = current_version
+        self.tokenizer = tokenizer
+        self._limiter = trio.CapacityLimiter(config.max_concurrency)
+        self._nursery: trio.Nursery | None = None
+        self._prefetch: trio.MemoryReceiveChannel | None = None
+        self._n_calls = 0
+        self._stale_dropped = 0
+
+    def set_policy(self, *, reward_fn: RewardFn | None = None,
+                   group_filter: GroupFilter | None = None) -> None:  # fmt: skip
+        """Change the reward or the group filter for groups launched from now on.
+
+        Used when the algorithm switches mid-run (e.g. GRPO → DAPO adds overlong shaping and
+        dynamic sampling); groups already in flight keep what they started with.
+        """
+        if reward_fn is not None:
+            self.reward_fn = reward_fn
+        if group_filter is not None:
+            self.group_filter = group_filter
+
+    def statistics(self) -> ManagerStatistics:
+        """A snapshot: batches ready in the async producer's channel, stale groups dropped."""
+        ready = 0
+        if self.config.mode == "async" and self._prefetch is not None:
+            ready = self._prefetch.statistics().current_buffer_used
+        return ManagerStatistics(self._n_calls, ready, self._stale_dropped, self.data_buffer.n_held)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncRolloutManager:
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        if self.config.mode == "async":
+            send, self._prefetch = trio.open_memory_channel[Any](1)
+            self._nursery.start_soon(self._produce, send)
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        try:
+            return await self._nursery_cm.__aexit__(*exc)
+        finally:
+            self._nursery = None
+            with trio.move_on_after(5) as scope:
+                scope.shield = True
+                await _abort_all(self.engine)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the manager's background work until cancelled (for `nursery.start`)."""
+        async with self:
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    # -- batches --------------------------------------------------------------------------------
+
+    async def generate_batch(self) -> RolloutBatch:
+        """The next training batch, produced according to `config.mode`."""
+        self._n_calls += 1
+        if self.config.mode == "sync":
+            return await self._generate_now()
+        if self._nursery is None:
+            raise RuntimeError(f"mode {self.config.mode!r} needs `async with manager:` first")
+        if self.config.mode == "overlap":
+            return await self._generate_overlapped()
+        return await self._take_fresh_enough()
+
+    async def _generate_now(self) -> RolloutBatch:
+        result = await self._collect(self.config.batch_size)
+        return self._to_batch(result)
+
+    async def _generate_overlapped(self) -> RolloutBatch:
+        assert self._nursery is not None
+        if self._prefetch is None:
+            batch = await self._generate_now()
+        else:
+            batch = await self._prefetch.receive()
+        send, self._prefetch = trio.open_memory_channel[RolloutBatch](1)
+        self._nursery.start_soon(self._prefetch_one, send)
+        return batch
+
+    async def _prefetch_one(self, send: trio.MemorySendChannel) -> None:
+        async with send:
+            await send.send(await self._generate_now())
+
+    async def _produce(self, send: trio.MemorySendChannel) -> None:
+        async with send:
+            while True:
+                await send.send(await self._collect(self.config.batch_size))
+
+    async def _take_fresh_enough(self) -> RolloutBatch:
+        assert self._prefetch is not None
+        groups: list[tuple[Sample, ...]] = []
+        merged = CollectResult(accepted=[], partial=[])
+        dropped_here = 0
+        while len(groups) < self.config.batch_size:
+            result: CollectResult = await self._prefetch.receive()
+            _accumulate(merged, result)
+            oldest_ok = self.current_version() - self.config.max_staleness
+            for group in result.accepted:
+                if min(s.weight_version for s in group) >= oldest_ok:
+                    groups.append(group)
+                    continue
+                self._stale_dropped += 1
+                dropped_here += 1
+                if dropped_here > 10 * self.config.batch_size:
+                    raise RolloutsError(
+                        f"{dropped_here} groups in a row were more than max_staleness="
+                        f"{self.config.max_staleness} versions behind the trainer (version "
+                        f"{self.current_version()}, samples at {group[0].weight_version}): are "
+                        "weights being pushed to the engines?"
+                    )
+                if self.config.stale_policy == "regenerate":
+                    prompt = _prompt_of(group)
+                    self.data_buffer.hold([_held_record(prompt, [])], self.current_version())
+        merged.accepted = groups[: self.config.batch_size]
+        for group in groups[self.config.batch_size :]:
+            self.data_buffer.hold([_held_record(_prompt_of(group), list(group))],
+                                  self.current_version())  # fmt: skip
+        return self._to_batch(merged)
+
+    async def _collect(self, n_groups: int) -> CollectResult:
+        cfg = self.config
+        result = await collect_groups(
+            GroupSource(self._next_prompt),
+            n_groups=n_groups,
+            n_samples=cfg.n_samples_per_prompt,
+            engine=self.engine,
+            sampling_params=cfg.sampling.params(),
+            reward_fn=self.reward_fn,
+            generate_fn=self.generate_fn,
+            group_filter=self.group_filter,
+            limiter=self._limiter,
+            extra_groups=cfg.extra_groups,
+            max_launches=math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups,
+            reward_timeout_s=cfg.reward_timeout_s,
+            reward_fail_fast=cfg.reward_fail_fast,
+            engine_fail_fast=cfg.engine_fail_fast,
+            rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
+            tokenizer=self.tokenizer,
+        )
+        version = self.current_version()
+        for prompt, samples in result.partial:
+            self.data_buffer.hold([_held_record(prompt, samples)], version)
+        return result
+
+    def _next_prompt(self) -> tuple[PromptItem, list[Sample]]:
+        """Held groups first (dropping samples too stale to reuse), then fresh prompts."""
+        if self.data_buffer.n_held:
+            held = self.data_buffer.take_held(1)[0]
+            prompt = PromptItem.from_dict(held.item["prompt"])
+            oldest_ok = self.current_version() - self.config.max_staleness
+            if self.config.mode == "sync":
+                oldest_ok = self.current_version()
+            samples = [Sample.from_dict(d) for d in held.item["samples"]]
+            return prompt, [s for s in samples if s.weight_version >= oldest_ok]
+        return self.data_buffer.get_prompts(1)[0], []
+
+    def _to_batch(self, result: CollectResult) -> RolloutBatch:
+        groups = [tuple(apply_sample_transforms(g, self.transforms)) for g in result.accepted]
+        version = self.current_version()
+        lags = [version - s.weight_version for g in groups for s in g]
+        metrics = {
+            **result.metrics(),
+            "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+            "staleness_max": float(max(lags, default=0)),
+            "stale_groups_dropped": float(self._stale_dropped),
+            "held_groups": float(self.data_buffer.n_held),
+        }
+        return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics)
+
+
+def _held_record(prompt: PromptItem, samples: list[Sample]) -> dict[str, Any]:
+    return {"prompt": prompt.to_dict(), "samples": [s.to_dict() for s in samples]}
+
+
+def _prompt_of(group: tuple[Sample, ...]) -> PromptItem:
+    s = group[0]
+    return PromptItem(s.prompt_ids, (), s.metadata, "")
+
+
+def _accumulate(total: CollectResult, part: CollectResult) -> None:
+    total.n_launched += part.n_launched
+    total.n_filtered += part.n_filtered
+    total.n_failed_groups += part.n_failed_groups
+    total.n_failed_samples += part.n_failed_samples
+    total.completion_tokens += part.completion_tokens
+    total.wall_time_s += part.wall_time_s
+
+
+async def _abort_all(engine: Any) -> None:
+    abort_all = getattr(engine, "abort_all", None)
+    if abort_all is None:
+        return
+    try:
+        await abort_all()
+    except Exception as err:  # shutting down: report, never mask the original exit reason
+        log.warning("abort_all on shutdown failed: %s", err)

@@ -1,0 +1,145 @@
+"""AsyncRolloutManager and collect_groups against the real local engine over loopback HTTP."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.generation import keep_if_reward_varies
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import PromptItem
+from rollouts.types import Sample
+from training.data_buffer import DataBuffer
+
+
+def make_prompts(tokenizer, n: int) -> list[PromptItem]:
+    items = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"{i}+{i}"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        items.append(PromptItem(tuple(ids["input_ids"]), tuple(messages), {"answer": str(2 * i)}))
+    return items
+
+
+def config(**kw) -> RolloutConfig:
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=kw.pop("max_new_tokens", 4))
+    return RolloutConfig(sampling=sampling, **kw)
+
+
+def prompt_index(sample: Sample) -> int:
+    return int(sample.metadata["answer"]) // 2
+
+
+def test_zero_std_filter_handles_binary_and_continuous_rewards():
+    def group(*rewards):
+        return tuple(Sample((1,), (2,), (1,), reward=r) for r in rewards)
+
+    assert not keep_if_reward_varies(group(1.0, 1.0, 1.0))
+    assert not keep_if_reward_varies(group(0.0, 0.0))
+    assert keep_if_reward_varies(group(0.0, 1.0, 0.0))
+    assert keep_if_reward_varies(group(0.25, 0.2500001, 0.9))
+    assert not keep_if_reward_varies(group(0.3, 0.3 + 1e-9))
+    assert not keep_if_reward_varies(group(1.0))
+
+
+async def test_filtered_groups_are_refilled_by_over_sampling(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    prompts = make_prompts(tiny_tokenizer, 40)
+    buffer = DataBuffer(prompts, seed=0)
+
+    def reward(sample: Sample) -> float:  # odd prompts: every sample 1.0 → zero std → dropped
+        if prompt_index(sample) % 2:
+            return 1.0
+        return float(sample.index_in_group % 2)
+
+    cfg = config(batch_size=4, n_samples_per_prompt=4, filter_groups="reward_varies")
+    manager = AsyncRolloutManager(engine, buffer, cfg, reward_fn=reward,
+                                  group_filter=keep_if_reward_varies)  # fmt: skip
+    batch = await manager.generate_batch()
+    assert len(batch.groups) == 4
+    assert all(len(g) == 4 for g in batch.groups)
+    assert all(prompt_index(g[0]) % 2 == 0 for g in batch.groups)
+    assert batch.metrics["groups_filtered"] >= 1
+    assert batch.metrics["groups_launched"] == 4 + batch.metrics["groups_filtered"]
+    for g in batch.groups:  # token in, token out: engine ids and logprobs kept per sample
+        for s in g:
+            assert len(s.rollout_logprobs) == len(s.response_ids) == len(s.loss_mask) > 0
+
+
+async def test_surplus_groups_are_aborted_and_held_then_served_first_after_resume(
+    local_engine, tiny_tokenizer
+):
+    _, engine = local_engine
+    prompts = make_prompts(tiny_tokenizer, 40)
+    buffer = DataBuffer(prompts, seed=1)
+    cfg = config(batch_size=2, n_samples_per_prompt=2, extra_groups=3, filter_groups="none",
+                 max_new_tokens=24)  # fmt: skip
+    manager = AsyncRolloutManager(engine, buffer, cfg, reward_fn=lambda s: 0.0)
+    batch = await manager.generate_batch()
+    assert len(batch.groups) == 2
+    held = buffer.n_held
+    assert held == batch.metrics["groups_returned_partial"] >= 1
+    accepted = {prompt_index(g[0]) for g in batch.groups}
+
+    state = buffer.state_dict()  # what a checkpoint stores
+    resumed = DataBuffer(prompts, seed=1)
+    resumed.load_state_dict(state)
+    held_prompts = [PromptItem.from_dict(h.item["prompt"]) for h in resumed.take_held()]
+    assert len(held_prompts) == held
+    assert not accepted & {int(p.metadata["answer"]) // 2 for p in held_prompts}
+    resumed.load_state_dict(state)
+    manager2 = AsyncRolloutManager(engine, resumed, cfg.model_copy(update={"extra_groups": 0}),
+                                   reward_fn=lambda s: 0.0)  # fmt: skip
+    batch2 = await manager2.generate_batch()
+    served = [prompt_index(g[0]) for g in batch2.groups]
+    assert set(served) <= {int(p.metadata["answer"]) // 2 for p in held_prompts}
+
+
+async def test_stale_groups_are_dropped_and_regenerated_in_async_mode(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    prompts = make_prompts(tiny_tokenizer, 60)
+    buffer = DataBuffer(prompts, seed=2)
+    trainer_version = 0
+    cfg = config(batch_size=2, n_samples_per_prompt=2, mode="async", max_staleness=0,
+                 filter_groups="none")  # fmt: skip
+    await engine.update_weight_version("0")
+    manager = AsyncRolloutManager(engine, buffer, cfg, reward_fn=lambda s: 0.0,
+                                  current_version=lambda: trainer_version)  # fmt: skip
+    async with manager:
+        first = await manager.generate_batch()
+        assert first.metrics["stale_groups_dropped"] == 0
+        # the trainer moves on while the producer holds a finished batch made with version 0
+        with trio.fail_after(60):
+            while manager.statistics().batches_ready < 1:
+                await trio.sleep(0.01)
+        trainer_version = 1
+        await engine.update_weight_version("1")
+        second = await manager.generate_batch()
+    assert second.metrics["stale_groups_dropped"] >= 2
+    assert all(s.weight_version >= 1 for s in second.samples)
+
+
+async def test_generate_batch_in_overlap_mode_needs_the_manager_entered(
+    local_engine, tiny_tokenizer
+):
+    _, engine = local_engine
+    buffer = DataBuffer(make_prompts(tiny_tokenizer, 10), seed=0)
+    manager = AsyncRolloutManager(engine, buffer, config(mode="overlap"), reward_fn=lambda s: 0.0)
+    with pytest.raises(RuntimeError, match="async with manager"):
+        await manager.generate_batch()
+
+
+async def test_overlap_mode_prefetches_the_next_batch(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    buffer = DataBuffer(make_prompts(tiny_tokenizer, 30), seed=0)
+    cfg = config(batch_size=2, n_samples_per_prompt=2, mode="overlap", filter_groups="none")
+    async with AsyncRolloutManager(engine, buffer, cfg, reward_fn=lambda s: 0.0) as manager:
+        first = await manager.generate_batch()
+        with trio.fail_after(60):
+            while buffer.sample_offset < 4:  # the next batch's prompts are drawn in background
+                await trio.sleep(0.01)
+        second = await manager.generate_batch()
+    assert {prompt_index(g[0]) for g in first.groups}.isdisjoint(
+        {prompt_index(g[0]) for g in second.groups}
+    )

@@ -1,0 +1,158 @@
+"""run_rl_training: the RL loop, a pure async function over stateful components.
+
+One step reads top to bottom: batch of groups (AsyncRolloutManager) → algorithm for this step →
+advantages (pure) → reference logprobs of the same tokens if needed → forward_backward +
+optim_step → every `sync_every` steps export weights and push them to every engine → log →
+maybe eval → maybe checkpoint. All state lives in the backend (weights, optimizer, versions),
+the DataBuffer (cursor + held groups) and the engines; resume loads them.
+
+Cancellation (Ctrl-C, a host app's cancel scope) propagates out of whatever await is running:
+the rollout manager aborts its requests, the backend finishes the one queued op, and the last
+complete checkpoint stays intact because checkpoints are renamed into place only when whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from engines.weight_sync import sync_weights_to_engines
+from rollouts.types import RolloutBatch
+from training.algorithms import AlgorithmConfig
+from training.backend import PyTorchTrainingBackend
+from training.data_buffer import DataBuffer
+from training.loggers import Logger
+from training.reference import ReferenceUpdateFn, frozen
+from training.rl_batch import build_examples, loss_weight_fn, rl_loss_fn, with_ref_logprobs
+from training.rl_config import RLLoopConfig
+from training.sft import maybe_resume
+
+log = logging.getLogger("rollouts.rl")
+
+AlgorithmSchedule = Callable[[int], AlgorithmConfig]
+EvaluateFn = Callable[[], Awaitable[dict[str, float]]]
+
+
+async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
+                       *, pause_mode: str = "abort", keep: int = 2) -> float:  # fmt: skip
+    """Export the current weights (HF layout) and load them into every engine.
+
+    Returns:
+        Seconds for export + sync.
+    """
+    t0 = time.perf_counter()
+    version = backend.weight_version
+    path = await backend.export_weights(export_root / f"v{version:06d}")
+    await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode)
+    for old in sorted(export_root.glob("v*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
+async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
+                         algorithm: AlgorithmConfig, *, temperature: float,
+                         old_from_rollout: bool, reference: PyTorchTrainingBackend | None
+                         ) -> dict[str, float]:  # fmt: skip
+    """Advantages → (reference logprobs) → one optimizer step on `batch`."""
+    examples = build_examples(batch, algorithm)
+    if not examples:
+        return {"skipped_empty_batch": 1.0}
+    if algorithm.needs_ref_logprobs:
+        if reference is None:
+            raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
+        examples = with_ref_logprobs(examples, await reference.compute_logprobs(examples).result())
+    fb = backend.forward_backward(
+        examples,
+        loss_fn=rl_loss_fn(algorithm, temperature=temperature, old_from_rollout=old_from_rollout),
+        loss_weight_fn=loss_weight_fn(algorithm),
+    )
+    opt = backend.optim_step()
+    return {**await fb.result(), **await opt.result()}
+
+
+async def run_rl_training(
+    backend: PyTorchTrainingBackend,
+    data_buffer: DataBuffer,
+    rollout_manager: Any,
+    engines: Sequence[Any],
+    config: RLLoopConfig,
+    *,
+    algorithm: AlgorithmSchedule,
+    export_dir: str | Path,
+    temperature: float = 1.0,
+    old_from_rollout: bool = False,
+    reference: PyTorchTrainingBackend | None = None,
+    reference_update: ReferenceUpdateFn = frozen,
+    logger: Logger = lambda step, metrics: None,
+    evaluate_fn: EvaluateFn | None = None,
+    pause_mode: str = "abort",
+    resolved_config: dict[str, Any] | None = None,
+    on_batch: Callable[[int, RolloutBatch], None] | None = None,
+    on_algorithm_switch: Callable[[AlgorithmConfig], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Train with RL until `config.max_steps` optimizer steps are done.
+
+    Args:
+        backend: the policy being trained; its checkpoint_dir is where resume looks.
+        data_buffer: the prompts (the rollout manager draws from it); checkpointed with held groups.
+        rollout_manager: has `async generate_batch() -> RolloutBatch`.
+        engines: every engine that serves the policy; all receive each weight update.
+        algorithm: the algorithm at each step (a schedule allows switching mid-run).
+        export_dir: where exported weights go for the engines to load (same filesystem).
+        old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
+        reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
+        reference_update: how the reference follows the policy (frozen, EMA, periodic reset).
+        evaluate_fn: held-out evaluation through the engines, every `eval_every` steps.
+        on_batch: called with each rollout batch (e.g. to dump rollouts to JSONL).
+        on_algorithm_switch: called with the next step's algorithm when it differs from this
+            step's, so the rollout side can change reward shaping and group filtering.
+
+    Returns:
+        The metrics of each step this call ran.
+    """
+    export_root = Path(export_dir)
+    start = await maybe_resume(backend, data_buffer, config)
+    if start > 0:  # the engines must serve the resumed weights, not the initial ones
+        await push_weights(backend, engines, export_root, pause_mode=pause_mode)
+    history: list[dict[str, Any]] = []
+    for step in range(start + 1, config.max_steps + 1):
+        t0 = time.perf_counter()
+        batch = await rollout_manager.generate_batch()
+        t_generated = time.perf_counter()
+        if on_batch is not None:
+            on_batch(step, batch)
+        algo = algorithm(step)
+        metrics: dict[str, Any] = dict(batch.metrics)
+        metrics |= await train_on_batch(backend, batch, algo, temperature=temperature,
+                                        old_from_rollout=old_from_rollout, reference=reference)  # fmt: skip
+        if reference is not None:
+            await trio.to_thread.run_sync(reference_update, reference, backend, step)
+        t_trained = time.perf_counter()
+        sync_s = 0.0
+        if step % config.sync_every == 0 or step == config.max_steps:
+            sync_s = await push_weights(backend, engines, export_root, pause_mode=pause_mode)
+        metrics |= {
+            "algorithm": algo.name,
+            "weight_version": backend.weight_version,
+            "time_generate_s": t_generated - t0,
+            "time_train_s": t_trained - t_generated,
+            "time_sync_s": sync_s,
+            "time_step_s": time.perf_counter() - t0,
+        }
+        if evaluate_fn is not None and (step % config.eval_every == 0 or step == config.max_steps):
+            metrics |= {f"eval_{k}": v for k, v in (await evaluate_fn()).items()}
+        logger(step, metrics)
+        history.append(metrics)
+        upcoming = algorithm(step + 1)
+        if on_algorithm_switch is not None and upcoming != algo:
+            on_algorithm_switch(upcoming)
+        if step % config.checkpoint_every == 0 or step == config.max_steps:
+            extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
+            await backend.save_checkpoint(step, metrics, extra_state=extra)
+    return history

@@ -1,0 +1,203 @@
+"""From rollout groups to training tensors and the per-micro-batch RL loss (pure functions).
+
+Token ids and engine logprobs travel untouched from the engine: an `RLExample` is the sample's
+prompt + response ids with the loss mask extended by zeros over the prompt. RL batches are not
+packed: sequence-level quantities (advantages, GSPO's ratio, seq-mean aggregation) need one
+sequence per row, and RL responses in a batch have similar lengths.
+
+Logprob alignment: position t of a row predicts token t+1, so a response token's logprob, its
+engine logprob and its advantage all sit at the position just before it (where
+`target_ids != -100`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from rollouts.types import RolloutBatch, Sample
+from training.algorithms import AlgorithmConfig, compute_advantages, compute_policy_loss
+from training.kl import logprob_mismatch_metrics
+from training.packing import IGNORE_INDEX, SFTBatch, prepare_sft_batch, token_logprobs
+
+
+@dataclass(frozen=True)
+class RLExample:
+    """One sample as the trainer sees it."""
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    advantage: float
+    rollout_logprobs: tuple[float, ...]  # one per trained (loss_mask == 1) response token
+    ref_logprobs: tuple[float, ...] | None = None
+    source: str = ""
+
+    @property
+    def n_trained(self) -> int:
+        return sum(self.loss_mask)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class RLBatch:
+    """Tensors of one RL micro-batch; one sample per row."""
+
+    base: SFTBatch
+    advantages_B: torch.Tensor
+    rollout_logprobs_BT: torch.Tensor | None
+    ref_logprobs_BT: torch.Tensor | None
+
+    @property
+    def n_trained_tokens(self) -> int:
+        return self.base.n_trained_tokens
+
+    @property
+    def n_samples(self) -> int:
+        return self.base.n_samples
+
+    @property
+    def n_tokens(self) -> int:
+        return self.base.n_tokens
+
+    @property
+    def n_slots(self) -> int:
+        return self.base.n_slots
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        return self.base.target_ids
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.base.input_ids
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return self.base.position_ids
+
+    @property
+    def is_packed(self) -> bool:
+        return False
+
+    def to(self, device: torch.device | str) -> RLBatch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return RLBatch(self.base.to(device), self.advantages_B.to(device),
+                       move(self.rollout_logprobs_BT), move(self.ref_logprobs_BT))  # fmt: skip
+
+    @property
+    def segment_ids(self) -> torch.Tensor:
+        return self.base.segment_ids
+
+
+def sample_to_example(sample: Sample, advantage: float,
+                      ref_logprobs: Sequence[float] | None = None) -> RLExample:  # fmt: skip
+    """The training view of one sample: prompt + response ids, mask 0 over the prompt."""
+    trained = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=False) if m]
+    return RLExample(
+        input_ids=sample.prompt_ids + sample.response_ids,
+        loss_mask=(0,) * len(sample.prompt_ids) + sample.loss_mask,
+        advantage=advantage,
+        rollout_logprobs=tuple(trained),
+        ref_logprobs=None if ref_logprobs is None else tuple(ref_logprobs),
+        source=f"group {sample.group_id} sample {sample.index_in_group}",
+    )
+
+
+def batch_rewards(batch: RolloutBatch) -> torch.Tensor:
+    """Rewards [G, N] of a batch (all groups have N samples)."""
+    return torch.tensor([[s.reward for s in g] for g in batch.groups], dtype=torch.float32)
+
+
+def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig) -> list[RLExample]:
+    """Advantages for every sample of `batch` under `algorithm`, as trainer examples (pure).
+
+    Samples with no trained token (empty responses) are kept out: they carry no gradient.
+    """
+    advantages_GN = compute_advantages(algorithm, batch_rewards(batch))
+    examples = []
+    for g, group in enumerate(batch.groups):
+        for n, sample in enumerate(group):
+            if sample.num_trained_tokens:
+                examples.append(sample_to_example(sample, float(advantages_GN[g, n])))
+    return examples
+
+
+def with_ref_logprobs(examples: Sequence[RLExample], ref_logprobs: Sequence[torch.Tensor]
+                      ) -> list[RLExample]:  # fmt: skip
+    """Attach reference-model logprobs of the same tokens (from `compute_logprobs`)."""
+    pairs = zip(examples, ref_logprobs, strict=True)
+    return [replace(e, ref_logprobs=tuple(lp.tolist())) for e, lp in pairs]
+
+
+def _scatter(base: SFTBatch, values: Sequence[Sequence[float]]) -> torch.Tensor:
+    out = torch.zeros(base.target_ids.shape, dtype=torch.float32)
+    trained = base.target_ids != IGNORE_INDEX
+    for i, v in enumerate(values):
+        sel = (base.segment_ids == i) & trained
+        if int(sel.sum()) != len(v):
+            raise ValueError(f"sample {i}: {len(v)} logprobs for {int(sel.sum())} trained tokens")
+        out[sel] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
+def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
+    """Tensors for a micro-batch of examples, one per row, right-padded."""
+    base = prepare_sft_batch(examples, pad_id=pad_id, packing=False)
+    have_rollout = all(len(e.rollout_logprobs) == e.n_trained for e in examples)
+    have_ref = all(e.ref_logprobs is not None for e in examples)
+    return RLBatch(
+        base=base,
+        advantages_B=torch.tensor([e.advantage for e in examples], dtype=torch.float32),
+        rollout_logprobs_BT=_scatter(base, [e.rollout_logprobs for e in examples])
+        if have_rollout
+        else None,
+        ref_logprobs_BT=_scatter(base, [e.ref_logprobs for e in examples]) if have_ref else None,
+    )
+
+
+def rl_loss_fn(
+    algorithm: AlgorithmConfig, *, temperature: float = 1.0, old_from_rollout: bool = False
+):
+    """The backend loss for one RL micro-batch: logits → temperature-scaled logprobs → loss.
+
+    Engine logprobs are those of the temperature-scaled distribution, so the trainer scales its
+    logits the same way before comparing or training. With `old_from_rollout`, the engine
+    logprobs serve as the behaviour policy in the ratio (off-policy samples in overlap/async
+    modes); otherwise the update is taken as on-policy (old = current, detached).
+    """
+
+    def loss(logits: torch.Tensor, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        if temperature not in (0.0, 1.0):
+            logits = logits / temperature
+        logprobs_BT = token_logprobs(logits, batch.target_ids)
+        mask_BT = (batch.target_ids != IGNORE_INDEX).float()
+        if old_from_rollout and batch.rollout_logprobs_BT is not None:
+            # the engine's logprobs are the behaviour policy; mismatch is measured against the
+            # trainer's current logprobs (before this update) instead.
+            loss_value, metrics = compute_policy_loss(
+                algorithm, logprobs_BT, batch.rollout_logprobs_BT, batch.advantages_B, mask_BT,
+                ref_logprobs_BT=batch.ref_logprobs_BT,
+            )  # fmt: skip
+            mismatch = logprob_mismatch_metrics(
+                logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
+            )
+            return loss_value, {**metrics, **mismatch}
+        return compute_policy_loss(
+            algorithm, logprobs_BT, logprobs_BT.detach(), batch.advantages_B, mask_BT,
+            ref_logprobs_BT=batch.ref_logprobs_BT, rollout_logprobs_BT=batch.rollout_logprobs_BT,
+        )  # fmt: skip
+
+    return loss
+
+
+def loss_weight_fn(algorithm: AlgorithmConfig):
+    """How micro-batch losses are weighted into the step loss: by tokens or by sequences."""
+    if algorithm.aggregation == "token-mean":
+        return lambda batch: batch.n_trained_tokens
+    return lambda batch: batch.n_samples

@@ -1,0 +1,241 @@
+"""RL recipe glue: config → model, prompts, engines (launched or live), manager, loop, summary.
+
+`examples/run_rl.py` calls `run_rl_recipe`. With `engines.urls` empty it launches local engines
+on the starting checkpoint; with URLs it uses those live SGLang servers and pushes weights to
+each of them by `/update_weights_from_disk`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines import EnginePool, SGLangEngine, launch_engine
+from engines.client import EngineTimeouts
+from rollouts.errors import ConfigError
+from rollouts.evaluation import evaluate_greedy
+from rollouts.generation import keep_all, keep_if_reward_varies
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import load_prompt_jsonl
+from rollouts.tasks.arithmetic import write_arithmetic_datasets
+from training import algorithms
+from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.checkpoint import find_latest_checkpoint
+from training.config import SFTRunConfig, config_to_yaml, load_config
+from training.data_buffer import DataBuffer
+from training.loggers import ConsoleLogger, JsonlLogger, fan_out
+from training.recipes import run_sft_recipe
+from training.reference import make_reference
+from training.rl import push_weights, run_rl_training
+from training.rl_batch import collate_rl
+from training.rl_config import AlgorithmSection, RLRunConfig
+
+log = logging.getLogger("rollouts.rl_recipe")
+
+
+def resolve_callable(spec: str) -> Callable[..., Any]:
+    """Import `module:function` once, at the edge (config files name extension points so)."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ConfigError(f"{spec!r}: expected 'module:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"cannot resolve {spec!r}: {err}") from err
+
+
+def make_algorithm(preset: str, overrides: dict[str, Any], max_new_tokens: int
+                   ) -> algorithms.AlgorithmConfig:  # fmt: skip
+    """A preset by name with overrides; length-aware presets get the generation budget."""
+    factory = getattr(algorithms, preset, None)
+    if factory is None or not callable(factory):
+        raise ConfigError(f"unknown algorithm preset {preset!r}")
+    kwargs = dict(overrides)
+    if preset == "dapo":
+        kwargs.setdefault("max_response_len", max_new_tokens)
+    if preset == "dr_grpo":
+        kwargs.setdefault("max_tokens_norm", max_new_tokens)
+    return factory(**kwargs)
+
+
+def algorithm_schedule(section: AlgorithmSection, max_new_tokens: int
+                       ) -> algorithms.AlgorithmSchedule:  # fmt: skip
+    """The configured preset (with overrides), switching to `then` at `switch_at_step`."""
+    first = make_algorithm(section.preset, section.overrides, max_new_tokens)
+    if section.then is None:
+        return algorithms.constant_schedule(first)
+    if section.switch_at_step is None:
+        raise ConfigError("algorithm.then needs algorithm.switch_at_step")
+    then = make_algorithm(section.then, {}, max_new_tokens)
+    return algorithms.switch_at(section.switch_at_step, first, then)
+
+
+async def resolve_start_model(config: RLRunConfig) -> str:
+    """`model.path`, or the SFT recipe's latest checkpoint (running the SFT recipe if missing)."""
+    if config.model.path is not None:
+        return config.model.path
+    if config.sft_config is None:
+        raise ConfigError("model.path is null and sft_config is null: no model to start from")
+    sft = load_config(SFTRunConfig, config.sft_config)
+    latest = find_latest_checkpoint(Path(sft.output_dir) / "checkpoints")
+    if latest is None or _steps_of(latest) < sft.train.max_steps:
+        log.info("no finished SFT checkpoint in %s: running the SFT recipe first", sft.output_dir)
+        summary = await run_sft_recipe(sft)
+        log.info("%s", summary.line())
+        latest = summary.checkpoint
+    return str(latest)
+
+
+def _steps_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("_")[-1])
+
+
+def load_prompts(config: RLRunConfig, tokenizer: Any):
+    dc = config.data
+    if dc.train_path is not None:
+        train = load_prompt_jsonl(dc.train_path, tokenizer, max_prompt_len=dc.max_prompt_len)
+        held = load_prompt_jsonl(dc.eval_path, tokenizer) if dc.eval_path else []
+    elif dc.task == "arithmetic":
+        a = dc.arithmetic
+        files = write_arithmetic_datasets(
+            dc.task_dir, n_sft=a.n_sft, n_rl=a.n_rl, n_eval=a.n_eval, seed=a.seed,
+            min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops,
+        )  # fmt: skip
+        train = load_prompt_jsonl(files.rl_train, tokenizer)
+        held = load_prompt_jsonl(files.rl_eval, tokenizer)
+    else:
+        raise ConfigError("data.train_path is not set and data.task is null: no prompts")
+    return train, held[: config.train.eval_samples]
+
+
+def group_filter_for(algo: algorithms.AlgorithmConfig, setting: str):
+    """The rollout group filter: as configured, or ("auto") as the algorithm says."""
+    if setting == "reward_varies" or (setting == "auto" and algo.filter_zero_std):
+        return keep_if_reward_varies
+    return keep_all
+
+
+@contextlib.asynccontextmanager
+async def open_engines(config: RLRunConfig, model_path: str, out: Path):
+    """SGLangEngine clients for live URLs, or for local engines launched here (and stopped)."""
+    ec = config.engines
+    timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s)
+    async with contextlib.AsyncExitStack() as stack:
+        urls = list(ec.urls)
+        if not urls:
+            for i in range(ec.n_local):
+                args = ["--weight-version", "0", "--max-running-requests",
+                        str(ec.max_running_requests)]  # fmt: skip
+                if ec.local_threads:
+                    args += ["--num-threads", str(ec.local_threads)]
+                launched = await stack.enter_async_context(launch_engine(
+                    kind="local", model_path=model_path, extra_args=args,
+                    log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
+                ))  # fmt: skip
+                urls.append(launched.url)
+        clients = [
+            await stack.enter_async_context(SGLangEngine(u, api_key=ec.api_key, timeouts=timeouts))
+            for u in urls
+        ]
+        yield clients
+
+
+@dataclass(frozen=True)
+class RLSummary:
+    accuracy_before: float | None
+    accuracy_after: float | None
+    steps: int
+    wall_time_s: float
+    checkpoint: Path | None
+    reward_curve: tuple[float, ...]
+
+    def line(self) -> str:
+        def pct(v: float | None) -> str:
+            return "n/a" if v is None else f"{v:.1%}"
+
+        gain = ""
+        if self.accuracy_before is not None and self.accuracy_after is not None:
+            gain = f" ({(self.accuracy_after - self.accuracy_before) * 100:+.1f} points)"
+        return (
+            f"RL done: heldout_accuracy before={pct(self.accuracy_before)} "
+            f"after={pct(self.accuracy_after)}{gain} steps={self.steps} "
+            f"wall_time={self.wall_time_s:.1f}s checkpoint={self.checkpoint}"
+        )
+
+
+async def run_rl_recipe(config: RLRunConfig) -> RLSummary:
+    """Everything `examples/run_rl.py` does."""
+    t0 = time.perf_counter()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
+    log.info("resolved config:\n%s", config_to_yaml(config))
+    reward_fn = resolve_callable(config.reward.fn)
+    schedule = algorithm_schedule(config.algorithm, config.rollout.sampling.max_new_tokens)
+    model_path = await resolve_start_model(config)
+
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=config.model.dtype,
+                                                device=config.backend.device)  # fmt: skip
+    train_prompts, held_out = load_prompts(config, tokenizer)
+    buffer = DataBuffer(train_prompts, seed=config.data.shuffle_seed)
+    pad_id = tokenizer.pad_token_id
+    backend = PyTorchTrainingBackend(
+        model, tokenizer, optim=config.optim, max_steps=config.train.max_steps,
+        checkpoint_dir=out / "checkpoints", micro_batch_tokens=config.backend.micro_batch_tokens,
+        pack_length=None, collate_fn=lambda examples: collate_rl(examples, pad_id=pad_id),
+        keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
+        seed=config.backend.seed,
+    )  # fmt: skip
+    needs_ref = any(schedule(s).needs_ref_logprobs for s in range(1, config.train.max_steps + 1))
+    reference = make_reference(backend) if needs_ref else None
+    if config.train.resume == "never":
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    jsonl = JsonlLogger(out / "metrics.jsonl")
+    console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
+                            keys=("reward_mean", "accuracy", "eval_accuracy", "loss",
+                                  "time_step_s", "weight_version"))  # fmt: skip
+    with backend, contextlib.closing(jsonl), contextlib.closing(console):
+        async with open_engines(config, model_path, out) as clients, EnginePool(clients) as pool:
+            if config.engines.urls:  # live servers: make them serve exactly our start weights
+                await push_weights(
+                    backend, clients, out / "weights", pause_mode=config.engines.pause_mode
+                )
+
+            async def evaluate() -> dict[str, float]:
+                return await evaluate_greedy(pool, held_out, reward_fn,
+                                             max_new_tokens=config.train.eval_max_new_tokens)  # fmt: skip
+
+            before = await evaluate() if held_out else {}
+            log.info("held-out before RL: %s", before)
+            first = schedule(1)
+            manager = AsyncRolloutManager(
+                pool, buffer, config.rollout,
+                reward_fn=algorithms.shape_reward(first, reward_fn),
+                group_filter=group_filter_for(first, config.rollout.filter_groups),
+                current_version=lambda: backend.weight_version, tokenizer=tokenizer,
+            )  # fmt: skip
+
+            def switch(algo: algorithms.AlgorithmConfig) -> None:
+                log.info("algorithm switch: %s", algo.name)
+                manager.set_policy(reward_fn=algorithms.shape_reward(algo, reward_fn),
+                                   group_filter=group_filter_for(algo, config.rollout.filter_groups))  # fmt: skip
+
+            async with manager:
+                history = await run_rl_training(
+                    backend, buffer, manager, clients, config.train, algorithm=schedule,
+                    export_dir=out / "weights", temperature=config.rollout.sampling.temperature,
+                    old_from_rollout=config.rollout.mode != "sync", reference=reference,
+                    logger=fan_out(jsonl, console), evaluate_fn=evaluate if held_out else None,
+                    pause_mode=config.engines.pause_mode,
+                    resolved_config=config.model_dump(mode="json"), on_algorithm_switch=switch,
+                )  # fmt: skip
+    after = history[-1].get("eval_accuracy") if history else None
+    curve = tuple(m.get("reward_mean", float("nan")) for m in history)
+    return RLSummary(before.get("accuracy"), after, backend.step, time.perf_counter() - t0,
+                     find_latest_checkpoint(out / "checkpoints"), curve)  # fmt: skip
