@@ -1,0 +1,141 @@
+"""run_rl_training end to end against a launched local engine process (real HTTP, real weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import trio
+
+from engines import EnginePool, SGLangEngine, launch_engine
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import load_prompt_jsonl
+from rollouts.tasks.arithmetic import write_arithmetic_datasets
+from training.algorithms import constant_schedule, grpo
+from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.checkpoint import find_latest_checkpoint
+from training.config import OptimConfig
+from training.data_buffer import DataBuffer
+from training.loggers import JsonlLogger
+from training.rl import run_rl_training
+from training.rl_batch import collate_rl
+from training.rl_config import RLLoopConfig
+
+
+def digit_fraction(sample) -> float:
+    """A reward with spread even for an untrained model: the share of digits in the answer."""
+    text = sample.response_text
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+
+
+async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
+    tiny_model_dir, tmp_path
+):
+    files = write_arithmetic_datasets(tmp_path / "data", n_sft=10, n_rl=64, n_eval=8, seed=0)
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    prompts = load_prompt_jsonl(files.rl_train, tok)
+    buffer = DataBuffer(prompts, seed=0)
+    backend = PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=3e-3, schedule="constant"), max_steps=3,
+        checkpoint_dir=tmp_path / "out" / "checkpoints", pack_length=None,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+    rollout = RolloutConfig(batch_size=4, n_samples_per_prompt=4, filter_groups="none",
+                            sampling=SamplingConfig(max_new_tokens=6))  # fmt: skip
+    probe = [*prompts[0].prompt_ids, 17, 18, 19]
+    logger = JsonlLogger(tmp_path / "out" / "metrics.jsonl")
+    with backend:
+        async with (
+            launch_engine(
+                kind="local",
+                model_path=tiny_model_dir,
+                extra_args=["--weight-version", "0", "--num-threads", "1"],
+                startup_timeout_s=120,
+            ) as launched,  # fmt: skip
+            SGLangEngine(launched.url) as engine,
+            EnginePool([engine]) as pool,
+        ):
+            before = await engine.score(probe, len(prompts[0].prompt_ids))
+            manager = AsyncRolloutManager(pool, buffer, rollout, reward_fn=digit_fraction,
+                                          current_version=lambda: backend.weight_version)  # fmt: skip
+            history = await run_rl_training(
+                backend, buffer, manager, [engine],
+                RLLoopConfig(max_steps=3, checkpoint_every=3), algorithm=constant_schedule(grpo()),
+                export_dir=tmp_path / "out" / "weights", logger=logger,
+            )  # fmt: skip
+            info = await engine.model_info()
+            after = await engine.score(probe, len(prompts[0].prompt_ids))
+    logger.close()
+    assert info.weight_version == "3" and backend.weight_version == 3
+    assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs, strict=True)) > 1e-4
+    assert len(history) == 3
+    for m in history:
+        assert m["time_sync_s"] > 0 and m["grad_norm"] > 0
+        assert "logprob_diff_max_abs" in m and m["logprob_diff_max_abs"] < 1e-3
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+    ckpt = find_latest_checkpoint(tmp_path / "out" / "checkpoints")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 3 and "data_buffer" in state["extra"]
+
+
+async def test_cancelling_the_loop_leaves_no_process_and_a_loadable_checkpoint(
+    tiny_model_dir, tmp_path
+):
+    files = write_arithmetic_datasets(tmp_path / "data", n_sft=10, n_rl=64, n_eval=8, seed=0)
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    buffer = DataBuffer(load_prompt_jsonl(files.rl_train, tok), seed=0)
+    backend = PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=1e-3), max_steps=100,
+        checkpoint_dir=tmp_path / "ck", pack_length=None,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+    rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                            sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+    steps_done = []
+    with backend:
+        async with trio.open_nursery() as nursery:
+
+            async def train() -> None:
+                async with (
+                    launch_engine(
+                        kind="local",
+                        model_path=tiny_model_dir,
+                        extra_args=["--weight-version", "0", "--num-threads", "1"],
+                        startup_timeout_s=120,
+                    ) as launched,  # fmt: skip
+                    SGLangEngine(launched.url) as engine,
+                    AsyncRolloutManager(
+                        engine,
+                        buffer,
+                        rollout,
+                        reward_fn=digit_fraction,
+                        current_version=lambda: backend.weight_version,
+                    ) as mgr,  # fmt: skip
+                ):
+                    steps_done.append(launched.pid)
+                    await run_rl_training(
+                        backend, buffer, mgr, [engine],
+                        RLLoopConfig(max_steps=100, checkpoint_every=1),
+                        algorithm=constant_schedule(grpo()), export_dir=tmp_path / "w",
+                        logger=lambda step, m: steps_done.append(step),
+                    )  # fmt: skip
+
+            nursery.start_soon(train)
+            with trio.fail_after(120):
+                while len(steps_done) < 3:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    pid = steps_done[0]
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive
+    latest = find_latest_checkpoint(tmp_path / "ck")
+    assert latest is not None
+    reloaded, _ = load_model_and_tokenizer(latest)
+    assert sum(p.numel() for p in reloaded.parameters()) > 0
