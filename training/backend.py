@@ -34,7 +34,7 @@ from training import checkpoint as ckpt
 from training.config import OptimConfig
 from training.packing import (
     forward_logits,
-    pack_sequences,
+    pack_balanced,
     prepare_sft_batch,
     sft_loss,
     token_logprobs,
@@ -192,7 +192,7 @@ class PyTorchTrainingBackend:
     def split_microbatches(self, samples: Sequence[Any]) -> list[list[Any]]:
         """Group samples into micro-batches of at most `micro_batch_tokens` padded slots."""
         if self.pack_length is not None:
-            rows = pack_sequences(samples, self.pack_length)
+            rows = pack_balanced(samples, self.pack_length)
             rows_per_mb = max(1, self.micro_batch_tokens // self.pack_length)
             return [
                 [samples[i] for row in rows[k : k + rows_per_mb] for i in row]

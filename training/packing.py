@@ -19,6 +19,7 @@ Pure: imports torch only (no engines, no HTTP).
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -115,6 +116,45 @@ def pack_sequences(samples: Sequence[TokenizedSample], max_tokens_per_row: int) 
     return sorted((sorted(r) for r in rows), key=lambda r: r[0])
 
 
+def pack_balanced(samples: Sequence[TokenizedSample], max_tokens_per_row: int) -> list[list[int]]:
+    """Assign samples to the fewest rows that fit, keeping the rows about equally long.
+
+    Batches are padded to their longest row, so for a small batch (one step of short samples)
+    equal rows waste far less than filling rows to capacity and leaving a short last one:
+    32 samples of 17 tokens in rows of 256 fill 3 rows as 255/255/34 (71 % efficiency) with
+    best-fit, but 187/187/170 (97 %) here. Longest sample first onto the currently shortest row;
+    if a row would overflow, one more row is added and the assignment redone. Deterministic.
+
+    Args:
+        samples: the samples to pack (only their lengths are used).
+        max_tokens_per_row: row capacity in tokens.
+
+    Returns:
+        Rows of indices into `samples` (each row in index order; rows by first index).
+
+    Raises:
+        ConfigError: if a sample is longer than `max_tokens_per_row`.
+    """
+    lengths = [len(s) for s in samples]
+    if not lengths:
+        return []
+    if max(lengths) > max_tokens_per_row:
+        return pack_sequences(samples, max_tokens_per_row)  # raises the named ConfigError
+    order = sorted(range(len(samples)), key=lambda i: (-lengths[i], i))
+    n_rows = max(1, -(-sum(lengths) // max_tokens_per_row))
+    while True:
+        heap = [(0, r) for r in range(n_rows)]
+        rows: list[list[int]] = [[] for _ in range(n_rows)]
+        for i in order:
+            used, r = heapq.heappop(heap)
+            rows[r].append(i)
+            heapq.heappush(heap, (used + lengths[i], r))
+        if max(used for used, _ in heap) <= max_tokens_per_row:
+            break
+        n_rows += 1
+    return sorted((sorted(r) for r in rows if r), key=lambda r: r[0])
+
+
 def prepare_sft_batch(
     samples: Sequence[TokenizedSample],
     *,
@@ -143,7 +183,7 @@ def prepare_sft_batch(
         raise ValueError("prepare_sft_batch needs at least one sample")
     lengths = [len(s) for s in samples]
     if packing:
-        rows = pack_sequences(samples, max_tokens_per_row or max(lengths))
+        rows = pack_balanced(samples, max_tokens_per_row or max(lengths))
     else:
         rows = [[i] for i in range(len(samples))]
     width = max(sum(lengths[i] for i in row) for row in rows)
