@@ -11,7 +11,7 @@ from engines import EnginePool, SGLangEngine, launch_engine
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
-from rollouts.tasks.arithmetic import write_arithmetic_datasets
+from rollouts.tasks.arithmetic import digit_share_reward, write_arithmetic_datasets
 from training.algorithms import constant_schedule, grpo
 from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.checkpoint import find_latest_checkpoint
@@ -21,12 +21,6 @@ from training.loggers import JsonlLogger
 from training.rl import run_rl_training
 from training.rl_batch import collate_rl
 from training.rl_config import RLLoopConfig
-
-
-def digit_fraction(sample) -> float:
-    """A reward with spread even for an untrained model: the share of digits in the answer."""
-    text = sample.response_text
-    return sum(c.isdigit() for c in text) / max(1, len(text))
 
 
 async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
@@ -57,7 +51,7 @@ async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
             EnginePool([engine]) as pool,
         ):
             before = await engine.score(probe, len(prompts[0].prompt_ids))
-            manager = AsyncRolloutManager(pool, buffer, rollout, reward_fn=digit_fraction,
+            manager = AsyncRolloutManager(pool, buffer, rollout, reward_fn=digit_share_reward,
                                           current_version=lambda: backend.weight_version)  # fmt: skip
             history = await run_rl_training(
                 backend, buffer, manager, [engine],
@@ -110,7 +104,7 @@ async def test_cancelling_the_loop_leaves_no_process_and_a_loadable_checkpoint(
                         engine,
                         buffer,
                         rollout,
-                        reward_fn=digit_fraction,
+                        reward_fn=digit_share_reward,
                         current_version=lambda: backend.weight_version,
                     ) as mgr,  # fmt: skip
                 ):

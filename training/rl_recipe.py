@@ -29,7 +29,7 @@ from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.checkpoint import find_latest_checkpoint
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data_buffer import DataBuffer
-from training.loggers import ConsoleLogger, JsonlLogger, fan_out
+from training.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.recipes import run_sft_recipe
 from training.reference import make_reference
 from training.rl import push_weights, run_rl_training
@@ -169,8 +169,12 @@ class RLSummary:
         )
 
 
-async def run_rl_recipe(config: RLRunConfig) -> RLSummary:
-    """Everything `examples/run_rl.py` does."""
+async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None) -> RLSummary:
+    """Everything `examples/run_rl.py` does.
+
+    Args:
+        on_step: an extra logger called after every step (e.g. a host app watching progress).
+    """
     t0 = time.perf_counter()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,7 +235,7 @@ async def run_rl_recipe(config: RLRunConfig) -> RLSummary:
                     backend, buffer, manager, clients, config.train, algorithm=schedule,
                     export_dir=out / "weights", temperature=config.rollout.sampling.temperature,
                     old_from_rollout=config.rollout.mode != "sync", reference=reference,
-                    logger=fan_out(jsonl, console), evaluate_fn=evaluate if held_out else None,
+                    logger=fan_out(jsonl, console, *([on_step] if on_step else [])), evaluate_fn=evaluate if held_out else None,
                     pause_mode=config.engines.pause_mode,
                     resolved_config=config.model_dump(mode="json"), on_algorithm_switch=switch,
                 )  # fmt: skip

@@ -156,3 +156,13 @@ def correctness_reward(sample) -> dict[str, float]:
     """
     correct = float(is_correct(sample.response_text, str(sample.metadata["answer"])))
     return {"correct": correct, "total": correct}
+
+
+def digit_share_reward(sample) -> float:
+    """Format shaping: the share of the response's characters that are digits (0 to 1).
+
+    Has spread even for an untrained model, so it is what smoke tests and the embedding
+    example train on; the correctness reward is what the demo trains on.
+    """
+    text = sample.response_text
+    return sum(c.isdigit() for c in text) / max(1, len(text))
