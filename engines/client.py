@@ -83,6 +83,7 @@ class SGLangEngine:
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
         max_connections: int = 1024,
+        max_keepalive_connections: int = 20,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._url = url.rstrip("/")
@@ -91,8 +92,10 @@ class SGLangEngine:
         self.retry_backoff_s = retry_backoff_s
         self._api_key = api_key
         self._max_connections = max_connections
+        self._max_keepalive = max_keepalive_connections
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self._timeout_cache: dict[float | None, httpx.Timeout] = {}
 
     @property
     def url(self) -> str:
@@ -108,11 +111,13 @@ class SGLangEngine:
             headers=headers,
             transport=self._transport,
             timeout=httpx.Timeout(self.timeouts.control_s, connect=self.timeouts.connect_s),
-            # keep-alive shorter than SGLang's uvicorn (5 s), so the server never closes a
-            # connection the client is about to reuse
+            # Keep-alive shorter than SGLang's uvicorn (5 s), so the server never closes a
+            # connection the client is about to reuse. Few idle connections: httpcore scans
+            # its whole pool for every request, and 64 idle connections made each request cost
+            # ~3x the client CPU of 20 (benchmarks/engine_throughput.py).
             limits=httpx.Limits(
                 max_connections=self._max_connections,
-                max_keepalive_connections=self._max_connections,
+                max_keepalive_connections=self._max_keepalive,
                 keepalive_expiry=4.0,
             ),
         )
@@ -137,18 +142,22 @@ class SGLangEngine:
         if self._client is None:
             raise RuntimeError("use `async with SGLangEngine(url) as engine:` before calling it")
         retries = self.max_retries if retries is None else retries
-        what = f"{method} {path}"
-        request_timeout = httpx.Timeout(timeout, connect=self.timeouts.connect_s)
+        request_timeout = self._timeout_cache.get(timeout)
+        if request_timeout is None:
+            request_timeout = httpx.Timeout(timeout, connect=self.timeouts.connect_s)
+            self._timeout_cache[timeout] = request_timeout
         for attempt in range(retries + 1):
             try:
                 response = await self._client.request(
                     method, path, json=json, timeout=request_timeout
                 )
             except _RETRYABLE as exc:
+                what = f"{method} {path}"
                 failure: EngineError = EngineUnavailableError(
                     f"{what}: cannot reach the engine ({type(exc).__name__}: {exc})", url=self._url
                 )
             except httpx.TimeoutException as exc:
+                what = f"{method} {path}"
                 raise EngineTimeoutError(
                     f"{what}: no answer within {timeout} s ({type(exc).__name__})", url=self._url
                 ) from exc
@@ -156,6 +165,7 @@ class SGLangEngine:
                 if response.status_code < 400:
                     return response
                 # The server's own message goes in the text; the raw body stays on `.body`.
+                what = f"{method} {path}"
                 message = _server_message(response)
                 if response.status_code != 503:
                     error = EngineError(

@@ -147,13 +147,22 @@ class EnginePool:
                     self._notify()
             await trio.sleep(self.probe_interval_s)
 
+    def _pick(self, exclude: set[_Slot]) -> _Slot | None:
+        candidates = [s for s in self._slots if s.healthy and s not in exclude]
+        if not candidates:
+            return None
+        slot = min(candidates, key=lambda s: (s.in_flight, s.last_pick))
+        slot.last_pick = next(self._picks)
+        return slot
+
     async def _acquire(self, exclude: set[_Slot]) -> _Slot:
+        slot = self._pick(exclude)
+        if slot is not None:  # the common case, without setting up a deadline
+            return slot
         with trio.move_on_after(self.wait_for_engine_s):
             while True:
-                candidates = [s for s in self._slots if s.healthy and s not in exclude]
-                if candidates:
-                    slot = min(candidates, key=lambda s: (s.in_flight, s.last_pick))
-                    slot.last_pick = next(self._picks)
+                slot = self._pick(exclude)
+                if slot is not None:
                     return slot
                 if all(s in exclude for s in self._slots):
                     break

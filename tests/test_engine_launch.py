@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -62,12 +63,20 @@ async def test_cancelling_launch_mid_start_leaves_no_process(tiny_model_dir, tmp
                     pytest.fail("the engine must not become ready before the cancel")
 
             nursery.start_soon(launch)
-            with trio.fail_after(30):
-                while not seen:  # the process exists (it is still importing torch)
-                    seen.extend(pids_with_port(port))
-                    await trio.sleep(0.01)
+            # The server binds before it loads the model and answers 503 meanwhile (as SGLang
+            # does): seeing that 503 proves we cancel in the middle of the start.
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                with trio.fail_after(60):
+                    while True:
+                        try:
+                            status = (await http.get("/health")).status_code
+                            break
+                        except httpx.TransportError:
+                            await trio.sleep(0.01)
+            assert status == 503
+            seen.extend(pids_with_port(port))
             scope.cancel()
-    assert scope.cancelled_caught
+    assert scope.cancelled_caught and seen
     assert not any(alive(pid) for pid in seen) and pids_with_port(port) == []
 
 

@@ -133,10 +133,18 @@ class Scheduler:
                 out = await trio.to_thread.run_sync(
                     self.runner.step, keep, admit, limiter=self._limiter
                 )
+                self._apply(out, time.perf_counter() - started)
+            except Exception as exc:  # a bug or a broken model: fail this batch, keep serving
+                logger.exception("model step failed; failing %d requests", len(self.running))
+                for seq in self.running:
+                    if not seq.finished:
+                        seq.error = f"Internal error in the model step: {exc!r}"
+                        notify(seq)
+                self.running = []
+                await trio.to_thread.run_sync(self.runner.reset, limiter=self._limiter)
             finally:
                 self._stepping = False
                 self._step_done.set()
-            self._apply(out, time.perf_counter() - started)
 
     def _admit(self) -> list[Sequence]:
         admit: list[Sequence] = []

@@ -74,6 +74,9 @@ class _ThreadedRunner:
         with _torch_threads(self._threads):
             self._runner.load_weights(path)
 
+    def reset(self) -> None:
+        self._runner.reset()
+
 
 def _load(config: LocalEngineConfig):
     """Runs on a worker thread: tokenizer, model, and the model's sampling defaults."""
