@@ -1,6 +1,7 @@
 """Talking to inference servers: the SGLang HTTP protocol, a pool, a launcher, weight sync.
 
-Layers: `types` (records, `InferenceEngine`, errors) → `client.SGLangEngine` (httpx) →
+Layers: `types` (records, `InferenceEngine`, errors) → `http` (timeouts, retries) →
+`client.SGLangEngine` (the protocol) →
 `pool.EnginePool` (routing, failover) and `weight_sync` (fan-out refit); `launch` runs server
 processes; `engines.local` is the CPU server itself (imports torch only when it runs).
 Nothing here imports torch.
@@ -8,8 +9,8 @@ Nothing here imports torch.
 
 from rollouts.errors import EngineError as EngineError
 
-from .client import EngineTimeouts as EngineTimeouts
 from .client import SGLangEngine as SGLangEngine
+from .http import EngineTimeouts as EngineTimeouts
 from .launch import EngineLaunchError as EngineLaunchError
 from .launch import LaunchedEngine as LaunchedEngine
 from .launch import find_free_port as find_free_port

@@ -16,10 +16,8 @@ management API.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -27,8 +25,8 @@ import trio
 
 from rollouts.errors import EngineError
 
+from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts
 from .types import (
-    EngineTimeoutError,
     EngineUnavailableError,
     GenerateResult,
     ModelInfo,
@@ -36,39 +34,6 @@ from .types import (
     ScoreResult,
     parse_generate_response,
 )
-
-logger = logging.getLogger(__name__)
-
-# Failures where the server never produced an answer: safe to retry.
-_RETRYABLE = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
-
-
-@dataclass(frozen=True)
-class EngineTimeouts:
-    """Seconds per call kind (None = no limit)."""
-
-    connect_s: float = 10.0
-    generate_s: float | None = 3600.0
-    control_s: float = 120.0  # pause, abort, flush, info
-    weight_update_s: float = 1800.0
-    health_s: float = 10.0
-
-
-def _server_message(response: httpx.Response) -> str:
-    """The human part of an error body: `error.message`, `message`, `error`, or the text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()
-    if isinstance(body, Mapping):
-        error = body.get("error")
-        if isinstance(error, Mapping) and "message" in error:
-            return str(error["message"])
-        if "message" in body:
-            return str(body["message"])
-        if error is not None:
-            return str(error)
-    return response.text.strip()
 
 
 class SGLangEngine:
@@ -79,23 +44,25 @@ class SGLangEngine:
         url: str,
         *,
         api_key: str | None = None,
-        timeouts: EngineTimeouts = EngineTimeouts(),
+        timeouts: EngineTimeouts = DEFAULT_TIMEOUTS,
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
         max_connections: int = 1024,
         max_keepalive_connections: int = 20,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._url = url.rstrip("/")
+        self._http = EngineHTTP(
+            url.rstrip("/"),
+            api_key=api_key,
+            timeouts=timeouts,
+            max_retries=max_retries,
+            retry_backoff_s=retry_backoff_s,
+            max_connections=max_connections,
+            max_keepalive_connections=max_keepalive_connections,
+            transport=transport,
+        )
         self.timeouts = timeouts
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
-        self._api_key = api_key
-        self._max_connections = max_connections
-        self._max_keepalive = max_keepalive_connections
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._timeout_cache: dict[float | None, httpx.Timeout] = {}
+        self._url = self._http.url
 
     @property
     def url(self) -> str:
@@ -105,100 +72,11 @@ class SGLangEngine:
         return f"SGLangEngine({self._url!r})"
 
     async def __aenter__(self) -> SGLangEngine:
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self._url,
-            headers=headers,
-            transport=self._transport,
-            timeout=httpx.Timeout(self.timeouts.control_s, connect=self.timeouts.connect_s),
-            # Keep-alive shorter than SGLang's uvicorn (5 s), so the server never closes a
-            # connection the client is about to reuse. Few idle connections: httpcore scans
-            # its whole pool for every request, and 64 idle connections made each request cost
-            # ~3x the client CPU of 20 (benchmarks/engine_throughput.py).
-            limits=httpx.Limits(
-                max_connections=self._max_connections,
-                max_keepalive_connections=self._max_keepalive,
-                keepalive_expiry=4.0,
-            ),
-        )
+        self._http.open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-    # ----- transport ------------------------------------------------------------------------
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        timeout: float | None,
-        retries: int | None = None,
-    ) -> httpx.Response:
-        if self._client is None:
-            raise RuntimeError("use `async with SGLangEngine(url) as engine:` before calling it")
-        retries = self.max_retries if retries is None else retries
-        request_timeout = self._timeout_cache.get(timeout)
-        if request_timeout is None:
-            request_timeout = httpx.Timeout(timeout, connect=self.timeouts.connect_s)
-            self._timeout_cache[timeout] = request_timeout
-        for attempt in range(retries + 1):
-            try:
-                response = await self._client.request(
-                    method, path, json=json, timeout=request_timeout
-                )
-            except _RETRYABLE as exc:
-                what = f"{method} {path}"
-                failure: EngineError = EngineUnavailableError(
-                    f"{what}: cannot reach the engine ({type(exc).__name__}: {exc})", url=self._url
-                )
-            except httpx.TimeoutException as exc:
-                what = f"{method} {path}"
-                raise EngineTimeoutError(
-                    f"{what}: no answer within {timeout} s ({type(exc).__name__})", url=self._url
-                ) from exc
-            else:
-                if response.status_code < 400:
-                    return response
-                # The server's own message goes in the text; the raw body stays on `.body`.
-                what = f"{method} {path}"
-                message = _server_message(response)
-                if response.status_code != 503:
-                    error = EngineError(
-                        f"{what} failed: {message}", url=self._url, status=response.status_code
-                    )
-                    error.body = response.text
-                    raise error
-                failure = EngineUnavailableError(
-                    f"{what}: engine unavailable: {message}", url=self._url, status=503
-                )
-                failure.body = response.text
-            if attempt == retries:
-                raise failure
-            delay = self.retry_backoff_s * 2**attempt
-            logger.warning("%s; retry %d/%d in %.1f s", failure, attempt + 1, retries, delay)
-            await trio.sleep(delay)
-        raise AssertionError("unreachable")
-
-    async def _json(
-        self, method: str, path: str, *, json: Any = None, timeout: float | None = None
-    ) -> Any:
-        response = await self._request(
-            method, path, json=json, timeout=self.timeouts.control_s if timeout is None else timeout
-        )
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise EngineError(
-                f"{method} {path}: answer is not JSON",
-                url=self._url,
-                status=response.status_code,
-                body=response.text,
-            ) from exc
+        await self._http.close()
 
     # ----- generation -----------------------------------------------------------------------
 
@@ -236,8 +114,8 @@ class SGLangEngine:
             list(input_ids), params, rid, return_logprob, top_logprobs_num, logprob_start_len
         )
         started = time.perf_counter()
-        response = await self._request(
-            "POST", "/generate", json=body, timeout=self.timeouts.generate_s
+        response = await self._http.request(
+            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
         )
         return self._parse(response, started, len(body["input_ids"]))
 
@@ -267,8 +145,8 @@ class SGLangEngine:
             logprob_start_len,
         )
         started = time.perf_counter()
-        response = await self._request(
-            "POST", "/generate", json=body, timeout=self.timeouts.generate_s
+        response = await self._http.request(
+            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
         )
         objs = response.json()
         if not isinstance(objs, list):
@@ -335,8 +213,8 @@ class SGLangEngine:
             "logprob_start_len": start - 1,  # entry 0 (position start-1) is always null
         }
         started = time.perf_counter()
-        response = await self._request(
-            "POST", "/generate", json=body, timeout=self.timeouts.generate_s
+        response = await self._http.request(
+            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
         )
         result = self._parse(response, started, len(ids))
         logprobs = result.input_logprobs or ()
@@ -376,8 +254,8 @@ class SGLangEngine:
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
-        result = await self._json(
-            "POST", "/update_weights_from_disk", json=body, timeout=self.timeouts.weight_update_s
+        result = await self._http.json(
+            "POST", "/update_weights_from_disk", body=body, timeout=self.timeouts.weight_update_s
         )
         if isinstance(result, Mapping) and result.get("success") is False:
             raise EngineError(
@@ -390,35 +268,35 @@ class SGLangEngine:
     async def update_weight_version(
         self, new_version: str, *, abort_all_requests: bool = True
     ) -> None:
-        await self._json(
+        await self._http.json(
             "POST",
             "/update_weight_version",
-            json={"new_version": new_version, "abort_all_requests": abort_all_requests},
+            body={"new_version": new_version, "abort_all_requests": abort_all_requests},
         )
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes."""
-        await self._json("POST", "/pause_generation", json={"mode": mode})
+        await self._http.json("POST", "/pause_generation", body={"mode": mode})
 
     async def resume(self) -> None:
-        await self._json("POST", "/continue_generation", json={})
+        await self._http.json("POST", "/continue_generation", body={})
 
     async def flush_cache(self) -> None:
-        await self._request("POST", "/flush_cache", timeout=self.timeouts.control_s)
+        await self._http.request("POST", "/flush_cache", timeout=self.timeouts.control_s)
 
     async def abort(self, rid: str) -> None:
         """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are ignored."""
-        await self._request(
-            "POST", "/abort_request", json={"rid": rid}, timeout=self.timeouts.control_s
+        await self._http.request(
+            "POST", "/abort_request", body={"rid": rid}, timeout=self.timeouts.control_s
         )
 
     async def abort_all(self) -> None:
-        await self._request(
-            "POST", "/abort_request", json={"abort_all": True}, timeout=self.timeouts.control_s
+        await self._http.request(
+            "POST", "/abort_request", body={"abort_all": True}, timeout=self.timeouts.control_s
         )
 
     async def model_info(self) -> ModelInfo:
-        info = await self._json("GET", "/get_model_info")
+        info = await self._http.json("GET", "/get_model_info")
         if not isinstance(info, Mapping):
             raise EngineError(
                 "GET /get_model_info: expected an object", url=self._url, body=str(info)
@@ -431,12 +309,12 @@ class SGLangEngine:
         )
 
     async def server_info(self) -> dict[str, Any]:
-        return dict(await self._json("GET", "/get_server_info"))
+        return dict(await self._http.json("GET", "/get_server_info"))
 
     async def is_healthy(self) -> bool:
         """One `/health_generate` probe, no retries: True on 200."""
         try:
-            await self._request(
+            await self._http.request(
                 "GET", "/health_generate", timeout=self.timeouts.health_s, retries=0
             )
         except EngineError:
@@ -453,7 +331,7 @@ class SGLangEngine:
         last = "no answer yet"
         while True:
             try:
-                await self._request(
+                await self._http.request(
                     "GET", "/health_generate", timeout=self.timeouts.health_s, retries=0
                 )
                 return

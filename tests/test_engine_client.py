@@ -75,7 +75,7 @@ UNAVAILABLE = b'{"object": "error", "message": "Server is starting", "type": "50
 
 async def test_503_is_retried_with_backoff_and_a_log_line_then_succeeds(caplog):
     hits: list[str] = []
-    caplog.set_level(logging.WARNING, logger="engines.client")
+    caplog.set_level(logging.WARNING, logger="engines.http")
     app = json_app([(503, UNAVAILABLE), (503, UNAVAILABLE), (200, GOOD)], hits)
     async with (
         fake_server(app) as url,

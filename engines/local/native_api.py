@@ -53,9 +53,7 @@ async def wait_finished(seqs: list[Sequence]) -> None:
             await seq.changed.wait()
 
 
-async def stream_sequences(
-    state: EngineState, seqs: list[Sequence], render, *, indexed: bool
-) -> AsyncIterator[tuple[int, Sequence, bool]]:
+async def stream_sequences(seqs: list[Sequence]) -> AsyncIterator[tuple[int, Sequence, bool]]:
     """Yield (index, seq, final) whenever a sequence has new tokens or finished."""
     sent = [0] * len(seqs)
     pending = list(range(len(seqs)))
@@ -270,7 +268,7 @@ async def _stream_generate(
     async with state.scheduler.submit(items) as seqs:
         sent_tokens = [0] * len(seqs)
         sent_text = [""] * len(seqs)
-        async for index, seq, final in stream_sequences(state, seqs, None, indexed=is_batch):
+        async for index, seq, final in stream_sequences(seqs):
             if seq.error is not None:
                 yield sse_event({"error": {"message": seq.error}})
                 break

@@ -332,7 +332,7 @@ async def _stream_openai(
     async with state.scheduler.submit(req.items) as seqs:
         sent_text = [""] * len(seqs)
         sent_tokens = [0] * len(seqs)
-        async for index, seq, final in stream_sequences(state, seqs, None, indexed=True):
+        async for index, seq, final in stream_sequences(seqs):
             if seq.error is not None:
                 yield sse_event(
                     {

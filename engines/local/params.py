@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -411,6 +411,4 @@ def _check_prompt(prompt: Sequence[int], limits: ModelLimits, params, explicit_m
 
 
 def _replace_max_new(params: SamplingParams, value: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, max_new_tokens=value, min_new_tokens=min(params.min_new_tokens, value))
