@@ -1,6 +1,6 @@
 """Write a tiny randomly initialised HF causal LM + tokenizer to a directory (no download).
 
-    python examples/make_tiny_model.py --output runs/tiny_model [--seed 0] [--size tiny|small]
+python examples/make_tiny_model.py --output runs/tiny_model [--seed 0] [--size tiny|small]
 """
 
 import argparse

@@ -13,11 +13,11 @@ import json
 import sys
 
 import trio
-from training.plot import print_curve, write_reward_png
 
 from rollouts.errors import RolloutsError
 from training.config import load_config
 from training.loggers import setup_logging
+from training.plot import print_curve, write_reward_png
 from training.rl_config import RLRunConfig
 from training.rl_recipe import run_rl_recipe
 

@@ -5,6 +5,7 @@ Layering: pure data/tensor functions (sft_data, tokenize, packing) ← stateful 
 (DataBuffer, PyTorchTrainingBackend) ← loops (run_sft_training) ← recipes (config → wiring).
 """
 
+import rollouts.threads  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)
 from training.backend import BackendError as BackendError
 from training.backend import PyTorchTrainingBackend as PyTorchTrainingBackend
 from training.backend import TrainFuture as TrainFuture

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
     "{{- 'Tools:' -}}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>'"
+    '{{- \'\\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>\''
     " + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
@@ -42,7 +42,7 @@ CHAT_TEMPLATE = (
     "{%- if message.tool_calls -%}"
     "{%- for call in message.tool_calls -%}"
     "{%- set fn = call.function if call.function is defined else call -%}"
-    "{{- '<tool_call>{\"name\": \"' + fn.name + '\", \"arguments\": ' -}}"
+    '{{- \'<tool_call>{"name": "\' + fn.name + \'", "arguments": \' -}}'
     "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
     "{{- '}</tool_call>' -}}"
     "{%- endfor -%}"
@@ -55,9 +55,13 @@ CHAT_TEMPLATE = (
 
 _ARCH = {
     # ~3.0 M parameters: fast enough to train to useful accuracy on 2 CPU cores in minutes.
-    "tiny": dict(hidden_size=192, intermediate_size=768, num_hidden_layers=5, num_attention_heads=6),
+    "tiny": dict(
+        hidden_size=192, intermediate_size=768, num_hidden_layers=5, num_attention_heads=6
+    ),
     # ~25 M parameters: for throughput benchmarks closer to real workloads.
-    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8),
+    "small": dict(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8
+    ),
 }
 
 

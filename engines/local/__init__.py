@@ -5,6 +5,8 @@ Layers: `params` (request validation, pure) → `scheduler` (trio, continuous ba
 `server` assembles them. Importing this package does not import torch.
 """
 
+import rollouts.threads  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)
+
 from .server import LocalEngineServer as LocalEngineServer
 from .server import open_local_engine as open_local_engine
 from .server import serve as serve
