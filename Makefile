@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint format test demo sft bench clean
+.PHONY: help setup lint format test demo sft rl bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -39,8 +39,12 @@ test: setup lint  ## lint, then the test suite
 sft: setup  ## SFT the tiny model on the synthetic arithmetic task
 	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
 
-demo: setup  ## the main job on the embedded default (SFT on the tiny model)
+rl: setup  ## GRPO on the SFT'd tiny model against a launched local engine
+	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml
+
+demo: setup  ## the main job on the embedded default: SFT, then RL, of the tiny model
 	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
+	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml
 
 bench: setup  ## run every benchmark script
 	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

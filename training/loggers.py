@@ -103,3 +103,5 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    for noisy in ("httpx", "httpcore"):  # one line per request drowns the training log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
