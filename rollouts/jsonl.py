@@ -7,7 +7,7 @@ are handled here once; the caller validates each decoded object and collects its
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,10 @@ def iter_jsonl(path: str | Path, errors: list[str]) -> Iterator[tuple[str, Any]]
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
+                field = _field_with_bad_bytes(raw)
                 errors.append(
-                    f"{source}: invalid UTF-8 byte 0x{raw[e.start]:02x} at byte {e.start + 1}"
+                    f"{source}: {field + ': ' if field else ''}invalid UTF-8 byte "
+                    f"0x{raw[e.start]:02x} at byte {e.start + 1}"
                 )
                 continue
             if not text.strip():
@@ -44,10 +46,35 @@ def iter_jsonl(path: str | Path, errors: list[str]) -> Iterator[tuple[str, Any]]
                 errors.append(f"{source}: invalid JSON: {e.msg} (column {e.colno})")
 
 
-def format_errors(errors: list[str], *, what: str) -> str:
+def format_errors(errors: Sequence[str], *, what: str) -> str:
     """One message: a header, the first 10 problems, and how many more there are."""
     shown = errors[:MAX_ERRORS_SHOWN]
     lines = [f"{len(errors)} invalid record(s) in {what}:", *shown]
     if len(errors) > len(shown):
         lines.append(f"... and {len(errors) - len(shown)} more")
     return "\n".join(lines)
+
+
+def _field_with_bad_bytes(raw: bytes) -> str:
+    """The JSON path of the first string holding an undecodable byte, or "" if not found."""
+    try:
+        obj = json.loads(raw.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError:
+        return ""
+
+    def find(value: Any, path: str) -> str | None:
+        if isinstance(value, str):
+            return path if "\ufffd" in value else None
+        if isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else k, k, v) for k, v in value.items()]
+        elif isinstance(value, list):
+            items = [(f"{path}[{i}]", "", v) for i, v in enumerate(value)]
+        else:
+            return None
+        for sub, key, item in items:
+            found = sub if "\ufffd" in key else find(item, sub)
+            if found:
+                return found
+        return None
+
+    return find(obj, "") or ""

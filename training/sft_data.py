@@ -24,15 +24,14 @@ chat template can render a record; `training.tokenize` reports those.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollouts.errors import DataError
+from rollouts.jsonl import format_errors, iter_jsonl
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_ERRORS_SHOWN = 10
 
 
 @dataclass(frozen=True)
@@ -46,23 +45,6 @@ class SFTRecord:
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] | None
     source: str
-
-
-def format_errors(errors: Sequence[str], *, what: str) -> str:
-    """Render collected error lines as one message: a header, the first 10, and a count of the rest.
-
-    Args:
-        errors: one line per problem, each already naming its source.
-        what: what was being checked, e.g. "data.jsonl" (used in the header).
-
-    Returns:
-        The message text for a `DataError`.
-    """
-    shown = errors[:MAX_ERRORS_SHOWN]
-    lines = [f"{len(errors)} invalid record(s) in {what}:", *shown]
-    if len(errors) > len(shown):
-        lines.append(f"... and {len(errors) - len(shown)} more")
-    return "\n".join(lines)
 
 
 def load_sft_jsonl(path: str | Path) -> list[SFTRecord]:
@@ -83,31 +65,11 @@ def load_sft_jsonl(path: str | Path) -> list[SFTRecord]:
     name = str(path)
     records: list[SFTRecord] = []
     errors: list[str] = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            source = f"{name}:{lineno}"
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]  # a UTF-8 byte-order mark, as some editors write
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                field = _field_with_bad_bytes(raw)
-                errors.append(
-                    f"{source}: {field + ': ' if field else ''}invalid UTF-8 byte "
-                    f"0x{raw[e.start]:02x} at byte {e.start + 1}"
-                )
-                continue
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                errors.append(f"{source}: invalid JSON: {e.msg} (column {e.colno})")
-                continue
-            record, problems = validate_sft_record(obj, source)
-            errors.extend(problems)
-            if record is not None:
-                records.append(record)
+    for source, obj in iter_jsonl(path, errors):
+        record, problems = validate_sft_record(obj, source)
+        errors.extend(problems)
+        if record is not None:
+            records.append(record)
     if errors:
         raise DataError(format_errors(errors, what=name))
     if not records:
@@ -277,31 +239,6 @@ def _validate_tools(value: Any, report: _Report) -> tuple[dict, ...] | None:
         elif not isinstance(tool["function"].get("name"), str):
             report(f"tools[{i}].function.name", "expected a string")
     return tuple(value) if value else None
-
-
-def _field_with_bad_bytes(raw: bytes) -> str:
-    """The JSON path of the first string holding an undecodable byte, or "" if not found."""
-    try:
-        obj = json.loads(raw.decode("utf-8", errors="replace"))
-    except json.JSONDecodeError:
-        return ""
-
-    def find(value: Any, path: str) -> str | None:
-        if isinstance(value, str):
-            return path if "\ufffd" in value else None
-        if isinstance(value, dict):
-            items = [(f"{path}.{k}" if path else k, k, v) for k, v in value.items()]
-        elif isinstance(value, list):
-            items = [(f"{path}[{i}]", "", v) for i, v in enumerate(value)]
-        else:
-            return None
-        for sub, key, item in items:
-            found = sub if "\ufffd" in key else find(item, sub)
-            if found:
-                return found
-        return None
-
-    return find(obj, "") or ""
 
 
 class _Report:

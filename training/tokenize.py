@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rollouts.errors import ConfigError, DataError
-from training.sft_data import SFTRecord, format_errors
+from rollouts.jsonl import format_errors
+from training.sft_data import SFTRecord
 
 Overlong = Literal["truncate", "drop"]
 
