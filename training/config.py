@@ -32,7 +32,7 @@ class ModelConfig(Strict):
 class ArithmeticTaskConfig(Strict):
     min_digits: int = Field(1, ge=1, le=9)
     max_digits: int = Field(2, ge=1, le=9)
-    ops: str = Field("+-", pattern=r"^[+\-]+$")
+    ops: str = Field("+", pattern=r"^[+\-]+$")
     n_sft: int = Field(20000, ge=1)
     n_rl: int = Field(4000, ge=1)
     n_eval: int = Field(500, ge=1)

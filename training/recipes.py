@@ -68,11 +68,7 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
         train_path = Path(dc.train_path)
         eval_path = Path(dc.eval_path) if dc.eval_path else None
     elif dc.task == "arithmetic":
-        a = dc.arithmetic
-        files = write_arithmetic_datasets(
-            dc.task_dir, n_sft=a.n_sft, n_rl=a.n_rl, n_eval=a.n_eval, seed=a.seed,
-            min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops,
-        )  # fmt: skip
+        files = write_arithmetic_datasets(dc.task_dir, **dc.arithmetic.model_dump())
         train_path, eval_path = files.sft_train, files.sft_eval
         accuracy_prompts = load_eval_prompts(files.rl_eval)[: config.train.greedy_eval_samples]
     else:

@@ -102,11 +102,7 @@ def load_prompts(config: RLRunConfig, tokenizer: Any):
         train = load_prompt_jsonl(dc.train_path, tokenizer, max_prompt_len=dc.max_prompt_len)
         held = load_prompt_jsonl(dc.eval_path, tokenizer) if dc.eval_path else []
     elif dc.task == "arithmetic":
-        a = dc.arithmetic
-        files = write_arithmetic_datasets(
-            dc.task_dir, n_sft=a.n_sft, n_rl=a.n_rl, n_eval=a.n_eval, seed=a.seed,
-            min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops,
-        )  # fmt: skip
+        files = write_arithmetic_datasets(dc.task_dir, **dc.arithmetic.model_dump())
         train = load_prompt_jsonl(files.rl_train, tokenizer)
         held = load_prompt_jsonl(files.rl_eval, tokenizer)
     else:
