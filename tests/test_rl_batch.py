@@ -63,3 +63,38 @@ def test_math_answer_extraction_and_reward():
         (1,), (2,), (1,), response_text="The answer is \\boxed{72}.", metadata={"answer": "72"}
     )
     assert math_correctness_reward(s) == {"correct": 1.0, "total": 1.0}
+
+
+async def test_online_dpo_trains_through_the_backend_with_a_reference(tiny_model_dir, tmp_path):
+    from training.algorithms import online_dpo
+    from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+    from training.config import OptimConfig
+    from training.reference import make_reference
+    from training.rl import train_on_batch
+
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    backend = PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=1e-3), max_steps=5, checkpoint_dir=tmp_path,
+        pack_length=None, micro_batch_tokens=40,  # small: pairs must not be split
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+    groups = (
+        *tuple(
+            tuple(
+                sample([5, 6, g], [7 + i, 9, 2], [1, 1, 1], [-1.0] * 3, float(i == 1), g, i)
+                for i in range(3)
+            )
+            for g in range(4)
+        ),
+        (sample([5], [7], [1], [-1.0], 0.0, 4, 0), sample([5], [8], [1], [-1.0], 0.0, 4, 1)),
+    )
+    batch = RolloutBatch(groups, 1, 0)
+    examples = build_examples(batch, online_dpo())
+    assert len(examples) == 8  # best+worst of the 4 groups with a preference; tied group skipped
+    assert [e.advantage for e in examples[:2]] == [1.0, -1.0] and examples[0].unit == 0
+    with backend, make_reference(backend) as reference:
+        metrics = await train_on_batch(backend, batch, online_dpo(), temperature=1.0,
+                                       old_from_rollout=False, reference=reference)  # fmt: skip
+    assert metrics["n_microbatches"] > 1
+    assert metrics["num_pairs"] == pytest.approx(2.0, rel=0.5)  # per micro-batch, averaged
+    assert metrics["grad_norm"] > 0

@@ -141,15 +141,23 @@ class PyTorchTrainingBackend:
         self.keep_last = keep_last
         self.pad_id = tokenizer.pad_token_id
         self._collate = collate_fn or self._collate_sft
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # A frozen model (a reference policy) gets no optimizer; it only answers queries.
+        self.optimizer = (
+            torch.optim.AdamW(
+                trainable,
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+            if trainable
+            else None
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(optim, max_steps)
+        self.scheduler = (
+            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, max_steps))
+            if self.optimizer is not None
+            else None
         )
         self.step = 0
         self.weight_version = 0
@@ -201,12 +209,12 @@ class PyTorchTrainingBackend:
         out: list[list[Any]] = []
         current: list[Any] = []
         longest = 0
-        for s in samples:
-            n = len(s.input_ids)
-            if current and (len(current) + 1) * max(longest, n) > self.micro_batch_tokens:
+        for unit in _units(samples):  # examples sharing a `unit` (e.g. a DPO pair) stay together
+            n = max(len(s.input_ids) for s in unit)
+            if current and (len(current) + len(unit)) * max(longest, n) > self.micro_batch_tokens:
                 out.append(current)
                 current, longest = [], 0
-            current.append(s)
+            current.extend(unit)
             longest = max(longest, n)
         if current:
             out.append(current)
@@ -264,6 +272,8 @@ class PyTorchTrainingBackend:
         return self._submit(self._optim_step)
 
     def _optim_step(self) -> dict[str, float]:
+        if self.optimizer is None or self.scheduler is None:
+            raise BackendError("this backend's model has no trainable parameters (a reference?)")
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.optim_config.grad_clip
         max_norm = clip if clip is not None else float("inf")
@@ -350,6 +360,8 @@ class PyTorchTrainingBackend:
         return await self._submit(lambda: self._save(step, metrics, extra_state or {})).result()
 
     def _save(self, step: int, metrics: dict[str, Any], extra: dict[str, Any]) -> Path:
+        if self.optimizer is None or self.scheduler is None:
+            raise BackendError("a frozen backend (no optimizer) is not checkpointed")
         torch_state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -384,13 +396,26 @@ class PyTorchTrainingBackend:
     def _load(self, path: Path) -> dict[str, Any]:
         json_state, torch_state = ckpt.read_checkpoint_state(path)
         ckpt.load_weights_into(self.model, path)
-        self.optimizer.load_state_dict(torch_state["optimizer"])
-        self.scheduler.load_state_dict(torch_state["scheduler"])
+        if self.optimizer is not None and self.scheduler is not None:
+            self.optimizer.load_state_dict(torch_state["optimizer"])
+            self.scheduler.load_state_dict(torch_state["scheduler"])
         ckpt.set_rng_state(torch_state["rng"])
         self.step = int(json_state["step"])
         self.weight_version = int(json_state["weight_version"])
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         return json_state["extra"]
+
+
+def _units(samples: Sequence[Any]) -> list[list[Any]]:
+    """Consecutive samples with the same non-None `unit` attribute, as lists; others alone."""
+    units: list[list[Any]] = []
+    for s in samples:
+        unit = getattr(s, "unit", None)
+        if unit is not None and units and getattr(units[-1][0], "unit", None) == unit:
+            units[-1].append(s)
+        else:
+            units.append([s])
+    return units
 
 
 def _merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:

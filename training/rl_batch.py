@@ -33,6 +33,8 @@ class RLExample:
     rollout_logprobs: tuple[float, ...]  # one per trained (loss_mask == 1) response token
     ref_logprobs: tuple[float, ...] | None = None
     source: str = ""
+    reward: float = 0.0
+    unit: int | None = None  # examples sharing a unit stay in one micro-batch (DPO pairs)
 
     @property
     def n_trained(self) -> int:
@@ -50,6 +52,7 @@ class RLBatch:
     advantages_B: torch.Tensor
     rollout_logprobs_BT: torch.Tensor | None
     ref_logprobs_BT: torch.Tensor | None
+    rewards_GN: torch.Tensor | None = None  # [pairs, 2] for the pairwise (online DPO) loss
 
     @property
     def n_trained_tokens(self) -> int:
@@ -88,15 +91,16 @@ class RLBatch:
             return None if t is None else t.to(device)
 
         return RLBatch(self.base.to(device), self.advantages_B.to(device),
-                       move(self.rollout_logprobs_BT), move(self.ref_logprobs_BT))  # fmt: skip
+                       move(self.rollout_logprobs_BT), move(self.ref_logprobs_BT),
+                       move(self.rewards_GN))  # fmt: skip
 
     @property
     def segment_ids(self) -> torch.Tensor:
         return self.base.segment_ids
 
 
-def sample_to_example(sample: Sample, advantage: float,
-                      ref_logprobs: Sequence[float] | None = None) -> RLExample:  # fmt: skip
+def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = None
+                      ) -> RLExample:  # fmt: skip
     """The training view of one sample: prompt + response ids, mask 0 over the prompt."""
     trained = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=False) if m]
     return RLExample(
@@ -104,8 +108,9 @@ def sample_to_example(sample: Sample, advantage: float,
         loss_mask=(0,) * len(sample.prompt_ids) + sample.loss_mask,
         advantage=advantage,
         rollout_logprobs=tuple(trained),
-        ref_logprobs=None if ref_logprobs is None else tuple(ref_logprobs),
         source=f"group {sample.group_id} sample {sample.index_in_group}",
+        reward=sample.reward,
+        unit=unit,
     )
 
 
@@ -117,14 +122,34 @@ def batch_rewards(batch: RolloutBatch) -> torch.Tensor:
 def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig) -> list[RLExample]:
     """Advantages for every sample of `batch` under `algorithm`, as trainer examples (pure).
 
-    Samples with no trained token (empty responses) are kept out: they carry no gradient.
+    Samples with no trained token (empty responses) are kept out: they carry no gradient. For
+    the pairwise loss (online DPO) each group contributes its best and worst sample as one
+    unit (chosen first), and groups without a preference contribute nothing.
     """
+    if algorithm.loss == "pairwise":
+        return _preference_pairs(batch)
     advantages_GN = compute_advantages(algorithm, batch_rewards(batch))
     examples = []
     for g, group in enumerate(batch.groups):
         for n, sample in enumerate(group):
             if sample.num_trained_tokens:
                 examples.append(sample_to_example(sample, float(advantages_GN[g, n])))
+    return examples
+
+
+def _preference_pairs(batch: RolloutBatch) -> list[RLExample]:
+    examples = []
+    for g, group in enumerate(batch.groups):
+        usable = [s for s in group if s.num_trained_tokens]
+        if len(usable) < 2:
+            continue
+        best = max(usable, key=lambda s: s.reward)
+        worst = min(usable, key=lambda s: s.reward)
+        if best.reward > worst.reward:
+            examples += [
+                sample_to_example(best, 1.0, unit=g),
+                sample_to_example(worst, -1.0, unit=g),
+            ]
     return examples
 
 
@@ -151,6 +176,9 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
     base = prepare_sft_batch(examples, pad_id=pad_id, packing=False)
     have_rollout = all(len(e.rollout_logprobs) == e.n_trained for e in examples)
     have_ref = all(e.ref_logprobs is not None for e in examples)
+    rewards_GN = None
+    if examples and all(e.unit is not None for e in examples) and len(examples) % 2 == 0:
+        rewards_GN = torch.tensor([e.reward for e in examples], dtype=torch.float32).view(-1, 2)
     return RLBatch(
         base=base,
         advantages_B=torch.tensor([e.advantage for e in examples], dtype=torch.float32),
@@ -158,6 +186,7 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
         if have_rollout
         else None,
         ref_logprobs_BT=_scatter(base, [e.ref_logprobs for e in examples]) if have_ref else None,
+        rewards_GN=rewards_GN,
     )
 
 
@@ -182,7 +211,7 @@ def rl_loss_fn(
             # trainer's current logprobs (before this update) instead.
             loss_value, metrics = compute_policy_loss(
                 algorithm, logprobs_BT, batch.rollout_logprobs_BT, batch.advantages_B, mask_BT,
-                ref_logprobs_BT=batch.ref_logprobs_BT,
+                ref_logprobs_BT=batch.ref_logprobs_BT, rewards_GN=batch.rewards_GN,
             )  # fmt: skip
             mismatch = logprob_mismatch_metrics(
                 logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
@@ -191,6 +220,7 @@ def rl_loss_fn(
         return compute_policy_loss(
             algorithm, logprobs_BT, logprobs_BT.detach(), batch.advantages_B, mask_BT,
             ref_logprobs_BT=batch.ref_logprobs_BT, rollout_logprobs_BT=batch.rollout_logprobs_BT,
+            rewards_GN=batch.rewards_GN,
         )  # fmt: skip
 
     return loss
