@@ -1,11 +1,18 @@
-"""CPU thread settings that must be in place before torch (and its OpenMP runtime) loads.
+"""OpenMP spin settings that must be in place before torch (and its OpenMP runtime) loads.
 
-On a small CPU machine the trainer and the local engine share the cores. OpenMP's default
-"active" wait makes idle worker threads spin, and two processes spinning on the same 2 cores
-slow each other down 10-25× (measured: a 2-thread forward+backward of the tiny model took
-4.5 s instead of 0.19 s next to a busy engine). Passive waiting costs nothing measurable when
-the machine is otherwise idle. Importing this module applies it (`training` and
-`engines.local` import it first thing); an explicit OMP_WAIT_POLICY in the environment wins.
+Measured on this project's 2-core machines (tiny model, forward+backward of one step):
+- libgomp's default wait spins idle worker threads for a long time. Alone that is fastest
+  (0.12 s), but next to another busy process (the local engine, another job) spinning threads
+  starve each other: 4.5 s per step, 25-40x slower.
+- OMP_WAIT_POLICY=PASSIVE never spins: 0.19 s under contention, but ~25% slower when alone.
+- GOMP_SPINCOUNT=10000 spins briefly, then sleeps: as fast as the default when alone and
+  0.3-0.5 s under contention. That is the default set here.
+A second thread that also runs OpenMP-parallel torch ops (a second "team") slows both teams
+down by ~60% with the default wait; the training backend therefore keeps all of its torch work,
+model loading included, on its one worker thread.
+
+Importing this module applies the default (`training` and `engines.local` import it first
+thing); an OMP_WAIT_POLICY or GOMP_SPINCOUNT already in the environment wins.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ from __future__ import annotations
 import os
 
 
-def prefer_passive_openmp_wait() -> None:
-    """Set OMP_WAIT_POLICY=PASSIVE unless the user chose a policy (no effect once torch loaded)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def bounded_openmp_spin() -> None:
+    """Set GOMP_SPINCOUNT=10000 unless the user chose a wait policy (no effect once torch loaded)."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
-prefer_passive_openmp_wait()
+bounded_openmp_spin()

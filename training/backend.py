@@ -88,22 +88,42 @@ def lr_lambda(optim: OptimConfig, max_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def load_model_and_tokenizer(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
-    """Load an HF causal LM and its tokenizer from a directory or hub id.
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a model directory or hub id (pad token defaulted to EOS).
 
     Raises:
-        ModelLoadError: the path does not hold a loadable model/tokenizer (names the path).
+        ModelLoadError: the path does not hold a loadable tokenizer (names the path).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load a tokenizer from {path!s}: {err}") from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
+    """An HF causal LM from a directory or hub id.
+
+    Raises:
+        ModelLoadError: the path does not hold a loadable model (names the path).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load model from {path!s}: {err}") from err
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    return model.to(device)
+
+
+def load_model_and_tokenizer(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
+    """Both of the above (for code that runs the model on the calling thread)."""
+    tokenizer = load_tokenizer(path)
+    return load_model(path, dtype=dtype, device=device), tokenizer
 
 
 class PyTorchTrainingBackend:
@@ -111,7 +131,7 @@ class PyTorchTrainingBackend:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Callable[[], torch.nn.Module],
         tokenizer: Any,
         *,
         optim: OptimConfig,
@@ -126,9 +146,22 @@ class PyTorchTrainingBackend:
         num_threads: int | None = None,
         seed: int = 0,
     ):
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        torch.manual_seed(seed)
+        """Args:
+        model: the model, or a zero-argument callable that builds/loads it. A callable runs
+            on the backend's worker thread, so that every torch op of the trainer runs on
+            that one thread (a second thread running OpenMP-parallel ops slows both, see
+            rollouts/threads.py). The recipes pass `lambda: load_model(path)`.
+        """
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self._failed: BaseException | None = None
+
+        def init_worker() -> torch.nn.Module:
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
+            torch.manual_seed(seed)
+            return model() if callable(model) and not isinstance(model, torch.nn.Module) else model
+
+        model = self._executor.submit(init_worker).result()
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -161,8 +194,6 @@ class PyTorchTrainingBackend:
         )
         self.step = 0
         self.weight_version = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
-        self._failed: BaseException | None = None
         model.train()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -188,6 +219,10 @@ class PyTorchTrainingBackend:
                 raise
 
         return TrainFuture(self._executor.submit(guarded))
+
+    def call(self, fn: Callable[[], R]) -> TrainFuture[R]:
+        """Queue any function of the model (e.g. a reference-model update) on the worker."""
+        return self._submit(fn)
 
     # -- batching -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.tasks.arithmetic import is_correct, write_arithmetic_datasets
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.config import ModelConfig, SFTRunConfig, config_to_yaml
 from training.data_buffer import DataBuffer
 from training.evaluate import EvalPrompt, greedy_accuracy
@@ -86,11 +86,9 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
 
 def build_backend(config: SFTRunConfig, model_path: str) -> PyTorchTrainingBackend:
     """Load the model and tokenizer and wrap them in a backend configured by `config`."""
-    model, tokenizer = load_model_and_tokenizer(
-        model_path, dtype=config.model.dtype, device=config.backend.device
-    )
+    tokenizer = load_tokenizer(model_path)
     return PyTorchTrainingBackend(
-        model,
+        lambda: load_model(model_path, dtype=config.model.dtype, device=config.backend.device),
         tokenizer,
         optim=config.optim,
         max_steps=config.train.max_steps,

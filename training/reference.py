@@ -20,11 +20,15 @@ ReferenceUpdateFn = Callable[[PyTorchTrainingBackend, PyTorchTrainingBackend, in
 
 def make_reference(policy: PyTorchTrainingBackend) -> PyTorchTrainingBackend:
     """A frozen copy of `policy`'s current model, with the same batching."""
-    model = copy.deepcopy(policy.model).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+
+    def frozen_copy() -> torch.nn.Module:
+        model = copy.deepcopy(policy.model).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
     return PyTorchTrainingBackend(
-        model, policy.tokenizer, optim=policy.optim_config, max_steps=1,
+        frozen_copy, policy.tokenizer, optim=policy.optim_config, max_steps=1,
         checkpoint_dir=policy.checkpoint_dir / "reference", collate_fn=policy._collate,
         micro_batch_tokens=policy.micro_batch_tokens, pack_length=policy.pack_length,
     )  # fmt: skip

@@ -17,10 +17,9 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
-
-import trio
 
 from engines.weight_sync import sync_weights_to_engines
 from rollouts.types import RolloutBatch
@@ -132,7 +131,7 @@ async def run_rl_training(
         metrics |= await train_on_batch(backend, batch, algo, temperature=temperature,
                                         old_from_rollout=old_from_rollout, reference=reference)  # fmt: skip
         if reference is not None:
-            await trio.to_thread.run_sync(reference_update, reference, backend, step)
+            await reference.call(partial(reference_update, reference, backend, step)).result()
         t_trained = time.perf_counter()
         sync_s = 0.0
         if step % config.sync_every == 0 or step == config.max_steps:

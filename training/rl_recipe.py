@@ -25,7 +25,7 @@ from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.tasks.arithmetic import write_arithmetic_datasets
 from training import algorithms
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.checkpoint import find_latest_checkpoint
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data_buffer import DataBuffer
@@ -180,13 +180,13 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None) -
     schedule = algorithm_schedule(config.algorithm, config.rollout.sampling.max_new_tokens)
     model_path = await resolve_start_model(config)
 
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=config.model.dtype,
-                                                device=config.backend.device)  # fmt: skip
+    tokenizer = load_tokenizer(model_path)
     train_prompts, held_out = load_prompts(config, tokenizer)
     buffer = DataBuffer(train_prompts, seed=config.data.shuffle_seed)
     pad_id = tokenizer.pad_token_id
     backend = PyTorchTrainingBackend(
-        model, tokenizer, optim=config.optim, max_steps=config.train.max_steps,
+        lambda: load_model(model_path, dtype=config.model.dtype, device=config.backend.device),
+        tokenizer, optim=config.optim, max_steps=config.train.max_steps,
         checkpoint_dir=out / "checkpoints", micro_batch_tokens=config.backend.micro_batch_tokens,
         pack_length=None, collate_fn=lambda examples: collate_rl(examples, pad_id=pad_id),
         keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
