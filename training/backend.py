@@ -18,20 +18,21 @@ Not covered: multi-process data parallelism (one process, one device).
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
-import trio
 
-from rollouts.errors import ModelLoadError, RolloutsError
+from rollouts.errors import RolloutsError
 from training import checkpoint as ckpt
 from training.config import OptimConfig
+from training.futures import TrainFuture, lr_lambda
+from training.model_io import load_model as load_model
+from training.model_io import load_model_and_tokenizer as load_model_and_tokenizer
+from training.model_io import load_tokenizer as load_tokenizer
 from training.packing import (
     forward_logits,
     pack_balanced,
@@ -47,83 +48,6 @@ CollateFn = Callable[[Sequence[Any]], Any]
 
 class BackendError(RolloutsError, RuntimeError):
     """A backend operation failed, or an earlier one did and the backend refuses to go on."""
-
-
-class TrainFuture(Generic[R]):
-    """The result of one queued backend operation; `await fut.result()` to get it."""
-
-    def __init__(self, cfut: Future[R]):
-        self._cfut = cfut
-        self._done = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-
-        def wake(_: Future[R]) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(self._done.set)
-
-        cfut.add_done_callback(wake)
-
-    def done(self) -> bool:
-        return self._cfut.done()
-
-    async def result(self) -> R:
-        await self._done.wait()
-        return self._cfut.result()
-
-
-def lr_lambda(optim: OptimConfig, max_steps: int) -> Callable[[int], float]:
-    """Multiplier of the base LR at a step: linear warmup, then cosine to min_lr_ratio or flat."""
-
-    def factor(step: int) -> float:
-        if optim.warmup_steps and step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        if optim.schedule == "constant":
-            return 1.0
-        span = max(1, max_steps - optim.warmup_steps)
-        progress = min(1.0, (step - optim.warmup_steps) / span)
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (
-            1 + math.cos(math.pi * progress)
-        )
-
-    return factor
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer of a model directory or hub id (pad token defaulted to EOS).
-
-    Raises:
-        ModelLoadError: the path does not hold a loadable tokenizer (names the path).
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load a tokenizer from {path!s}: {err}") from err
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
-    """An HF causal LM from a directory or hub id.
-
-    Raises:
-        ModelLoadError: the path does not hold a loadable model (names the path).
-    """
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load model from {path!s}: {err}") from err
-    return model.to(device)
-
-
-def load_model_and_tokenizer(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
-    """Both of the above (for code that runs the model on the calling thread)."""
-    tokenizer = load_tokenizer(path)
-    return load_model(path, dtype=dtype, device=device), tokenizer
 
 
 class PyTorchTrainingBackend:
