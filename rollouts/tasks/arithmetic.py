@@ -11,6 +11,7 @@ Everything here is pure and seeded: the same arguments always give the same file
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from dataclasses import dataclass
@@ -101,9 +102,12 @@ def is_correct(completion: str, answer: str) -> bool:
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
-    """Write one JSON object per line (atomically: temp file, then rename)."""
+    """Write one JSON object per line (atomically: temp file, then rename).
+
+    The temp name is per process, so two runs writing the same dataset at once both succeed.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
