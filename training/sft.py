@@ -33,10 +33,10 @@ class SFTData:
     eval_samples: Sequence[Any] = ()
 
 
-async def maybe_resume(
-    backend: PyTorchTrainingBackend, buffer: DataBuffer, config: SFTLoopConfig
-) -> int:
-    """Restore backend and data cursor from the latest checkpoint when `resume == "auto"`.
+async def maybe_resume(backend: PyTorchTrainingBackend, buffer: DataBuffer, config: Any) -> int:
+    """Restore backend and data cursor from the latest checkpoint when `config.resume == "auto"`.
+
+    Shared by the SFT and RL loops (`config` is either loop's config section).
 
     Returns:
         The number of steps already done (0 for a fresh run).
