@@ -8,13 +8,13 @@ recipe first if needed) and launches local engines on it. The last line printed 
 held-out accuracy before and after RL, steps and wall time.
 """
 
-import argparse
 import json
 import sys
 
 import trio
 
 from rollouts.errors import RolloutsError
+from training.cli import overrides_from_args, run_parser
 from training.config import load_config
 from training.loggers import setup_logging
 from training.plot import print_curve, write_reward_png
@@ -23,26 +23,13 @@ from training.rl_recipe import run_rl_recipe
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="YAML config (see configs/)")
+    parser = run_parser(__doc__.splitlines()[0],
+                        model_help="starting HF model directory (default: the SFT checkpoint)")  # fmt: skip
     parser.add_argument("--engine-url", action="append", default=[],
                         help="live SGLang server (repeatable); default: launch local engines")  # fmt: skip
-    parser.add_argument("--model", help="starting HF model directory (default: the SFT checkpoint)")
-    parser.add_argument("--output-dir", help="where checkpoints and metrics.jsonl go")
-    parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5")
     args = parser.parse_args()
-
-    overrides = list(args.overrides)
-    flags = {
-        "model.path": args.model,
-        "output_dir": args.output_dir,
-        "train.max_steps": args.max_steps,
-        "train.resume": "auto" if args.resume else None,
-        "engines.urls": json.dumps(args.engine_url) if args.engine_url else None,
-    }
-    overrides += [f"{k}={v}" for k, v in flags.items() if v is not None]
+    urls = json.dumps(args.engine_url) if args.engine_url else None
+    overrides = overrides_from_args(args, {"engines.urls": urls})
     setup_logging()
     try:
         config = load_config(RLRunConfig, args.config, overrides)
