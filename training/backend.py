@@ -30,6 +30,7 @@ from rollouts.errors import RolloutsError
 from training import checkpoint as ckpt
 from training.config import OptimConfig
 from training.futures import TrainFuture, lr_lambda
+from training.model_io import eval_mode
 from training.model_io import load_model as load_model
 from training.model_io import load_model_and_tokenizer as load_model_and_tokenizer
 from training.model_io import load_tokenizer as load_tokenizer
@@ -254,7 +255,7 @@ class PyTorchTrainingBackend:
         batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
         total_weight = sum(self.loss_weight_fn(b) for b in batches)
         loss_sum = 0.0
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             for batch in batches:
                 loss, _ = self.loss_fn(forward_logits(self.model, batch.to(self.device)), batch)
                 loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
@@ -267,7 +268,7 @@ class PyTorchTrainingBackend:
 
     def _compute_logprobs(self, samples: list[Any]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             for mb in self.split_microbatches(samples):
                 batch = self._collate(mb).to(self.device)
                 lp = token_logprobs(forward_logits(self.model, batch), batch.target_ids)
@@ -289,7 +290,7 @@ class PyTorchTrainingBackend:
     ) -> list[list[int]]:
         eos = self.tokenizer.eos_token_id
         out: list[list[int]] = []
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             for k in range(0, len(prompts), batch_size):
                 chunk = prompts[k : k + batch_size]
                 width = max(len(p) for p in chunk)
@@ -385,17 +386,3 @@ def _merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: floa
             into[key] = max(into.get(key, float("-inf")), float(value))
         else:
             into[key] = into.get(key, 0.0) + float(value) * weight
-
-
-class _eval_mode:
-    """Context manager: model.eval() inside, restores the previous mode on exit."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.was_training = model.training
-
-    def __enter__(self) -> None:
-        self.model.eval()
-
-    def __exit__(self, *exc: object) -> None:
-        self.model.train(self.was_training)

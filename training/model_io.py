@@ -46,3 +46,17 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: str = "float32", device
     """Both of the above (for code that runs the model on the calling thread)."""
     tokenizer = load_tokenizer(path)
     return load_model(path, dtype=dtype, device=device), tokenizer
+
+
+class eval_mode:
+    """Context manager: model.eval() inside, restores the previous mode on exit."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.was_training = model.training
+
+    def __enter__(self) -> None:
+        self.model.eval()
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.train(self.was_training)
