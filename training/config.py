@@ -39,17 +39,22 @@ class ArithmeticTaskConfig(Strict):
     seed: int = 0
 
 
-class DataConfig(Strict):
-    train_path: str | None = Field(None, description="SFT JSONL; None generates the task data")
+class TaskDataSource(Strict):
+    """Where a run's records come from: a JSONL file, or (train_path null) a generated task."""
+
+    train_path: str | None = Field(None, description="JSONL; None generates the task's data")
     eval_path: str | None = None
     task: Literal["arithmetic"] | None = "arithmetic"
     task_dir: str = "runs/data/arithmetic"
     arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    shuffle_seed: int = 0
+
+
+class DataConfig(TaskDataSource):
     max_seq_len: int = Field(512, ge=8)
     overlong: Literal["truncate", "drop"] = "truncate"
     packing: bool = True
     pack_length: int = Field(256, ge=8, description="tokens per packed row")
-    shuffle_seed: int = 0
 
 
 class OptimConfig(Strict):

@@ -7,17 +7,11 @@ from typing import Literal
 from pydantic import Field
 
 from rollouts.config import RolloutConfig, Strict
-from training.config import ArithmeticTaskConfig, BackendConfig, ModelConfig, OptimConfig
+from training.config import BackendConfig, ModelConfig, OptimConfig, TaskDataSource
 
 
-class RLDataConfig(Strict):
-    train_path: str | None = Field(None, description="RL prompt JSONL; None: the task's prompts")
-    eval_path: str | None = None
-    task: Literal["arithmetic"] | None = "arithmetic"
-    task_dir: str = "runs/data/arithmetic"
-    arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+class RLDataConfig(TaskDataSource):
     max_prompt_len: int = Field(1024, ge=1)
-    shuffle_seed: int = 0
 
 
 class EnginesConfig(Strict):
