@@ -22,7 +22,8 @@ from .asgi import (
     sse_event,
     text_response,
 )
-from .params import BadRequestError, GenerateItem, RequestValidationError, SamplingParams
+from .params import GenerateItem
+from .sampling_params import BadRequestError, RequestValidationError, SamplingParams
 from .scheduler import PauseMode
 from .sequence import Sequence
 from .state import VERSION, EngineState

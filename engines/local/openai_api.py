@@ -23,7 +23,8 @@ from .asgi import (
     sse_event,
 )
 from .native_api import not_ready, read_json, stream_sequences, wait_finished
-from .params import BadRequestError, GenerateRequest, RequestValidationError
+from .params import GenerateRequest
+from .sampling_params import BadRequestError, RequestValidationError
 from .sequence import Sequence
 from .state import EngineState
 

@@ -147,7 +147,8 @@ async def serve(
 
 
 async def _warmup(state: EngineState) -> None:
-    from .params import GenerateItem, SamplingParams
+    from .params import GenerateItem
+    from .sampling_params import SamplingParams
 
     item = GenerateItem(
         rid="warmup",
