@@ -175,26 +175,30 @@ class EnginePool:
 
     # ----- requests -------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[[InferenceEngine], Awaitable[T]], rid: str | None) -> T:
+    async def _call(
+        self, fn: Callable[[InferenceEngine], Awaitable[T]], rid: str | Sequence[str] | None
+    ) -> T:
+        rids = [rid] if isinstance(rid, str) else list(rid or ())
         failed_on: set[_Slot] = set()
         while True:
             slot = await self._acquire(failed_on)
-            slot.in_flight += 1
-            if rid is not None:
-                self._rid_slot[rid] = slot
+            weight = max(1, len(rids))  # a batch weighs as many requests as it has items
+            slot.in_flight += weight
+            for r in rids:
+                self._rid_slot[r] = slot
             try:
                 result = await fn(slot.engine)
             except EngineUnavailableError as exc:
                 slot.failed += 1
                 failed_on.add(slot)
                 self._mark_down(slot, exc)
-                if rid is not None:  # the old engine may still run it: best effort, bounded
-                    with trio.move_on_after(1.0):
+                with trio.move_on_after(1.0):  # the old engine may still run it: best effort
+                    for r in rids:
                         with contextlib.suppress(EngineError):
-                            await slot.engine.abort(rid)
+                            await slot.engine.abort(r)
                 logger.warning(
                     "request %s failed on %s; retrying on another engine",
-                    rid or "",
+                    ",".join(rids),
                     slot.engine.url,
                 )
                 continue
@@ -205,9 +209,10 @@ class EnginePool:
                 slot.done += 1
                 return result
             finally:
-                slot.in_flight -= 1
-                if rid is not None and self._rid_slot.get(rid) is slot:
-                    del self._rid_slot[rid]
+                slot.in_flight -= weight
+                for r in rids:
+                    if self._rid_slot.get(r) is slot:
+                        del self._rid_slot[r]
 
     async def generate(
         self,
@@ -218,6 +223,19 @@ class EnginePool:
         """`InferenceEngine.generate` on the least-loaded healthy engine (see the contract)."""
         return await self._call(
             lambda e: e.generate(input_ids, sampling_params, **kwargs), kwargs.get("rid")
+        )
+
+    async def generate_batch(
+        self,
+        batch_input_ids: Sequence[Sequence[int]],
+        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[GenerateResult]:
+        """One batched `/generate` call on the least-loaded healthy engine; `rids` (if given)
+        are tracked so that `abort(rid)` reaches the engine running each item."""
+        return await self._call(
+            lambda e: e.generate_batch(batch_input_ids, sampling_params, **kwargs),
+            kwargs.get("rids"),
         )
 
     async def score(

@@ -120,3 +120,27 @@ async def test_an_error_in_the_pool_body_is_not_wrapped_in_a_group():
     with pytest.raises(KeyError):
         async with dead, EnginePool([dead]):
             raise KeyError("body")
+
+
+async def test_a_batch_goes_to_one_engine_and_each_item_can_be_aborted_by_rid(tiny_model_dir):
+    ports = [find_free_port(), find_free_port()]
+    async with trio.open_nursery() as nursery:
+        for port in ports:
+            await nursery.start(run_engine, tiny_model_dir, port)
+        async with client(ports[0]) as a, client(ports[1]) as b, EnginePool([a, b]) as pool:
+            results = []
+
+            async def batch() -> None:
+                long = {"max_new_tokens": 400, "ignore_eos": True}
+                results.extend(
+                    await pool.generate_batch([[5, 6, 7]] * 3, long, rids=["x0", "x1", "x2"])
+                )
+
+            async with trio.open_nursery() as requests:
+                requests.start_soon(batch)
+                await wait_for(lambda: pool.statistics().in_flight == 3)  # weighs 3 requests
+                assert sorted(e.in_flight for e in pool.statistics().engines) == [0, 3]
+                await pool.abort("x1")
+            assert [r.finish_reason.type for r in results] == ["length", "abort", "length"]
+            assert pool.statistics().in_flight == 0
+        nursery.cancel_scope.cancel()

@@ -6,7 +6,12 @@ import pytest
 import trio
 
 from rollouts.config import RolloutConfig, SamplingConfig
-from rollouts.generation import keep_if_reward_varies
+from rollouts.generation import (
+    GenerateContext,
+    hold_slots,
+    keep_if_reward_varies,
+    single_turn_generate,
+)
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import PromptItem
 from rollouts.types import Sample
@@ -143,3 +148,49 @@ async def test_overlap_mode_prefetches_the_next_batch(local_engine, tiny_tokeniz
     assert {prompt_index(g[0]) for g in first.groups}.isdisjoint(
         {prompt_index(g[0]) for g in second.groups}
     )
+
+
+async def test_multi_token_holders_share_a_limiter_without_deadlock_or_overshoot():
+    limiter, lock = trio.CapacityLimiter(4), trio.Lock()
+    peak = 0
+
+    async def taker(k: int) -> None:
+        nonlocal peak
+        async with hold_slots(limiter, k, lock):
+            peak = max(peak, limiter.borrowed_tokens)
+            await trio.sleep(0.01)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for k in (3, 3, 2, 4, 1, 3):
+                nursery.start_soon(taker, k)
+    assert peak == 4 and limiter.borrowed_tokens == 0
+
+
+class OneAtATime:
+    """A real engine seen through the minimal GenerateEngine protocol (no generate_batch)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, 0
+
+    async def generate(self, input_ids, sampling_params=None, **kw):
+        self.calls += 1
+        return await self.engine.generate(input_ids, sampling_params, **kw)
+
+    async def abort(self, rid: str) -> None:
+        await self.engine.abort(rid)
+
+
+async def test_groups_are_one_batched_request_or_one_request_per_sample(
+    local_engine, tiny_tokenizer
+):
+    _, engine = local_engine
+    prompt = make_prompts(tiny_tokenizer, 1)[0]
+    sampling = {"temperature": 1.0, "max_new_tokens": 4}
+    for target, expected_calls in ((engine, None), (OneAtATime(engine), 5)):
+        ctx = GenerateContext(target, sampling, trio.CapacityLimiter(8), "t", 0)
+        samples = await single_turn_generate(prompt, 5, ctx)
+        assert [s.index_in_group for s in samples] == list(range(5))
+        assert all(len(s.response_ids) == len(s.rollout_logprobs) > 0 for s in samples)
+        if expected_calls:
+            assert target.calls == expected_calls
