@@ -39,15 +39,47 @@ class ArithmeticTaskConfig(Strict):
     seed: int = 0
 
 
+class MultiplyTaskConfig(Strict):
+    """The calculator tool-use task (rollouts.tasks.multiply)."""
+
+    min_digits: int = Field(3, ge=1, le=9)
+    max_digits: int = Field(4, ge=1, le=9)
+    n_sft: int = Field(4000, ge=1)
+    n_rl: int = Field(4000, ge=1)
+    n_eval: int = Field(200, ge=1)
+    seed: int = 0
+    tool_specs: bool = Field(False, description="put the calculator's JSON schema in prompts")
+
+
 class TaskDataSource(Strict):
     """Where a run's records come from: a JSONL file, or (train_path null) a generated task."""
 
     train_path: str | None = Field(None, description="JSONL; None generates the task's data")
     eval_path: str | None = None
-    task: Literal["arithmetic"] | None = "arithmetic"
+    task: Literal["arithmetic", "multiply"] | None = "arithmetic"
     task_dir: str = "runs/data/arithmetic"
     arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    multiply: MultiplyTaskConfig = MultiplyTaskConfig()
     shuffle_seed: int = 0
+
+    def write_task_files(self) -> Any:
+        """Generate the task's files under `task_dir` (deterministic; safe to repeat).
+
+        Returns:
+            An object with `sft_train`, `sft_eval`, `rl_train`, `rl_eval` paths.
+
+        Raises:
+            ConfigError: `task` is null (then `train_path` must be given).
+        """
+        if self.task == "arithmetic":
+            from rollouts.tasks.arithmetic import write_arithmetic_datasets
+
+            return write_arithmetic_datasets(self.task_dir, **self.arithmetic.model_dump())
+        if self.task == "multiply":
+            from rollouts.tasks.multiply import write_multiply_datasets
+
+            return write_multiply_datasets(self.task_dir, **self.multiply.model_dump())
+        raise ConfigError("data.train_path is not set and data.task is null: nothing to train on")
 
 
 class DataConfig(TaskDataSource):

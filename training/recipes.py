@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollouts.tasks.arithmetic import is_correct, write_arithmetic_datasets
+from rollouts.tasks.arithmetic import is_correct
 from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.config import ModelConfig, SFTRunConfig, config_to_yaml
 from training.data_buffer import DataBuffer
@@ -60,19 +60,17 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
         DataError: any malformed record (all collected, before training starts).
         ConfigError: no data source configured.
     """
-    from rollouts.errors import ConfigError
-
     dc = config.data
     accuracy_prompts: tuple[EvalPrompt, ...] = ()
     if dc.train_path is not None:
         train_path = Path(dc.train_path)
         eval_path = Path(dc.eval_path) if dc.eval_path else None
-    elif dc.task == "arithmetic":
-        files = write_arithmetic_datasets(dc.task_dir, **dc.arithmetic.model_dump())
-        train_path, eval_path = files.sft_train, files.sft_eval
-        accuracy_prompts = load_eval_prompts(files.rl_eval)[: config.train.greedy_eval_samples]
     else:
-        raise ConfigError("data.train_path is not set and data.task is null: nothing to train on")
+        files = dc.write_task_files()
+        train_path, eval_path = files.sft_train, files.sft_eval
+        if dc.task == "arithmetic":  # single-turn: the in-loop greedy check applies
+            n = config.train.greedy_eval_samples
+            accuracy_prompts = load_eval_prompts(files.rl_eval)[:n]
 
     train_records = load_sft_jsonl(train_path)
     eval_records = load_sft_jsonl(eval_path) if eval_path else []

@@ -23,7 +23,6 @@ from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import keep_all, keep_if_reward_varies
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
-from rollouts.tasks.arithmetic import write_arithmetic_datasets
 from training import algorithms
 from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.checkpoint import find_latest_checkpoint
@@ -101,12 +100,10 @@ def load_prompts(config: RLRunConfig, tokenizer: Any):
     if dc.train_path is not None:
         train = load_prompt_jsonl(dc.train_path, tokenizer, max_prompt_len=dc.max_prompt_len)
         held = load_prompt_jsonl(dc.eval_path, tokenizer) if dc.eval_path else []
-    elif dc.task == "arithmetic":
-        files = write_arithmetic_datasets(dc.task_dir, **dc.arithmetic.model_dump())
-        train = load_prompt_jsonl(files.rl_train, tokenizer)
-        held = load_prompt_jsonl(files.rl_eval, tokenizer)
     else:
-        raise ConfigError("data.train_path is not set and data.task is null: no prompts")
+        files = dc.write_task_files()
+        train = load_prompt_jsonl(files.rl_train, tokenizer, max_prompt_len=dc.max_prompt_len)
+        held = load_prompt_jsonl(files.rl_eval, tokenizer)
     return train, held[: config.train.eval_samples]
 
 
