@@ -176,7 +176,11 @@ def convert_to_batch(groups: Sequence[Group], epoch_id: int, step_id: int,
 
 
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """Reward, accuracy, length and truncation statistics of accepted groups (pure)."""
+    """Reward, accuracy, length and truncation statistics of accepted groups (pure).
+
+    Each named reward component gets its mean as `reward/<name>` (over the samples that have
+    it); "accuracy" is the mean of the "correct" component when there is one.
+    """
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
@@ -190,9 +194,11 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
         "truncation_rate": sum(s.status == "truncated" for s in samples) / len(samples),
         "n_samples": float(len(samples)),
     }
-    correct = [s.reward_components["correct"] for s in samples if "correct" in s.reward_components]
-    if correct:
-        out["accuracy"] = statistics.fmean(correct)
+    for name in sorted({k for s in samples for k in s.reward_components}):
+        values = [s.reward_components[name] for s in samples if name in s.reward_components]
+        out[f"reward/{name}"] = statistics.fmean(values)
+    if "reward/correct" in out:
+        out["accuracy"] = out["reward/correct"]
     return out
 
 

@@ -10,6 +10,7 @@ from rollouts.generation import (
     GenerateContext,
     hold_slots,
     keep_if_reward_varies,
+    rollout_metrics,
     single_turn_generate,
 )
 from rollouts.manager import AsyncRolloutManager
@@ -46,6 +47,22 @@ def test_zero_std_filter_handles_binary_and_continuous_rewards():
     assert keep_if_reward_varies(group(0.25, 0.2500001, 0.9))
     assert not keep_if_reward_varies(group(0.3, 0.3 + 1e-9))
     assert not keep_if_reward_varies(group(1.0))
+
+
+def test_rollout_metrics_keep_the_mean_of_each_reward_component():
+    def scored(total, **components):
+        return Sample((1,), (2,), (1,)).with_reward(total, components)
+
+    groups = [
+        (scored(1.5, correct=1.0, format=0.5), scored(0.0, correct=0.0, format=0.0)),
+        (scored(1.0, correct=1.0, format=0.0), scored(0.25)),  # unscored components: skipped
+    ]
+    metrics = rollout_metrics(groups)
+    assert metrics["reward/correct"] == pytest.approx(2 / 3)
+    assert metrics["reward/format"] == pytest.approx(0.5 / 3)
+    assert metrics["accuracy"] == pytest.approx(2 / 3)
+    assert metrics["reward_mean"] == pytest.approx(2.75 / 4)
+    assert not any(k.startswith("reward/") for k in rollout_metrics([(scored(1.0),)]))
 
 
 async def test_filtered_groups_are_refilled_by_over_sampling(local_engine, tiny_tokenizer):
