@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+# Benchmarks, in the order `make bench` runs them; BENCH_ARGS=--quick gives a smoke run.
+BENCHES := benchmarks/sft_throughput.py benchmarks/engine_throughput.py
+BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lint format test demo sft rl bench clean
@@ -46,8 +50,14 @@ demo: setup  ## the main job on the embedded default: SFT, then RL, of the tiny 
 	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
 	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml
 
-bench: setup  ## run every benchmark script
-	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+# The bench extra (TRL, accelerate, datasets, matplotlib) is only for benchmarks: `make test`
+# never installs it. torch stays pinned so that nothing pulls a CUDA build.
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(PIP) install -q -e ".[dev,bench]" "torch==$(TORCH_VERSION)"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)  ## run every benchmark (installs TRL etc.); writes benchmarks/RESULTS.md
+	@for f in $(BENCHES); do echo "== $$f"; $(PY) $$f $(BENCH_ARGS) || exit 1; done
 
 clean:  ## remove the venv and run outputs
 	rm -rf $(VENV) runs

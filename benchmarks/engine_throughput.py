@@ -13,7 +13,7 @@
 Each measurement is repeated `--repeats` times, interleaved, and the median is reported, so
 load from other processes on a shared machine hits both sides alike.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--size tiny] [--repeats 3]
+    .venv/bin/python benchmarks/engine_throughput.py [--size tiny] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness  # benchmarks/harness.py: this script's folder is on sys.path
 import httpx
 import torch
 import trio
@@ -91,7 +92,8 @@ async def requests_per_s(call, count: int, concurrency: int) -> float:
     return count / (time.perf_counter() - started)
 
 
-async def run(args: argparse.Namespace, model_dir: Path) -> None:
+async def run(args: argparse.Namespace, model_dir: Path) -> str:
+    """Both measurements; prints them and returns them as markdown for RESULTS.md."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -116,18 +118,19 @@ async def run(args: argparse.Namespace, model_dir: Path) -> None:
                     await engine_tokens_per_s(engine, prompts, args.new_tokens, concurrency)
                 )
         hf_median = statistics.median(hf)
-        print(
-            f"\nLocal engine vs HF generate ({args.size} model, prompts of {args.prompt_len} tokens, "
-            f"{args.new_tokens} new tokens each, torch threads {args.threads}, "
-            f"median of {args.repeats})"
+        head1 = (
+            f"Local engine vs HF generate ({args.size} model, prompts of {args.prompt_len} "
+            f"tokens, {args.new_tokens} new tokens each, torch threads {args.threads}, "
+            f"median of {args.repeats}):"
         )
-        print(f"  {'HF generate, one request at a time':<40} {hf_median:9.0f} tok/s   1.00x")
+        rows = [["HF generate, one request at a time", hf_median, 1.0]]
         for concurrency, values in engine_tps.items():
             value = statistics.median(values)
-            label = f"local engine, {concurrency} concurrent"
-            print(f"  {label:<40} {value:9.0f} tok/s  {value / hf_median:5.2f}x")
+            rows.append([f"local engine, {concurrency} concurrent", value, value / hf_median])
+        table1 = harness.md_table(["server", "output tokens/s", "vs HF generate"], rows)
         ratio = statistics.median(engine_tps[64]) / hf_median
-        print(f"  ratio at 64 concurrent: {ratio:.2f}x (target >= 5x)")
+        verdict1 = f"Batching gain at 64 concurrent: {harness.verdict(ratio, 5)}."
+        print(f"\n{head1}\n{table1}\n{verdict1}")
 
         # ----- client overhead: the same tiny request through EnginePool and raw httpx -----
         body = {
@@ -160,16 +163,20 @@ async def run(args: argparse.Namespace, model_dir: Path) -> None:
                 )
         raw_median, pool_median = statistics.median(raw_rps), statistics.median(pool_rps)
         ratios = [p / r for p, r in zip(pool_rps, raw_rps, strict=True)]
-        print(
-            f"\nClient overhead ({args.overhead_rounds} alternating rounds of {per_round} requests "
-            f"of 1 new token each way, {args.overhead_concurrency} concurrent, medians)"
+        head2 = (
+            f"Client overhead ({args.overhead_rounds} alternating rounds of {per_round} requests "
+            f"of 1 new token each way, {args.overhead_concurrency} concurrent, medians):"
         )
-        print(f"  {'raw httpx':<40} {raw_median:9.0f} req/s")
-        print(f"  {'EnginePool -> SGLangEngine':<40} {pool_median:9.0f} req/s")
-        print(
-            f"  ratio: {statistics.median(ratios):.2f}x (median of per-round ratios; "
-            f"range {min(ratios):.2f}-{max(ratios):.2f}) (target >= 0.9x)"
+        table2 = harness.md_table(
+            ["client", "requests/s"],
+            [["raw httpx", raw_median], ["EnginePool -> SGLangEngine", pool_median]],
         )
+        verdict2 = (
+            f"EnginePool / raw httpx: {harness.verdict(statistics.median(ratios), 0.9)} "
+            f"(median of per-round ratios; range {min(ratios):.2f}-{max(ratios):.2f})."
+        )
+        print(f"\n{head2}\n{table2}\n{verdict2}")
+    return f"{head1}\n\n{table1}\n\n{verdict1}\n\n{head2}\n\n{table2}\n\n{verdict2}\n"
 
 
 def main() -> None:
@@ -191,10 +198,17 @@ def main() -> None:
     parser.add_argument("--overhead-rounds", type=int, default=8)
     parser.add_argument("--overhead-concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smoke run: few requests, 1 repeat")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.requests, args.sequential_requests, args.new_tokens = 1, 64, 4, 16
+        args.overhead_requests, args.overhead_rounds = 200, 2
+    started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or build_tiny_model(Path(tmp) / "model", seed=0, size=args.size)
-        trio.run(run, args, model_dir)
+        body = trio.run(run, args, model_dir)
+    harness.write_section("engine_throughput", "Local engine batching and client overhead", body,
+                          quick=args.quick, started=started)  # fmt: skip
 
 
 if __name__ == "__main__":
