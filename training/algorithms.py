@@ -18,7 +18,7 @@ DPO (`online_dpo()`), a different algorithm.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
 import torch
 from pydantic import Field, model_validator
@@ -28,7 +28,9 @@ from rollouts.errors import ConfigError
 from rollouts.rewards import RewardFn, add_overlong_shaping
 from training import advantages as adv
 from training.kl import (
+    KLFn,
     KLKind,
+    bool_mask,
     kl_reward_penalty,
     logprob_mismatch_metrics,
     masked_mean,
@@ -95,6 +97,11 @@ class AlgorithmConfig(Strict):
     def needs_ref_logprobs(self) -> bool:
         """Whether a reference model's logprobs are needed (KL, or the pairwise loss)."""
         return self.kl_coef > 0 or self.loss == "pairwise"
+
+    @property
+    def needs_ref_in_loss(self) -> bool:
+        """Whether the loss itself reads reference logprobs (a KL loss term, or pairwise)."""
+        return (self.kl_coef > 0 and not self.kl_as_reward) or self.loss == "pairwise"
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -265,19 +272,42 @@ def apply_kl_reward_penalty(
     old_logprobs_BT: torch.Tensor,
     ref_logprobs_BT: torch.Tensor,
     mask_BT: torch.Tensor,
+    *,
+    kl_fn: KLFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Rewards minus kl_coef × per-sequence KL when `kl_as_reward`; unchanged otherwise.
 
     Call before `compute_advantages`, with the logprobs of the policy that sampled the batch.
-    Rows of the [B, T] tensors are group-major, B = G·N.
+    Rows of the [B, T] tensors are group-major, B = G·N. `kl_fn` replaces `config.kl_kind`.
+
+    Returns:
+        (rewards_GN, metrics): "kl_reward_penalty_mean" and "kl", the mean per-token KL.
     """
     if not (config.kl_as_reward and config.kl_coef > 0):
         return rewards_GN, {}
-    penalty_B = kl_reward_penalty(
-        old_logprobs_BT, ref_logprobs_BT, mask_BT, kind=config.kl_kind, coef=config.kl_coef
-    )
-    penalty_GN = penalty_B.view_as(rewards_GN).to(rewards_GN.dtype)
-    return rewards_GN - penalty_GN, {"kl_reward_penalty_mean": penalty_GN.mean().item()}
+    kl_B = kl_reward_penalty(old_logprobs_BT, ref_logprobs_BT, mask_BT, kind=config.kl_kind,
+                             kl_fn=kl_fn)  # fmt: skip
+    penalty_GN = config.kl_coef * kl_B.view_as(rewards_GN).to(rewards_GN.dtype)
+    kl = (kl_B.sum() / bool_mask(mask_BT).sum().clamp(min=1)).item()
+    return rewards_GN - penalty_GN, {"kl_reward_penalty_mean": penalty_GN.mean().item(), "kl": kl}
+
+
+class PolicyLossFn(Protocol):
+    """The loss extension point: `compute_policy_loss`'s signature (a custom one may wrap it)."""
+
+    def __call__(
+        self,
+        config: AlgorithmConfig,
+        logprobs_BT: torch.Tensor,
+        old_logprobs_BT: torch.Tensor | None,
+        advantages_B: torch.Tensor,
+        mask_BT: torch.Tensor,
+        *,
+        ref_logprobs_BT: torch.Tensor | None = None,
+        rollout_logprobs_BT: torch.Tensor | None = None,
+        rewards_GN: torch.Tensor | None = None,
+        kl_fn: KLFn | None = None,
+    ) -> LossOutput: ...
 
 
 def compute_policy_loss(
@@ -290,6 +320,7 @@ def compute_policy_loss(
     ref_logprobs_BT: torch.Tensor | None = None,
     rollout_logprobs_BT: torch.Tensor | None = None,
     rewards_GN: torch.Tensor | None = None,
+    kl_fn: KLFn | None = None,
 ) -> LossOutput:
     """The training loss for one (micro-)batch under `config`: policy loss (+ KL), metrics.
 
@@ -304,6 +335,7 @@ def compute_policy_loss(
         rollout_logprobs_BT: engine logprobs; when given, mismatch metrics are reported and,
             with `is_cap`, truncated IS weights are applied.
         rewards_GN: rewards [G, N]; required by loss="pairwise" to pick each group's pair.
+        kl_fn: per-token KL for the KL loss term; default: the `config.kl_kind` estimator.
 
     Returns:
         (loss, metrics): "loss" is the total; the policy loss's own metrics, "kl" when a KL
@@ -317,7 +349,7 @@ def compute_policy_loss(
         if config.needs_old_logprobs:
             raise ConfigError(f"{config.name} (loss={config.loss!r}) needs old_logprobs_BT")
         old_logprobs_BT = logprobs_BT.detach()
-    if config.needs_ref_logprobs and ref_logprobs_BT is None:
+    if config.needs_ref_in_loss and ref_logprobs_BT is None:
         raise ConfigError(f"{config.name} needs ref_logprobs_BT (KL or pairwise loss)")
     metrics: dict[str, float] = {}
     is_weights_BT = None
@@ -368,6 +400,7 @@ def compute_policy_loss(
             kind=config.kl_kind,
             agg=config.aggregation,
             max_tokens=config.max_tokens_norm,
+            kl_fn=kl_fn,
         )
         loss = loss + config.kl_coef * kl
         metrics |= kl_metrics

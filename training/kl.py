@@ -13,15 +13,23 @@ sampled from π and log r = log π_ref − log π:
 As a *loss*, k1's gradient is zero in expectation and k3's is biased; k2's gradient matches the
 true reverse-KL gradient (Tang & Munos 2025). As a *reward penalty* (no gradient), k1 is the
 usual choice.
+
+`KLFn` is the extension point: `(logprobs_BT, ref_logprobs_BT, mask_BT) -> kl_BT`, per-token
+values that are 0 (with no gradient) on masked-out positions. `kl_estimator(kind)` is the
+default; `truncated_kl` and `confidence_masked_kl` are variants built on it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, TypeAlias
 
 import torch
 
+from rollouts.errors import ConfigError
+
 KLKind = Literal["k1", "k2", "k3"]
+KLFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _K3_LOG_RATIO_MAX = 20.0  # exp(20) ≈ 5e8: keeps k3 finite when the policies have drifted apart
 
@@ -68,6 +76,82 @@ def kl_estimate(
     raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'")
 
 
+def kl_estimator(kind: KLKind = "k3") -> KLFn:
+    """`kl_estimate` with a fixed estimator, as a `KLFn`."""
+    if kind not in ("k1", "k2", "k3"):
+        raise ConfigError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'")
+
+    def kl(logprobs_BT, ref_logprobs_BT, mask_BT) -> torch.Tensor:
+        return kl_estimate(logprobs_BT, ref_logprobs_BT, kind, mask_BT=mask_BT)
+
+    return kl
+
+
+def truncated_kl(
+    kind: KLKind = "k3", *, max_kl: float | None = None, max_log_ratio: float | None = None
+) -> KLFn:
+    """A KL estimator whose per-token values cannot blow up on a few divergent tokens.
+
+    `max_log_ratio` clamps log(π_ref / π) to [−max, max] before the estimator; `max_kl` clamps
+    each token's estimate to [−max, max] after it (k1 can be negative). Either way a clamped
+    token keeps its bounded value but gets no gradient, as in PPO's clip.
+
+    Raises:
+        ConfigError: neither bound given, or a bound is not positive.
+    """
+    if max_kl is None and max_log_ratio is None:
+        raise ConfigError("truncated_kl needs max_kl or max_log_ratio (or both)")
+    for name, bound in (("max_kl", max_kl), ("max_log_ratio", max_log_ratio)):
+        if bound is not None and bound <= 0:
+            raise ConfigError(f"truncated_kl: {name} must be > 0, got {bound}")
+    estimate = kl_estimator(kind)
+
+    def kl(logprobs_BT, ref_logprobs_BT, mask_BT) -> torch.Tensor:
+        if max_log_ratio is not None:  # log π clamped to log π_ref ± max: the same log-ratio clamp
+            ref_BT = ref_logprobs_BT.detach()
+            logprobs_BT = torch.clamp(logprobs_BT, ref_BT - max_log_ratio, ref_BT + max_log_ratio)
+        kl_BT = estimate(logprobs_BT, ref_logprobs_BT, mask_BT)
+        return kl_BT if max_kl is None else kl_BT.clamp(-max_kl, max_kl)
+
+    return kl
+
+
+def confidence_masked_kl(
+    kind: KLKind = "k3",
+    *,
+    threshold: float,
+    on: Literal["policy", "reference"] = "policy",
+    keep: Literal["confident", "uncertain"] = "confident",
+) -> KLFn:
+    """KL only on tokens where one model is confident (p ≥ threshold) or uncertain (p < it).
+
+    p is the probability `on` the policy or the reference gives the sampled token; the choice
+    is made on detached values, so only the KL of the kept tokens carries gradient. Tokens
+    left out count as 0 KL: the loss's denominator stays the trained tokens, so the penalty's
+    scale does not jump when fewer tokens qualify.
+
+    Raises:
+        ConfigError: threshold outside (0, 1), or an unknown `on` / `keep`.
+    """
+    if not 0 < threshold < 1:
+        raise ConfigError(f"confidence_masked_kl: threshold must be in (0, 1), got {threshold}")
+    if on not in ("policy", "reference") or keep not in ("confident", "uncertain"):
+        raise ConfigError(
+            f"confidence_masked_kl: on={on!r} keep={keep!r}; use on='policy'|'reference', "
+            "keep='confident'|'uncertain'"
+        )
+    estimate = kl_estimator(kind)
+    log_threshold = torch.tensor(threshold).log().item()
+
+    def kl(logprobs_BT, ref_logprobs_BT, mask_BT) -> torch.Tensor:
+        judged_BT = (logprobs_BT if on == "policy" else ref_logprobs_BT).detach()
+        confident_BT = judged_BT >= log_threshold
+        selected_BT = confident_BT if keep == "confident" else ~confident_BT
+        return estimate(logprobs_BT, ref_logprobs_BT, bool_mask(mask_BT) & selected_BT)
+
+    return kl
+
+
 @torch.no_grad()
 def kl_reward_penalty(
     logprobs_BT: torch.Tensor,
@@ -76,17 +160,19 @@ def kl_reward_penalty(
     *,
     kind: KLKind = "k1",
     coef: float = 1.0,
+    kl_fn: KLFn | None = None,
 ) -> torch.Tensor:
     """Per-sequence KL penalty, `coef` × Σ_t KL_t over trained tokens, to subtract from rewards.
 
     Pass the logprobs of the policy that sampled the tokens (the trainer's old logprobs),
-    before computing advantages: `rewards_B - kl_reward_penalty(...)`.
+    before computing advantages: `rewards_B - kl_reward_penalty(...)`. `kl_fn`, when given,
+    replaces the `kind` estimator.
 
     Returns:
         [B] detached penalties (sign: positive means more divergence).
     """
-    kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, kind, mask_BT=mask_BT)
-    return coef * kl_BT.sum(dim=-1)
+    kl_BT = (kl_fn or kl_estimator(kind))(logprobs_BT, ref_logprobs_BT, mask_BT)
+    return coef * torch.where(bool_mask(mask_BT), kl_BT, 0).sum(dim=-1)
 
 
 @torch.no_grad()

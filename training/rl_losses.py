@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from rollouts.errors import ConfigError
-from training.kl import KLKind, bool_mask, kl_estimate, masked_mean
+from training.kl import KLFn, KLKind, bool_mask, kl_estimate, kl_estimator, masked_mean
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LossOutput = tuple[torch.Tensor, dict[str, float]]
@@ -317,16 +317,18 @@ def kl_loss(
     kind: KLKind = "k3",
     agg: Aggregation = "token-mean",
     max_tokens: int | None = None,
+    kl_fn: KLFn | None = None,
 ) -> LossOutput:
     """KL(π_θ ‖ π_ref) as a loss term (multiply by a coefficient and add to the policy loss).
 
     Uses reference-model logprobs of the *same* tokens. See `training.kl` for which estimator
-    to prefer (k3 is GRPO's; k2 has the unbiased gradient).
+    to prefer (k3 is GRPO's; k2 has the unbiased gradient). `kl_fn`, when given, replaces the
+    `kind` estimator (e.g. `training.kl.truncated_kl(...)`).
 
     Returns:
         (loss, {"kl": loss value}).
     """
     m = bool_mask(mask_BT)
-    kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, kind, mask_BT=m)
+    kl_BT = (kl_fn or kl_estimator(kind))(logprobs_BT, ref_logprobs_BT, m)
     loss = aggregate_loss(kl_BT, m, agg, max_tokens=max_tokens)
     return loss, {"kl": loss.item()}
