@@ -2,20 +2,33 @@
 
 The reference is a second `PyTorchTrainingBackend` over a deep copy of the policy model whose
 optimizer is never stepped; it only answers `compute_logprobs` for the *same sampled tokens*
-the policy trains on (never a second generation). Update rules (`ReferenceUpdateFn`, an
-extension point): keep frozen, EMA toward the policy, periodic hard reset.
+the policy trains on (never a second generation).
+
+Update rules are the extension point `ReferenceUpdateFn`: `(reference, policy, step, metrics)`
+→ extra metrics (or None), called after each optimizer step with that step's metrics (so a
+rule can read the measured "kl"), on the reference's worker thread. Shipped: keep frozen, EMA
+toward the policy, periodic hard reset, and a hard reset once the KL since the last reset
+exceeds a budget.
+
+Not covered: the reference's weights and a rule's own counters are not checkpointed; after a
+resume the reference starts again from the policy's starting weights (`make_reference`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeAlias
 
 import torch
 
+from rollouts.errors import ConfigError
 from training.backend import PyTorchTrainingBackend
 
-ReferenceUpdateFn = Callable[[PyTorchTrainingBackend, PyTorchTrainingBackend, int], None]
+ReferenceUpdateFn: TypeAlias = Callable[
+    [PyTorchTrainingBackend, PyTorchTrainingBackend, int, Mapping[str, Any]],
+    Mapping[str, float] | None,
+]
 
 
 def make_reference(policy: PyTorchTrainingBackend) -> PyTorchTrainingBackend:
@@ -34,7 +47,17 @@ def make_reference(policy: PyTorchTrainingBackend) -> PyTorchTrainingBackend:
     )  # fmt: skip
 
 
-def frozen(reference: PyTorchTrainingBackend, policy: PyTorchTrainingBackend, step: int) -> None:
+def reset_to_policy(reference: PyTorchTrainingBackend, policy: PyTorchTrainingBackend) -> None:
+    """ref ← policy (copy every weight)."""
+    reference.model.load_state_dict(policy.model.state_dict())
+
+
+def frozen(
+    reference: PyTorchTrainingBackend,
+    policy: PyTorchTrainingBackend,
+    step: int,
+    metrics: Mapping[str, Any],
+) -> None:
     """Never update the reference (the classic KL anchor)."""
 
 
@@ -42,7 +65,10 @@ def ema_update(alpha: float) -> ReferenceUpdateFn:
     """ref ← alpha·ref + (1 − alpha)·policy after every step."""
 
     def update(
-        reference: PyTorchTrainingBackend, policy: PyTorchTrainingBackend, step: int
+        reference: PyTorchTrainingBackend,
+        policy: PyTorchTrainingBackend,
+        step: int,
+        metrics: Mapping[str, Any],
     ) -> None:
         with torch.no_grad():
             for r, p in zip(reference.model.parameters(), policy.model.parameters(), strict=True):
@@ -52,12 +78,65 @@ def ema_update(alpha: float) -> ReferenceUpdateFn:
 
 
 def periodic_reset(every: int) -> ReferenceUpdateFn:
-    """ref ← policy every `every` steps (hard reset)."""
+    """ref ← policy every `every` steps (hard reset); logs "reference_reset" (0 or 1)."""
 
     def update(
-        reference: PyTorchTrainingBackend, policy: PyTorchTrainingBackend, step: int
-    ) -> None:
-        if step % every == 0:
-            reference.model.load_state_dict(policy.model.state_dict())
+        reference: PyTorchTrainingBackend,
+        policy: PyTorchTrainingBackend,
+        step: int,
+        metrics: Mapping[str, Any],
+    ) -> dict[str, float]:
+        reset = step % every == 0
+        if reset:
+            reset_to_policy(reference, policy)
+        return {"reference_reset": float(reset)}
+
+    return update
+
+
+def kl_triggered_reset(
+    max_kl: float, *, key: str = "kl", mode: Literal["accumulated", "step"] = "accumulated"
+) -> ReferenceUpdateFn:
+    """ref ← policy once the measured KL to the reference exceeds `max_kl`.
+
+    `mode="accumulated"` sums each step's `metrics[key]` (mean per-token KL) since the last
+    reset and resets when the sum exceeds `max_kl`, so a slow steady drift also triggers it;
+    `mode="step"` resets when a single step's KL exceeds it. Logs "reference_reset" (0 or 1)
+    and "reference_kl_accumulated" (the sum since the last reset, before this one).
+
+    The KL must be measured: use an algorithm with kl_coef > 0 (KL loss or KL reward).
+    A step that trained on nothing ("skipped_empty_batch") is not counted.
+
+    Raises (when called): ConfigError if `metrics` has no `key` on a step that trained.
+    """
+    if max_kl <= 0:
+        raise ConfigError(f"kl_triggered_reset: max_kl must be > 0, got {max_kl}")
+    if mode not in ("accumulated", "step"):
+        raise ConfigError(f"kl_triggered_reset: mode {mode!r}; use 'accumulated' or 'step'")
+    accumulated = 0.0  # since the last reset; lives in this closure (see the module docstring)
+
+    def update(
+        reference: PyTorchTrainingBackend,
+        policy: PyTorchTrainingBackend,
+        step: int,
+        metrics: Mapping[str, Any],
+    ) -> dict[str, float]:
+        nonlocal accumulated
+        if key not in metrics:
+            if metrics.get("skipped_empty_batch"):
+                return {"reference_reset": 0.0, "reference_kl_accumulated": accumulated}
+            raise ConfigError(
+                f"kl_triggered_reset reads metrics[{key!r}], which step {step} did not log; "
+                "use an algorithm with kl_coef > 0 so the KL to the reference is measured"
+            )
+        kl = float(metrics[key])
+        accumulated += kl
+        measured = accumulated if mode == "accumulated" else kl
+        out = {"reference_reset": 0.0, "reference_kl_accumulated": accumulated}
+        if measured > max_kl:
+            reset_to_policy(reference, policy)
+            accumulated = 0.0
+            out["reference_reset"] = 1.0
+        return out
 
     return update

@@ -16,26 +16,41 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
+
+import torch
 
 from engines.weight_sync import sync_weights_to_engines
 from rollouts.types import RolloutBatch
-from training.algorithms import AlgorithmConfig
+from training.advantages import AdvantageFn
+from training.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
 from training.backend import PyTorchTrainingBackend
 from training.data_buffer import DataBuffer
+from training.kl import KLFn
 from training.loggers import Logger
 from training.reference import ReferenceUpdateFn, frozen
-from training.rl_batch import build_examples, loss_weight_fn, rl_loss_fn, with_ref_logprobs
+from training.rl_batch import (
+    build_examples,
+    kl_penalised_batch,
+    loss_weight_fn,
+    rl_loss_fn,
+    sample_to_example,
+    with_ref_logprobs,
+)
 from training.rl_config import RLLoopConfig
 from training.sft import maybe_resume
 
 log = logging.getLogger("rollouts.rl")
 
-AlgorithmSchedule = Callable[[int], AlgorithmConfig]
-EvaluateFn = Callable[[], Awaitable[dict[str, float]]]
+AlgorithmSchedule: TypeAlias = Callable[[int], AlgorithmConfig]
+EvaluateFn: TypeAlias = Callable[[], Awaitable[dict[str, float]]]
+StopFn: TypeAlias = Callable[[int, Mapping[str, Any]], bool]
+"""(step, that step's metrics) -> True to stop after this step (its checkpoint is written)."""
+CheckpointHook: TypeAlias = Callable[[int, Path, Mapping[str, Any]], None]
+"""(step, checkpoint directory, that step's metrics), called after each checkpoint is written."""
 
 
 async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
@@ -56,23 +71,46 @@ async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], 
 
 async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
                          algorithm: AlgorithmConfig, *, temperature: float,
-                         old_from_rollout: bool, reference: PyTorchTrainingBackend | None
-                         ) -> dict[str, float]:  # fmt: skip
-    """Advantages → (reference logprobs) → one optimizer step on `batch`."""
-    examples = build_examples(batch, algorithm)
+                         old_from_rollout: bool, reference: PyTorchTrainingBackend | None,
+                         advantage_fn: AdvantageFn | None = None,
+                         policy_loss_fn: PolicyLossFn = compute_policy_loss,
+                         kl_fn: KLFn | None = None) -> dict[str, float]:  # fmt: skip
+    """(KL reward penalty) → advantages → (reference logprobs) → one optimizer step on `batch`.
+
+    `advantage_fn`, `policy_loss_fn` and `kl_fn` replace the algorithm's advantage estimator,
+    `compute_policy_loss` and its KL estimator (see `run_rl_training`).
+    """
+    if algorithm.needs_ref_logprobs and reference is None:
+        raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
+    metrics: dict[str, float] = {}
+    if algorithm.kl_as_reward and algorithm.kl_coef > 0:
+        batch, metrics = await _penalise_kl_in_rewards(backend, reference, batch, algorithm, kl_fn)
+    examples = build_examples(batch, algorithm, advantage_fn)
     if not examples:
-        return {"skipped_empty_batch": 1.0}
-    if algorithm.needs_ref_logprobs:
-        if reference is None:
-            raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
+        return {**metrics, "skipped_empty_batch": 1.0}
+    if algorithm.needs_ref_in_loss:
         examples = with_ref_logprobs(examples, await reference.compute_logprobs(examples).result())
-    fb = backend.forward_backward(
-        examples,
-        loss_fn=rl_loss_fn(algorithm, temperature=temperature, old_from_rollout=old_from_rollout),
-        loss_weight_fn=loss_weight_fn(algorithm),
-    )
+    loss_fn = rl_loss_fn(algorithm, temperature=temperature, old_from_rollout=old_from_rollout,
+                         policy_loss_fn=policy_loss_fn, kl_fn=kl_fn)  # fmt: skip
+    fb = backend.forward_backward(examples, loss_fn=loss_fn,
+                                  loss_weight_fn=loss_weight_fn(algorithm))  # fmt: skip
     opt = backend.optim_step()
-    return {**await fb.result(), **await opt.result()}
+    return {**metrics, **await fb.result(), **await opt.result()}
+
+
+async def _penalise_kl_in_rewards(backend, reference, batch: RolloutBatch, algorithm, kl_fn
+                                  ) -> tuple[RolloutBatch, dict[str, float]]:  # fmt: skip
+    """The batch with KL(policy ‖ reference) of its sampled tokens subtracted from rewards."""
+    trained = [s for s in batch.samples if s.num_trained_tokens]
+    examples = [sample_to_example(s, 0.0) for s in trained]
+    policy_fut, ref_fut = backend.compute_logprobs(examples), reference.compute_logprobs(examples)
+    policy_lp, ref_lp = iter(await policy_fut.result()), iter(await ref_fut.result())
+    logprobs_S: list[torch.Tensor] = []
+    ref_logprobs_S: list[torch.Tensor] = []
+    for sample in batch.samples:  # samples with no trained token get empty rows
+        logprobs_S.append(next(policy_lp) if sample.num_trained_tokens else torch.zeros(0))
+        ref_logprobs_S.append(next(ref_lp) if sample.num_trained_tokens else torch.zeros(0))
+    return kl_penalised_batch(batch, algorithm, logprobs_S, ref_logprobs_S, kl_fn=kl_fn)
 
 
 async def run_rl_training(
@@ -88,14 +126,22 @@ async def run_rl_training(
     old_from_rollout: bool = False,
     reference: PyTorchTrainingBackend | None = None,
     reference_update: ReferenceUpdateFn = frozen,
+    advantage_fn: AdvantageFn | None = None,
+    policy_loss_fn: PolicyLossFn = compute_policy_loss,
+    kl_fn: KLFn | None = None,
     logger: Logger = lambda step, metrics: None,
+    stop_fn: StopFn | None = None,
+    checkpoint_hook: CheckpointHook | None = None,
     evaluate_fn: EvaluateFn | None = None,
     pause_mode: str = "abort",
     resolved_config: dict[str, Any] | None = None,
     on_batch: Callable[[int, RolloutBatch], None] | None = None,
     on_algorithm_switch: Callable[[AlgorithmConfig], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Train with RL until `config.max_steps` optimizer steps are done.
+    """Train with RL until `config.max_steps` optimizer steps are done (or `stop_fn` says stop).
+
+    The reward is the rollout manager's (`AsyncRolloutManager(reward_fn=..., transforms=...)`);
+    every other extension point is an argument here.
 
     Args:
         backend: the policy being trained; its checkpoint_dir is where resume looks.
@@ -106,9 +152,18 @@ async def run_rl_training(
         export_dir: where exported weights go for the engines to load (same filesystem).
         old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
         reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
-        reference_update: how the reference follows the policy (frozen, EMA, periodic reset).
+        reference_update: how the reference follows the policy (frozen, EMA, periodic or
+            KL-triggered reset); sees each step's metrics, its own are merged into them.
+        advantage_fn: rewards [G, N] → advantages [G, N]; None: the algorithm's estimator.
+        policy_loss_fn: replaces `compute_policy_loss` (same signature; may wrap it).
+        kl_fn: per-token KL (`training.kl.KLFn`) for the KL loss term and the KL reward
+            penalty; None: the algorithm's `kl_kind` estimator.
+        logger: called with (step, metrics) after every step.
+        stop_fn: called with (step, metrics) after logging; True ends the run after this
+            step's checkpoint.
+        checkpoint_hook: called with (step, checkpoint path, metrics) after each checkpoint.
         evaluate_fn: held-out evaluation through the engines, every `eval_every` steps.
-        on_batch: called with each rollout batch (e.g. to dump rollouts to JSONL).
+        on_batch: called with each rollout batch (e.g. `training.rollout_dump.RolloutDumpWriter`).
         on_algorithm_switch: called with the next step's algorithm when it differs from this
             step's, so the rollout side can change reward shaping and group filtering.
 
@@ -129,9 +184,12 @@ async def run_rl_training(
         algo = algorithm(step)
         metrics: dict[str, Any] = dict(batch.metrics)
         metrics |= await train_on_batch(backend, batch, algo, temperature=temperature,
-                                        old_from_rollout=old_from_rollout, reference=reference)  # fmt: skip
+                                        old_from_rollout=old_from_rollout, reference=reference,
+                                        advantage_fn=advantage_fn, policy_loss_fn=policy_loss_fn,
+                                        kl_fn=kl_fn)  # fmt: skip
         if reference is not None:
-            await reference.call(partial(reference_update, reference, backend, step)).result()
+            update = partial(reference_update, reference, backend, step, dict(metrics))
+            metrics |= await reference.call(update).result() or {}
         t_trained = time.perf_counter()
         sync_s = 0.0
         if step % config.sync_every == 0 or step == config.max_steps:
@@ -151,7 +209,19 @@ async def run_rl_training(
         upcoming = algorithm(step + 1)
         if on_algorithm_switch is not None and upcoming != algo:
             on_algorithm_switch(upcoming)
-        if step % config.checkpoint_every == 0 or step == config.max_steps:
-            extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
-            await backend.save_checkpoint(step, metrics, extra_state=extra)
+        stop = stop_fn is not None and stop_fn(step, metrics)
+        if step % config.checkpoint_every == 0 or step == config.max_steps or stop:
+            await _checkpoint(backend, step, metrics, data_buffer, resolved_config, checkpoint_hook)
+        if stop:
+            log.info("stop_fn ended the run after step %d", step)
+            break
     return history
+
+
+async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
+                      data_buffer: DataBuffer, resolved_config: dict[str, Any] | None,
+                      hook: CheckpointHook | None) -> None:  # fmt: skip
+    extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
+    path = await backend.save_checkpoint(step, metrics, extra_state=extra)
+    if hook is not None:
+        hook(step, path, metrics)

@@ -17,9 +17,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rollouts.shaping import add_reward_component
 from rollouts.types import RolloutBatch, Sample
-from training.algorithms import AlgorithmConfig, compute_advantages, compute_policy_loss
-from training.kl import logprob_mismatch_metrics
+from training.advantages import AdvantageFn
+from training.algorithms import (
+    AlgorithmConfig,
+    PolicyLossFn,
+    apply_kl_reward_penalty,
+    compute_advantages,
+    compute_policy_loss,
+)
+from training.kl import KLFn, logprob_mismatch_metrics
 from training.packing import IGNORE_INDEX, SFTBatch, prepare_sft_batch, token_logprobs
 
 
@@ -119,16 +127,27 @@ def batch_rewards(batch: RolloutBatch) -> torch.Tensor:
     return torch.tensor([[s.reward for s in g] for g in batch.groups], dtype=torch.float32)
 
 
-def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig) -> list[RLExample]:
+def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
+                   advantage_fn: AdvantageFn | None = None) -> list[RLExample]:  # fmt: skip
     """Advantages for every sample of `batch` under `algorithm`, as trainer examples (pure).
 
     Samples with no trained token (empty responses) are kept out: they carry no gradient. For
     the pairwise loss (online DPO) each group contributes its best and worst sample as one
-    unit (chosen first), and groups without a preference contribute nothing.
+    unit (chosen first), and groups without a preference contribute nothing. `advantage_fn`,
+    when given, replaces the algorithm's estimator (rewards [G, N] → advantages [G, N]).
     """
     if algorithm.loss == "pairwise":
         return _preference_pairs(batch)
-    advantages_GN = compute_advantages(algorithm, batch_rewards(batch))
+    rewards_GN = batch_rewards(batch)
+    if advantage_fn is None:
+        advantages_GN = compute_advantages(algorithm, rewards_GN)
+    else:
+        advantages_GN = advantage_fn(rewards_GN)
+        if advantages_GN.shape != rewards_GN.shape:
+            raise ValueError(
+                f"advantage_fn returned shape {tuple(advantages_GN.shape)} for rewards of "
+                f"shape {tuple(rewards_GN.shape)}; return one advantage per sample"
+            )
     examples = []
     for g, group in enumerate(batch.groups):
         for n, sample in enumerate(group):
@@ -158,6 +177,45 @@ def with_ref_logprobs(examples: Sequence[RLExample], ref_logprobs: Sequence[torc
     """Attach reference-model logprobs of the same tokens (from `compute_logprobs`)."""
     pairs = zip(examples, ref_logprobs, strict=True)
     return [replace(e, ref_logprobs=tuple(lp.tolist())) for e, lp in pairs]
+
+
+def kl_penalised_batch(batch: RolloutBatch, algorithm: AlgorithmConfig,
+                       logprobs_S: Sequence[torch.Tensor], ref_logprobs_S: Sequence[torch.Tensor],
+                       *, kl_fn: KLFn | None = None) -> tuple[RolloutBatch, dict[str, float]]:  # fmt: skip
+    """`batch` with kl_coef × Σ_t KL_t subtracted from each reward (KL as a reward penalty).
+
+    `logprobs_S` / `ref_logprobs_S` are the policy's and the reference's logprobs of each
+    sample's trained tokens, in `batch.samples` order (empty for samples with none), as
+    `compute_logprobs` returns them. The penalty is kept on each sample as the "kl_penalty"
+    reward component (an unscored sample's old reward becomes "task").
+
+    Returns:
+        (batch, metrics): "kl" (mean per-token KL) and "kl_reward_penalty_mean"; the batch
+        unchanged and no metrics unless `algorithm.kl_as_reward` and `kl_coef > 0`.
+    """
+    samples = batch.samples
+    if len(logprobs_S) != len(samples) or len(ref_logprobs_S) != len(samples):
+        raise ValueError(
+            f"kl_penalised_batch: {len(logprobs_S)} / {len(ref_logprobs_S)} logprob rows for "
+            f"{len(samples)} samples; give one per sample, in batch order"
+        )
+    width = max((len(lp) for lp in logprobs_S), default=0)
+    lp_BT, ref_BT, mask_BT = (torch.zeros(len(samples), width) for _ in range(3))
+    for i, (lp, ref) in enumerate(zip(logprobs_S, ref_logprobs_S, strict=True)):
+        lp_BT[i, : len(lp)], ref_BT[i, : len(ref)], mask_BT[i, : len(lp)] = lp, ref, 1.0
+    rewards_GN = batch_rewards(batch)
+    shaped_GN, metrics = apply_kl_reward_penalty(
+        algorithm, rewards_GN, lp_BT, ref_BT, mask_BT, kl_fn=kl_fn
+    )
+    if not metrics:
+        return batch, {}
+    penalty_GN = shaped_GN - rewards_GN
+    groups = tuple(
+        tuple(add_reward_component(s, "kl_penalty", float(p))
+              for s, p in zip(group, penalty_GN[g], strict=True))
+        for g, group in enumerate(batch.groups)
+    )  # fmt: skip
+    return replace(batch, groups=groups), metrics
 
 
 def _scatter(base: SFTBatch, values: Sequence[Sequence[float]]) -> torch.Tensor:
@@ -191,7 +249,12 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
 
 
 def rl_loss_fn(
-    algorithm: AlgorithmConfig, *, temperature: float = 1.0, old_from_rollout: bool = False
+    algorithm: AlgorithmConfig,
+    *,
+    temperature: float = 1.0,
+    old_from_rollout: bool = False,
+    policy_loss_fn: PolicyLossFn = compute_policy_loss,
+    kl_fn: KLFn | None = None,
 ):
     """The backend loss for one RL micro-batch: logits → temperature-scaled logprobs → loss.
 
@@ -199,6 +262,8 @@ def rl_loss_fn(
     logits the same way before comparing or training. With `old_from_rollout`, the engine
     logprobs serve as the behaviour policy in the ratio (off-policy samples in overlap/async
     modes); otherwise the update is taken as on-policy (old = current, detached).
+    `policy_loss_fn` (default `compute_policy_loss`) turns those tensors into the loss;
+    `kl_fn` is passed to it for the KL term.
     """
 
     def loss(logits: torch.Tensor, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -209,18 +274,18 @@ def rl_loss_fn(
         if old_from_rollout and batch.rollout_logprobs_BT is not None:
             # the engine's logprobs are the behaviour policy; mismatch is measured against the
             # trainer's current logprobs (before this update) instead.
-            loss_value, metrics = compute_policy_loss(
+            loss_value, metrics = policy_loss_fn(
                 algorithm, logprobs_BT, batch.rollout_logprobs_BT, batch.advantages_B, mask_BT,
-                ref_logprobs_BT=batch.ref_logprobs_BT, rewards_GN=batch.rewards_GN,
+                ref_logprobs_BT=batch.ref_logprobs_BT, rewards_GN=batch.rewards_GN, kl_fn=kl_fn,
             )  # fmt: skip
             mismatch = logprob_mismatch_metrics(
                 logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
             )
             return loss_value, {**metrics, **mismatch}
-        return compute_policy_loss(
+        return policy_loss_fn(
             algorithm, logprobs_BT, logprobs_BT.detach(), batch.advantages_B, mask_BT,
             ref_logprobs_BT=batch.ref_logprobs_BT, rollout_logprobs_BT=batch.rollout_logprobs_BT,
-            rewards_GN=batch.rewards_GN,
+            rewards_GN=batch.rewards_GN, kl_fn=kl_fn,
         )  # fmt: skip
 
     return loss
