@@ -20,20 +20,25 @@ from engines import EnginePool, SGLangEngine, launch_engine
 from engines.client import EngineTimeouts
 from rollouts.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
-from rollouts.generation import keep_all, keep_if_reward_varies
+from rollouts.generation import SampleTransform, keep_all, keep_if_reward_varies
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
+from rollouts.rewards import RewardFn
 from training import algorithms
+from training.advantages import AdvantageFn
+from training.algorithms import PolicyLossFn
 from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.checkpoint import find_latest_checkpoint
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data_buffer import DataBuffer
+from training.kl import KLFn
 from training.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.recipes import run_sft_recipe
-from training.reference import make_reference
-from training.rl import push_weights, run_rl_training
+from training.reference import ReferenceUpdateFn, frozen, make_reference
+from training.rl import CheckpointHook, StopFn, push_weights, run_rl_training
 from training.rl_batch import collate_rl
 from training.rl_config import AlgorithmSection, RLRunConfig
+from training.rollout_dump import RolloutDumpWriter
 
 log = logging.getLogger("rollouts.rl_recipe")
 
@@ -139,6 +144,10 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
         yield clients
 
 
+def _closing(resource: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if resource is None else contextlib.closing(resource)
+
+
 @dataclass(frozen=True)
 class RLSummary:
     accuracy_before: float | None
@@ -162,18 +171,40 @@ class RLSummary:
         )
 
 
-async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None) -> RLSummary:
+@dataclass(frozen=True)
+class RLExtensions:
+    """Extension points a program passes to `run_rl_recipe` (config files cannot name these).
+
+    `reward_fn` replaces `config.reward.fn`; `transforms` shape each scored sample (e.g.
+    `rollouts.shaping.add_shaping("length", length_bonus(-0.01))`); the rest go to
+    `run_rl_training` as they are.
+    """
+
+    reward_fn: RewardFn | None = None
+    transforms: tuple[SampleTransform, ...] = ()
+    advantage_fn: AdvantageFn | None = None
+    policy_loss_fn: PolicyLossFn = algorithms.compute_policy_loss
+    kl_fn: KLFn | None = None
+    reference_update: ReferenceUpdateFn = frozen
+    stop_fn: StopFn | None = None
+    checkpoint_hook: CheckpointHook | None = None
+
+
+async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
+                        extensions: RLExtensions = RLExtensions()) -> RLSummary:  # fmt: skip
     """Everything `examples/run_rl.py` does.
 
     Args:
         on_step: an extra logger called after every step (e.g. a host app watching progress).
+        extensions: custom reward, shaping, advantage, loss, KL, reference update, stop
+            condition and checkpoint hook (defaults: as configured).
     """
     t0 = time.perf_counter()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
     log.info("resolved config:\n%s", config_to_yaml(config))
-    reward_fn = resolve_callable(config.reward.fn)
+    reward_fn = extensions.reward_fn or resolve_callable(config.reward.fn)
     schedule = algorithm_schedule(config.algorithm, config.rollout.sampling.max_new_tokens)
     model_path = await resolve_start_model(config)
 
@@ -193,11 +224,13 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None) -
     reference = make_reference(backend) if needs_ref else None
     if config.train.resume == "never":
         (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "rollouts.jsonl").unlink(missing_ok=True)
     jsonl = JsonlLogger(out / "metrics.jsonl")
+    dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
                             keys=("reward_mean", "accuracy", "eval_accuracy", "loss",
                                   "time_step_s", "weight_version"))  # fmt: skip
-    with backend, contextlib.closing(jsonl), contextlib.closing(console):
+    with backend, contextlib.closing(jsonl), contextlib.closing(console), _closing(dump):
         async with open_engines(config, model_path, out) as clients, EnginePool(clients) as pool:
             if config.engines.urls:  # live servers: make them serve exactly our start weights
                 await push_weights(
@@ -215,7 +248,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None) -
                 pool, buffer, config.rollout,
                 reward_fn=algorithms.shape_reward(first, reward_fn),
                 group_filter=group_filter_for(first, config.rollout.filter_groups),
-                current_version=lambda: backend.weight_version, tokenizer=tokenizer,
+                transforms=extensions.transforms, current_version=lambda: backend.weight_version,
+                tokenizer=tokenizer,
             )  # fmt: skip
 
             def switch(algo: algorithms.AlgorithmConfig) -> None:
@@ -228,8 +262,13 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None) -
                     backend, buffer, manager, clients, config.train, algorithm=schedule,
                     export_dir=out / "weights", temperature=config.rollout.sampling.temperature,
                     old_from_rollout=config.rollout.mode != "sync", reference=reference,
-                    logger=fan_out(jsonl, console, *([on_step] if on_step else [])), evaluate_fn=evaluate if held_out else None,
-                    pause_mode=config.engines.pause_mode,
+                    reference_update=extensions.reference_update,
+                    advantage_fn=extensions.advantage_fn, policy_loss_fn=extensions.policy_loss_fn,
+                    kl_fn=extensions.kl_fn, stop_fn=extensions.stop_fn,
+                    checkpoint_hook=extensions.checkpoint_hook,
+                    logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
+                    evaluate_fn=evaluate if held_out else None,
+                    pause_mode=config.engines.pause_mode, on_batch=dump,
                     resolved_config=config.model_dump(mode="json"), on_algorithm_switch=switch,
                 )  # fmt: skip
     after = history[-1].get("eval_accuracy") if history else None

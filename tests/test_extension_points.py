@@ -1,0 +1,266 @@
+"""Each extension point of the RL loop is a plain callable that is actually called and changes
+the result: reward, advantage, policy loss, KL, reference update, logger, stop condition,
+checkpoint hook (and the rollout dump through `on_batch`); and the recipe passes them on.
+
+The loop runs for real and cheaply: the in-process local engine over loopback HTTP, the tiny
+model, 2 prompts × 2 samples of at most 4 tokens, 1-2 steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import PromptItem
+from rollouts.rewards import vector_reward, weighted_sum
+from rollouts.shaping import add_shaping, length_bonus
+from training.advantages import grpo_advantages
+from training.algorithms import compute_policy_loss, constant_schedule, grpo
+from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.config import OptimConfig
+from training.data_buffer import DataBuffer
+from training.kl import kl_estimate
+from training.reference import make_reference, reset_to_policy
+from training.rl import run_rl_training
+from training.rl_batch import collate_rl
+from training.rl_config import RLLoopConfig, RLRunConfig
+from training.rl_recipe import RLExtensions, run_rl_recipe
+from training.rollout_dump import RolloutDumpWriter, read_rollout_dump
+
+
+def index_reward(sample) -> float:
+    """0, 1, ... within each group: every group has a reward spread, whatever was sampled."""
+    return float(sample.index_in_group)
+
+
+def prompts(tokenizer, n: int = 8) -> list[PromptItem]:
+    items = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"{i}+{i}"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        items.append(PromptItem(tuple(ids["input_ids"]), tuple(messages), {"answer": str(2 * i)}))
+    return items
+
+
+async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 1,
+                   checkpoint_every: int = 10, reward_fn=index_reward, algorithm=None,
+                   with_reference: bool = False, **loop_kwargs: Any) -> SimpleNamespace:  # fmt: skip
+    """Run `run_rl_training` for `max_steps`; return its history, the policy and reference."""
+    model, tok = load_model_and_tokenizer(model_dir)
+    buffer = DataBuffer(prompts(tok), seed=0)
+    backend = PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=max_steps,
+        checkpoint_dir=tmp_path / "checkpoints", pack_length=None,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+    rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                            sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+    reference = make_reference(backend) if with_reference else None
+    with backend:
+        manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=reward_fn,
+                                      current_version=lambda: backend.weight_version)  # fmt: skip
+        history = await run_rl_training(
+            backend, buffer, manager, [engine],
+            RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every),
+            algorithm=constant_schedule(algorithm or grpo()), export_dir=tmp_path / "weights",
+            reference=reference, **loop_kwargs,
+        )  # fmt: skip
+        if reference is not None:
+            reference.close()
+    return SimpleNamespace(history=history, backend=backend, reference=reference)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+async def test_custom_reward_scores_every_sample_and_its_components_reach_the_metrics(
+    local_engine, tiny_model_dir, tmp_path
+):
+    _, engine = local_engine
+    scored = []
+
+    def index(sample) -> float:
+        scored.append(sample)
+        return index_reward(sample)
+
+    reward = vector_reward({"index": index, "format": lambda s: 0.5},
+                           weighted_sum({"index": 1.0, "format": 2.0}))  # fmt: skip
+    run = await run_loop(engine, tiny_model_dir, tmp_path, reward_fn=reward)
+    (metrics,) = run.history
+    assert len(scored) == 4  # 2 groups × 2 samples
+    assert metrics["reward/index"] == pytest.approx(0.5)
+    assert metrics["reward/format"] == pytest.approx(0.5)
+    assert metrics["reward_mean"] == pytest.approx(0.5 + 2 * 0.5)
+
+
+async def test_custom_advantage_fn_replaces_the_estimator(local_engine, tiny_model_dir, tmp_path):
+    _, engine = local_engine
+    seen = []
+
+    def no_signal(rewards_GN: torch.Tensor) -> torch.Tensor:
+        seen.append(rewards_GN.clone())
+        return torch.zeros_like(rewards_GN)
+
+    run = await run_loop(engine, tiny_model_dir, tmp_path, advantage_fn=no_signal)
+    (rewards_GN,) = seen
+    assert rewards_GN.tolist() == [[0.0, 1.0], [0.0, 1.0]]
+    assert grpo_advantages(rewards_GN).abs().min() > 0.5  # what GRPO would have trained on
+    assert run.history[0]["grad_norm"] == 0.0  # zero advantages: no policy gradient at all
+
+
+async def test_custom_policy_loss_fn_is_the_loss_that_is_trained(
+    local_engine, tiny_model_dir, tmp_path
+):
+    _, engine = local_engine
+    calls = []
+
+    def loss_with_bonus(config, logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, **kw):
+        calls.append(config.name)
+        loss, metrics = compute_policy_loss(
+            config, logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, **kw
+        )
+        return loss + 10.0, {**metrics, "bonus": 10.0}
+
+    run = await run_loop(engine, tiny_model_dir, tmp_path, policy_loss_fn=loss_with_bonus)
+    (metrics,) = run.history
+    assert calls and set(calls) == {"grpo"}
+    assert metrics["bonus"] == 10.0
+    assert metrics["loss"] == pytest.approx(metrics["policy_loss"] + 10.0, abs=1e-5)
+
+
+async def test_custom_kl_fn_changes_the_logged_kl_and_the_loss(
+    local_engine, tiny_model_dir, tmp_path
+):
+    _, engine = local_engine
+    calls = []
+
+    def shifted_k3(logprobs_BT, ref_logprobs_BT, mask_BT):
+        calls.append(mask_BT.shape)
+        return kl_estimate(logprobs_BT, ref_logprobs_BT, "k3", mask_BT=mask_BT) + 0.5 * mask_BT
+
+    run = await run_loop(engine, tiny_model_dir, tmp_path, algorithm=grpo(kl_coef=0.1),
+                         with_reference=True, kl_fn=shifted_k3)  # fmt: skip
+    (metrics,) = run.history
+    assert calls
+    # at step 1 the reference is the policy: plain k3 would log ~0
+    assert metrics["kl"] == pytest.approx(0.5, abs=1e-3)
+    assert metrics["loss"] == pytest.approx(metrics["policy_loss"] + 0.1 * metrics["kl"], abs=1e-5)
+
+
+async def test_custom_reference_update_sees_each_steps_kl_and_logs_its_metrics(
+    local_engine, tiny_model_dir, tmp_path
+):
+    _, engine = local_engine
+    seen = []
+
+    def follow_policy(reference, policy, step, metrics):
+        seen.append((step, metrics["kl"]))
+        reset_to_policy(reference, policy)
+        return {"reference_followed": 1.0}
+
+    run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2,
+                         algorithm=grpo(kl_coef=0.1), with_reference=True,
+                         reference_update=follow_policy)  # fmt: skip
+    assert [step for step, _ in seen] == [1, 2]
+    assert all(kl >= 0 for _, kl in seen)
+    assert [m["reference_followed"] for m in run.history] == [1.0, 1.0]
+    assert run.history[-1]["grad_norm"] > 0  # the policy moved, and the reference followed
+    assert same_weights(run.reference.model, run.backend.model)
+
+
+async def test_custom_logger_receives_every_step(local_engine, tiny_model_dir, tmp_path):
+    _, engine = local_engine
+    logged = []
+    run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2,
+                         logger=lambda step, metrics: logged.append((step, metrics)))  # fmt: skip
+    assert [step for step, _ in logged] == [1, 2]
+    assert [m for _, m in logged] == run.history
+    assert all("loss" in m and "reward_mean" in m for _, m in logged)
+
+
+async def test_stop_fn_ends_the_run_after_its_step_with_a_checkpoint(
+    local_engine, tiny_model_dir, tmp_path
+):
+    _, engine = local_engine
+    asked = []
+
+    def stop_at_two(step, metrics) -> bool:
+        asked.append(step)
+        return step == 2
+
+    run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=5, checkpoint_every=10,
+                         stop_fn=stop_at_two)  # fmt: skip
+    assert asked == [1, 2] and len(run.history) == 2 and run.backend.step == 2
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
+async def test_checkpoint_hook_is_called_with_each_written_checkpoint(
+    local_engine, tiny_model_dir, tmp_path
+):
+    _, engine = local_engine
+    hooked = []
+
+    def hook(step, path, metrics):
+        hooked.append((step, path.name, (path / "trainer_state.json").is_file(), metrics))
+
+    run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2, checkpoint_every=1,
+                         checkpoint_hook=hook)  # fmt: skip
+    assert [h[:3] for h in hooked] == [(1, "step_000001", True), (2, "step_000002", True)]
+    assert [h[3] for h in hooked] == run.history
+
+
+async def test_on_batch_dump_holds_each_step_batch_as_trained(
+    local_engine, tiny_model_dir, tmp_path
+):
+    _, engine = local_engine
+    dump = RolloutDumpWriter(tmp_path / "rollouts.jsonl")
+    run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2, on_batch=dump)
+    dump.close()
+    batches = read_rollout_dump(tmp_path / "rollouts.jsonl")
+    assert sorted(batches) == [1, 2]
+    for step, metrics in enumerate(run.history, 1):
+        samples = batches[step].samples
+        assert len(samples) == 4 and all(s.rollout_logprobs for s in samples)
+        assert metrics["reward_mean"] == pytest.approx(sum(s.reward for s in samples) / 4)
+
+
+async def test_recipe_passes_its_extensions_and_dumps_rollouts_when_configured(
+    local_engine, tiny_model_dir, tmp_path
+):
+    server, _ = local_engine
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}", "answer": "{2 * i}"}}\n' for i in range(8)))
+    config = RLRunConfig.model_validate({
+        "output_dir": str(tmp_path / "run"), "sft_config": None,
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_path": str(data), "task": None},
+        "engines": {"urls": [server.url]},
+        "rollout": {"batch_size": 2, "n_samples_per_prompt": 2, "filter_groups": "none",
+                    "sampling": {"max_new_tokens": 4}},
+        "train": {"max_steps": 3, "checkpoint_every": 10, "eval_samples": 0,
+                  "dump_rollouts": True},
+        "backend": {"num_threads": 1},
+    })  # fmt: skip
+    hooked = []
+    extensions = RLExtensions(
+        reward_fn=index_reward,
+        transforms=(add_shaping("length", length_bonus(0.01)),),
+        stop_fn=lambda step, metrics: step == 2,
+        checkpoint_hook=lambda step, path, metrics: hooked.append((step, path.name)),
+    )
+    summary = await run_rl_recipe(config, extensions=extensions)
+    assert summary.steps == 2 and hooked == [(2, "step_000002")]
+    batches = read_rollout_dump(tmp_path / "run" / "rollouts.jsonl")
+    assert sorted(batches) == [1, 2]
+    for sample in batches[1].samples:
+        length = 0.01 * sample.num_trained_tokens
+        assert sample.reward_components == pytest.approx(
+            {"task": sample.index_in_group, "length": length}
+        )
