@@ -7,6 +7,9 @@ Messages say what happened, where (file, line, field, engine URL) and what to do
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 class RolloutsError(Exception):
     """Base class for every error raised on purpose by rollouts, training and engines."""
@@ -51,3 +54,23 @@ class EngineError(RolloutsError, RuntimeError):
 
 class RewardError(RolloutsError, RuntimeError):
     """A reward function raised or timed out under a fail-fast policy."""
+
+
+class MissingExtraError(RolloutsError, ImportError):
+    """An optional dependency is not installed; names the extra that provides it."""
+
+    def __init__(self, package: str, extra: str, feature: str):
+        super().__init__(
+            f"{feature} needs the {package!r} package, which is not installed; "
+            f"install it with: pip install 'rollouts[{extra}]'"
+        )
+        self.package = package
+        self.extra = extra
+
+
+def import_extra(module: str, *, package: str, extra: str, feature: str) -> ModuleType:
+    """Import an optional dependency, or raise MissingExtraError naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingExtraError(package, extra, feature) from err

@@ -2,8 +2,8 @@
 
 A logger is an extension point (one signature: `Logger`). Shipped: JSONL (one JSON object per
 step, appended, so a resumed run continues the same file), console (a tqdm bar on a TTY, plain
-`logging` lines otherwise), and `fan_out` to combine them. wandb/tensorboard loggers belong to
-the optional extras.
+`logging` lines otherwise), wandb and TensorBoard (their packages are optional extras, imported
+when the logger is created), and `fan_out` to combine them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from rollouts.errors import import_extra
 
 Logger = Callable[[int, dict[str, Any]], None]
 
@@ -86,6 +88,52 @@ class ConsoleLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric metrics (strings such as the algorithm name are left out)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+
+
+class WandbLogger:
+    """Log each step's numeric metrics to Weights & Biases (`pip install 'rollouts[wandb]'`).
+
+    Args are passed to `wandb.init` (project, name, config, mode="offline", ...).
+
+    Raises:
+        MissingExtraError: wandb is not installed.
+    """
+
+    def __init__(self, **init_kwargs: Any):
+        wandb = import_extra("wandb", package="wandb", extra="wandb", feature="WandbLogger")
+        self._run = wandb.init(**init_kwargs)
+
+    def __call__(self, step: int, metrics: dict[str, Any]) -> None:
+        self._run.log(_scalars(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class TensorBoardLogger:
+    """Write each step's numeric metrics as TensorBoard scalars under `log_dir`.
+
+    Raises:
+        MissingExtraError: tensorboard is not installed (`pip install 'rollouts[tensorboard]'`).
+    """
+
+    def __init__(self, log_dir: str | Path):
+        tb = import_extra("torch.utils.tensorboard", package="tensorboard", extra="tensorboard",
+                          feature="TensorBoardLogger")  # fmt: skip
+        self._writer = tb.SummaryWriter(log_dir=str(log_dir))
+
+    def __call__(self, step: int, metrics: dict[str, Any]) -> None:
+        for key, value in _scalars(metrics).items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def fan_out(*loggers: Logger) -> Logger:

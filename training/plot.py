@@ -1,6 +1,6 @@
 """Plotting and printing training curves (matplotlib is optional: the `plot` extra).
 
-python -m training.plot RUN_DIR [--keys reward_mean,loss]   # writes RUN_DIR/curves.png
+python -m training.plot RUN_DIR [--keys reward_mean,loss] [--out FILE]   # RUN_DIR/curves.png
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from rollouts.errors import DataError, RolloutsError, import_extra
 
 _BARS = " ▁▂▃▄▅▆▇█"
 
@@ -45,33 +47,55 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def plot_training_curves(metrics_path: str | Path, out_png: str | Path,
-                         keys: Sequence[str] = ("reward_mean", "eval_accuracy", "loss")
-                         ) -> Path | None:  # fmt: skip
-    """One panel per key present in `metrics.jsonl`; returns the PNG path (None: no matplotlib)."""
-    try:
-        import matplotlib
+DEFAULT_KEYS = ("reward_mean", "eval_accuracy", "accuracy", "loss", "eval_loss", "kl", "grad_norm")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [json.loads(x) for x in Path(metrics_path).read_text(encoding="utf-8").splitlines() if x]
-    present = [k for k in keys if any(k in r for r in rows)]
+
+def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path | None = None,
+                         keys: Sequence[str] | None = None) -> Path:  # fmt: skip
+    """One panel per metric of a `metrics.jsonl` (as `JsonlLogger` writes it), against step.
+
+    Args:
+        metrics_jsonl: the metrics file.
+        out_png: where to write; default `curves.png` beside the metrics file.
+        keys: metrics to plot (those absent are skipped); default `DEFAULT_KEYS` plus every
+            reward component (`reward/<name>`).
+
+    Returns:
+        The PNG path.
+
+    Raises:
+        MissingExtraError: matplotlib is not installed (the `plot` extra).
+        DataError: none of the keys has a numeric value in the file.
+    """
+    mpl = import_extra("matplotlib", package="matplotlib", extra="plot",
+                       feature="plot_training_curves")  # fmt: skip
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(metrics_jsonl)
+    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    if keys is None:
+        components = sorted({k for r in rows for k in r if k.startswith("reward/")})
+        keys = (*DEFAULT_KEYS, *components)
+    series = {k: [(r["step"], r[k]) for r in rows if _is_number(r.get(k))] for k in keys}
+    present = {k: pts for k, pts in series.items() if pts}
     if not present:
-        return None
+        raise DataError(f"{path}: no numeric values for any of {list(keys)}")
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), squeeze=False)
-    for ax, key in zip(axes[:, 0], present, strict=True):
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+    for ax, (key, pts) in zip(axes[:, 0], present.items(), strict=True):
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    out = Path(out_png)
+    out = Path(out_png) if out_png is not None else path.with_name("curves.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def write_reward_png(values: Sequence[float], out_png: str | Path) -> Path | None:
@@ -98,14 +122,18 @@ def write_reward_png(values: Sequence[float], out_png: str | Path) -> Path | Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot metrics.jsonl of a run directory.")
-    parser.add_argument("run_dir")
-    parser.add_argument("--keys", default="reward_mean,eval_accuracy,loss,eval_loss,accuracy")
+    parser = argparse.ArgumentParser(description="Plot the metrics.jsonl of a run directory.")
+    parser.add_argument("run_dir", help="a run directory (or its metrics.jsonl)")
+    parser.add_argument("--keys", default=None, help="comma-separated metrics (default: common)")
+    parser.add_argument("--out", default=None, help="PNG path (default: beside metrics.jsonl)")
     args = parser.parse_args(argv)
-    out = plot_training_curves(Path(args.run_dir) / "metrics.jsonl",
-                               Path(args.run_dir) / "curves.png", args.keys.split(","))  # fmt: skip
-    if out is None:
-        print("nothing plotted (install matplotlib: pip install -e '.[plot]')", file=sys.stderr)
+    path = Path(args.run_dir)
+    metrics = path if path.is_file() else path / "metrics.jsonl"
+    keys = args.keys.split(",") if args.keys else None
+    try:
+        out = plot_training_curves(metrics, args.out, keys)
+    except (RolloutsError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 1
     print(out)
     return 0
