@@ -1,0 +1,109 @@
+"""Token ids of the pieces a multi-turn rollout appends, cut out of the tokenizer's chat template.
+
+A multi-turn trajectory is extended, never re-tokenized: the engine's sampled ids go in as
+they are, and between model turns only the *appended segment* is tokenized on its own — the
+rest of the assistant turn's closing text the model did not sample (e.g. the "\\n" after
+`<|im_end|>`, or all of `<|im_end|>\\n` when the model stopped on a stop string), the
+environment's messages (tool results, user follow-ups), and the next assistant header.
+
+The segment is found by rendering a fixed two-message conversation with and without the new
+messages and taking the difference, so it works for any template that renders earlier
+messages the same whatever follows them (ChatML, Qwen, Llama 3, ...); a template that does not
+is reported with a clear error instead of producing silently wrong tokens. Pure: tokenizer
+only, no engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollouts.errors import ConfigError
+
+_MARK = "\u2063turn-mark\u2063"  # invisible separator: never produced by a real conversation
+_BASE = ({"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK})
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any,
+            generation_prompt: bool) -> str:  # fmt: skip
+    return tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tools=tools,
+        add_generation_prompt=generation_prompt,
+        tokenize=False,
+    )
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+@dataclass(frozen=True)
+class ChatTurns:
+    """The chat template's turn structure for one tokenizer (build with `from_tokenizer`).
+
+    Attributes:
+        tokenizer: a HF tokenizer with a chat template.
+        turn_close_ids: ids of the text the template writes after an assistant message's
+            content (ChatML: `<|im_end|>\\n`). The model usually samples a prefix of it (the
+            end-of-turn token); the rest is appended as non-sampled tokens.
+    """
+
+    tokenizer: Any
+    turn_close_ids: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> ChatTurns:
+        """Read the turn close from the template.
+
+        Raises:
+            ConfigError: the template does not render assistant content verbatim.
+        """
+        text = _render(tokenizer, _BASE, None, False)
+        at = text.rfind(_MARK)
+        if at < 0:
+            raise ConfigError(
+                "the chat template does not render assistant message content verbatim; "
+                "multi-turn rollouts cannot find where an assistant turn ends"
+            )
+        return cls(tokenizer, tuple(_encode(tokenizer, text[at + len(_MARK) :])))
+
+    def sampled_close(self, output_ids: Sequence[int]) -> int:
+        """How many leading tokens of the turn close `output_ids` ends with (0 if none)."""
+        close = self.turn_close_ids
+        for k in range(min(len(close), len(output_ids)), 0, -1):
+            if tuple(output_ids[-k:]) == close[:k]:
+                return k
+        return 0
+
+    def decode_turn(self, output_ids: Sequence[int]) -> str:
+        """The text of a model turn without its sampled end-of-turn tokens.
+
+        Special tokens are kept (`skip_special_tokens=False`): tool-call tags may be special
+        tokens, and a parser must see them.
+        """
+        k = self.sampled_close(output_ids)
+        content = list(output_ids[: len(output_ids) - k])
+        return self.tokenizer.decode(content, skip_special_tokens=False)
+
+    def appended_ids(self, output_ids: Sequence[int], messages: Sequence[Mapping[str, Any]],
+                     tools: Any = None) -> list[int]:  # fmt: skip
+        """Ids to append after a model turn that produced `output_ids`.
+
+        That is: the part of the turn close the model did not sample, then `messages` as the
+        template renders them after an assistant turn, then the next assistant header.
+
+        Raises:
+            ConfigError: the template renders earlier messages differently once `messages`
+                follow them, so the segment cannot be cut out.
+        """
+        before = _render(self.tokenizer, _BASE, tools, False)
+        after = _render(self.tokenizer, [*_BASE, *messages], tools, True)
+        if not after.startswith(before):
+            raise ConfigError(
+                "the chat template renders earlier messages differently when more follow, so "
+                "appended turns cannot be tokenized on their own; use a prefix-stable template"
+            )
+        rest_of_close = self.turn_close_ids[self.sampled_close(output_ids) :]
+        return [*rest_of_close, *_encode(self.tokenizer, after[len(before) :])]
