@@ -1,0 +1,244 @@
+"""Multi-turn rollouts over an `Env`, token in / token out, as a drop-in `GenerateFn`.
+
+One episode: the env's initial observation is rendered once by the chat template; then, per
+turn, the engine continues the token ids so far, the env answers the decoded turn (e.g. runs
+the tool calls in it), and the env's messages are appended as tokens until the env says done,
+the stop condition holds, `max_turns` is reached or the token budget is spent.
+
+Guarantees:
+- The ids are extended with exactly what the engine sampled and with the tokenized appended
+  segment only (`ChatTurns.appended_ids`); the history is never re-tokenized from text. So
+  `prompt_ids + response_ids` is, token for token, the last request plus its output.
+- `loss_mask` is 1 exactly on sampled tokens, 0 on appended ones (whose `rollout_logprobs` are
+  0.0 placeholders; all empty if the engine returned no logprobs).
+- Each engine request holds one `ctx.limiter` token and is listed in `ctx.in_flight` under rid
+  `{rid_prefix}-{sample}-t{turn}`, so surplus aborts and pause-with-abort reach it; an aborted
+  request ends the episode with status "aborted". Tools run without holding the limiter.
+- A failing env step (a bug: tools themselves never raise) marks the sample failed; engine
+  errors propagate, for `collect_groups`' policy to handle.
+
+Status: "completed" when the env said done (or the stop condition held), "truncated" when a
+turn hit its length limit, the token budget ran out or `max_turns` passed without an end.
+`response_text` is the whole decoded response (model and env turns, special tokens kept);
+`weight_version` is the oldest version that sampled any turn.
+
+Not covered: batching several episodes' turns into one `/generate` call (each episode sends
+its own requests; the engine still batches them dynamically).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import trio
+
+from rollouts.chat_turns import ChatTurns
+from rollouts.envs import Env, EnvFactory, ModelTurn, StepResult
+from rollouts.errors import ConfigError
+from rollouts.generation import GenerateContext, GenerateFn, version_number
+from rollouts.prompts import PromptItem, encode_prompt
+from rollouts.types import Sample, Status, ToolCallRecord
+
+StopCondition: TypeAlias = Callable[[Sequence[Mapping[str, Any]]], bool]
+"""(messages so far, ending with the latest assistant turn) -> stop the episode now."""
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """Limits of one episode.
+
+    Attributes:
+        max_turns: model turns at most.
+        max_response_tokens: budget for all response tokens (sampled and appended); each
+            turn's `max_new_tokens` is capped to what is left. None: no budget.
+        stop_condition: checked after each env step; True ends the episode as completed.
+    """
+
+    max_turns: int = 8
+    max_response_tokens: int | None = None
+    stop_condition: StopCondition | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.max_response_tokens is not None and self.max_response_tokens < 1:
+            raise ConfigError(f"max_response_tokens must be >= 1, got {self.max_response_tokens}")
+
+
+class _Trajectory:
+    """The growing response of one episode (local, mutable; frozen into a Sample at the end)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.has_logprobs = True
+
+    def add_sampled(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        if logprobs is None or len(logprobs) != len(ids):
+            self.has_logprobs = False
+        else:
+            self.logprobs += logprobs
+
+    def add_appended(self, ids: Sequence[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+
+def _turn_params(params: Mapping[str, Any], budget: int | None, used: int) -> dict[str, Any] | None:
+    """Sampling params for the next turn, `max_new_tokens` capped to the budget left."""
+    out = dict(params)
+    if budget is None:
+        return out
+    left = budget - used
+    if left <= 0:
+        return None
+    out["max_new_tokens"] = min(int(out.get("max_new_tokens", left)), left)
+    if "min_new_tokens" in out:  # SGLang rejects min_new_tokens > max_new_tokens
+        out["min_new_tokens"] = min(int(out["min_new_tokens"]), out["max_new_tokens"])
+    return out
+
+
+async def _generate(ctx: GenerateContext, ids: Sequence[int], params: Mapping[str, Any], rid: str):
+    async with ctx.limiter:
+        ctx.in_flight.add(rid)
+        try:
+            return await ctx.engine.generate(list(ids), params, rid=rid)
+        finally:
+            ctx.in_flight.discard(rid)
+
+
+async def run_episode(
+    env: Env,
+    ctx: GenerateContext,
+    chat: ChatTurns,
+    *,
+    index: int = 0,
+    metadata: Mapping[str, Any] | None = None,
+    config: MultiTurnConfig = MultiTurnConfig(),
+) -> Sample:
+    """Run one episode of `env` on `ctx.engine` and return it as a Sample (see module docstring).
+
+    Raises:
+        EngineError: an engine request failed.
+        ConfigError: the chat template cannot be extended turn by turn.
+    """
+    obs = await env.initial_observation()
+    if obs.prompt_ids is not None:
+        prompt_ids = tuple(obs.prompt_ids)
+    else:
+        prompt_ids = tuple(encode_prompt(chat.tokenizer, list(obs.messages), obs.tools))
+    messages = [dict(m) for m in obs.messages]
+    response = _Trajectory()
+    records: list[ToolCallRecord] = []
+    reward, components = 0.0, {}
+    status: Status = "truncated"
+    error: str | None = None
+    finish: str | None = None
+    versions: list[int] = []
+    for turn in range(config.max_turns):
+        params = _turn_params(ctx.sampling_params, config.max_response_tokens, len(response.ids))
+        if params is None:
+            break
+        rid = f"{ctx.rid_prefix}-{index}-t{turn}"
+        result = await _generate(ctx, prompt_ids + tuple(response.ids), params, rid)
+        finish = result.finish_reason.type
+        versions.append(version_number(result.weight_version, 0))
+        response.add_sampled(result.output_ids, result.output_logprobs)
+        if finish == "abort":
+            status = "aborted"
+            break
+        text = chat.decode_turn(result.output_ids)
+        messages.append({"role": "assistant", "content": text})
+        try:
+            step: StepResult = await env.step(ModelTurn(text, result.output_ids, finish, turn))
+        except Exception as exc:
+            status, error = "failed", f"env step raised {type(exc).__name__}: {exc}"
+            break
+        reward += step.reward
+        components.update(step.metrics)
+        records += step.tool_calls
+        if finish == "length":
+            break
+        if step.done or (config.stop_condition is not None and config.stop_condition(messages)):
+            status = "completed"
+            break
+        if turn + 1 == config.max_turns:
+            break  # nobody would answer the env's messages
+        appended = chat.appended_ids(result.output_ids, step.messages, obs.tools)
+        budget = config.max_response_tokens
+        if budget is not None and len(response.ids) + len(appended) >= budget:
+            break  # no room left for the model to answer
+        response.add_appended(appended)
+        messages += [dict(m) for m in step.messages]
+    return Sample(
+        prompt_ids=prompt_ids,
+        response_ids=response.ids,
+        loss_mask=response.mask,
+        rollout_logprobs=response.logprobs if response.has_logprobs else (),
+        response_text=chat.tokenizer.decode(response.ids, skip_special_tokens=False),
+        reward=reward,
+        reward_components=components,
+        status=status,
+        error=error,
+        group_id=ctx.group_id,
+        index_in_group=index,
+        weight_version=min(versions, default=0),
+        metadata=dict(metadata or {}),
+        tool_calls=tuple(records),
+        finish_reason=finish,
+    )
+
+
+def multiturn_generate(
+    make_env: EnvFactory,
+    *,
+    tokenizer: Any = None,
+    config: MultiTurnConfig = MultiTurnConfig(),
+) -> GenerateFn:
+    """A GenerateFn running `n` concurrent episodes of `make_env(prompt)` per prompt.
+
+    Pass it as `generate_fn=` to `collect_groups` / the rollout manager, with
+    `reward_fn=env_reward` to keep the envs' rewards.
+
+    Args:
+        make_env: a fresh env per sample.
+        tokenizer: the policy's tokenizer (default: the one in the GenerateContext).
+        config: turn and token limits, stop condition.
+
+    Raises (from the returned function):
+        ConfigError: no tokenizer was given either way.
+    """
+    chats: dict[int, ChatTurns] = {}
+
+    def chat_for(tok: Any) -> ChatTurns:
+        if tok is None:
+            raise ConfigError(
+                "multiturn_generate needs the tokenizer: pass tokenizer=... or give the rollout "
+                "manager one"
+            )
+        if id(tok) not in chats:
+            chats[id(tok)] = ChatTurns.from_tokenizer(tok)
+        return chats[id(tok)]
+
+    async def generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
+        chat = chat_for(tokenizer if tokenizer is not None else ctx.tokenizer)
+        out: list[Sample | None] = [None] * n
+
+        async def one(i: int) -> None:
+            sample = await run_episode(make_env(prompt), ctx, chat, index=i,
+                                       metadata=prompt.metadata, config=config)  # fmt: skip
+            out[i] = sample
+            ctx.report(sample)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+        return [s for s in out if s is not None]
+
+    return generate
