@@ -1,0 +1,154 @@
+"""Weight sync: export + sync_weights_to_engines to 1 and 2 local engines vs save + load by hand.
+
+For each model size, two local engines (`python -m engines.local`, 1 torch thread each, as
+rl_tiny) serve the model, and a `PyTorchTrainingBackend` (1 thread) holds the trainer's copy.
+Alternating in every repeat:
+- ours, 1 engine:  `backend.export_weights(dir)` (HF layout: safetensors + config + tokenizer,
+  on the trainer's worker thread) then `sync_weights_to_engines([engine], dir, version)`
+  (pause → /update_weights_from_disk → /get_model_info check → continue), i.e. exactly what
+  the RL loop's `push_weights` does every `sync_every` steps;
+- ours, 2 engines: the same, to both engines concurrently;
+- raw: `model.save_pretrained(dir)` + `AutoModelForCausalLM.from_pretrained(dir)` in one
+  process: the least any disk-based handover can cost.
+The target (<= 1.3x) compares ours to raw. A breakdown shows where our time goes: the export
+(model and tokenizer separately), the server-side load as the engine logs it, and the HTTP
+control calls (pause + model_info + continue).
+
+    .venv/bin/python benchmarks/weight_sync.py [--sizes tiny,small] [--repeats 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness  # benchmarks/harness.py: this script's folder is on sys.path
+import torch
+import trio
+
+from engines import SGLangEngine, launch_engine
+from engines.weight_sync import sync_weights_to_engines
+from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
+from training.checkpoint import export_hf
+from training.config import OptimConfig
+from training.tiny_model import build_tiny_model
+
+SIDES = {
+    "ours_1": "export + sync_weights_to_engines, 1 engine",
+    "ours_2": "export + sync_weights_to_engines, 2 engines",
+    "raw": "save_pretrained + from_pretrained",
+}
+
+
+def raw_roundtrip(model: torch.nn.Module, out: Path) -> float:
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model.save_pretrained(out)
+    AutoModelForCausalLM.from_pretrained(out)
+    return time.perf_counter() - t0
+
+
+def engine_load_times(log: Path) -> list[float]:
+    """Server-side load durations the local engine logged ("updated weights ... in X s")."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [float(x) for x in re.findall(r"updated weights from .* in ([0-9.]+) s", text)]
+
+
+async def measure_size(size: str, args, tmp: Path) -> dict:
+    model_dir = build_tiny_model(tmp / size, seed=0, size=size)
+    tok = load_tokenizer(model_dir)
+    backend = PyTorchTrainingBackend(
+        lambda: load_model(model_dir), tok, optim=OptimConfig(), max_steps=1,
+        checkpoint_dir=tmp / "ckpt", num_threads=1,
+    )  # fmt: skip
+    n_params = sum(p.numel() for p in backend.model.parameters())
+    extra = ["--num-threads", "1", "--weight-version", "0"]
+    times: dict[str, list[float]] = {k: [] for k in [*SIDES, "export", "export_model",
+                                                     "export_tokenizer", "control"]}  # fmt: skip
+    logs = [tmp / f"{size}_engine_{i}.log" for i in range(2)]
+    version = 0
+    with backend:
+        async with (
+            launch_engine(kind="local", model_path=model_dir, extra_args=extra,
+                          log_path=logs[0]) as l0,
+            launch_engine(kind="local", model_path=model_dir, extra_args=extra,
+                          log_path=logs[1]) as l1,
+            SGLangEngine(l0.url) as e0,
+            SGLangEngine(l1.url) as e1,
+        ):  # fmt: skip
+            for r in range(args.repeats):
+                for side in list(SIDES)[r % 3 :] + list(SIDES)[: r % 3]:
+                    version += 1
+                    out = tmp / f"{size}_v{version:04d}"
+                    t0 = time.perf_counter()
+                    if side == "raw":
+                        times[side].append(await trio.to_thread.run_sync(
+                            raw_roundtrip, backend.model, out))  # fmt: skip
+                        continue
+                    path = await backend.export_weights(out)
+                    t1 = time.perf_counter()
+                    engines = [e0] if side == "ours_1" else [e0, e1]
+                    await sync_weights_to_engines(engines, path, str(version))
+                    times[side].append(time.perf_counter() - t0)
+                    times["export"].append(t1 - t0)
+                # the parts, measured apart: model vs tokenizer save, HTTP control round trips
+                t0 = time.perf_counter()
+                await backend.call(lambda o=tmp / f"{size}_m{r}": export_hf(backend.model, None, o)).result()  # fmt: skip
+                times["export_model"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                await trio.to_thread.run_sync(tok.save_pretrained, tmp / f"{size}_t{r}")
+                times["export_tokenizer"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                await e0.pause("abort")
+                await e0.model_info()
+                await e0.resume()
+                times["control"].append(time.perf_counter() - t0)
+    loads = engine_load_times(logs[0]) + engine_load_times(logs[1])
+    return {"times": times, "server_load": loads, "n_params": n_params,
+            "bytes": (model_dir / "model.safetensors").stat().st_size}  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="tiny,small")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 repeat")
+    args = p.parse_args()
+    if args.quick:
+        args.sizes, args.repeats = "tiny", 1
+    torch.set_num_threads(1)
+    started = time.time()
+    rows, notes = [], []
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            res = trio.run(measure_size, size, args, Path(tmp))
+        med = {k: harness.median(v) for k, v in res["times"].items()}
+        for side in SIDES:
+            rows.append([size, SIDES[side], med[side] * 1000, med[side] / med["raw"],
+                         ", ".join(f"{v * 1000:.0f}" for v in res["times"][side])])  # fmt: skip
+        server = harness.median(res["server_load"])
+        notes.append(
+            f"- {size} ({res['n_params'] / 1e6:.1f} M parameters, {res['bytes'] / 2**20:.0f} MiB "
+            f"safetensors): 1 engine {harness.verdict(med['ours_1'] / med['raw'], 1.3, higher_is_better=False)}, "
+            f"2 engines {harness.verdict(med['ours_2'] / med['raw'], 1.3, higher_is_better=False)}. "
+            f"Where the 1-engine time goes: export {med['export'] * 1000:.0f} ms (model "
+            f"{med['export_model'] * 1000:.0f} ms, tokenizer {med['export_tokenizer'] * 1000:.0f} ms), "
+            f"server-side load {server * 1000:.0f} ms, pause + model_info + continue "
+            f"{med['control'] * 1000:.0f} ms, the rest (HTTP of the update call, scheduling) "
+            f"{(med['ours_1'] - med['export'] - server - med['control']) * 1000:.0f} ms."
+        )  # fmt: skip
+    table = harness.md_table(["model", "path", "ms (median)", "vs raw",
+                              f"runs (ms, {args.repeats} repeats)"], rows)  # fmt: skip
+    print(f"\nWeight sync\n{table}\n" + "\n".join(notes))
+    harness.write_section("weight_sync", "Weight sync vs save + load by hand",
+                          f"{table}\n\n" + "\n".join(notes), quick=args.quick, started=started)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
