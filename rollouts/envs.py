@@ -163,6 +163,7 @@ class ToolEnv:
     system_prompt: str | None = None
     max_calls_per_turn: int = 4
     max_output_chars: int = 2000
+    show_specs: bool = True  # False: a model that learned its tools in SFT gets no schema turn
 
     def __post_init__(self) -> None:
         self._tools = _index(self.tools)
@@ -171,7 +172,8 @@ class ToolEnv:
         messages = tuple(self.prompt.messages)
         if self.system_prompt is not None and (not messages or messages[0].get("role") != "system"):
             messages = ({"role": "system", "content": self.system_prompt}, *messages)
-        return Observation(messages, tools=tuple(tool_specs(self.tools)))
+        specs = tuple(tool_specs(self.tools)) if self.show_specs else None
+        return Observation(messages, tools=specs)
 
     async def step(self, turn: ModelTurn) -> StepResult:
         calls = [] if turn.truncated else self.parser(turn.text)
@@ -198,12 +200,13 @@ def tool_env_factory(
     system_prompt: str | None = None,
     max_calls_per_turn: int = 4,
     max_output_chars: int = 2000,
+    show_specs: bool = True,
 ) -> EnvFactory:
     """An EnvFactory making a `ToolEnv` per sample with these tools and settings."""
     _index(tools)  # duplicate names fail here, at setup, not in the first rollout
 
     def make(prompt: PromptItem) -> ToolEnv:
         return ToolEnv(prompt, tools, grade, parser, system_prompt, max_calls_per_turn,
-                       max_output_chars)  # fmt: skip
+                       max_output_chars, show_specs)  # fmt: skip
 
     return make

@@ -1,4 +1,4 @@
-"""Held-out evaluation through inference engines: greedy decoding scored by a reward."""
+"""Held-out evaluation through inference engines: greedy episodes scored by a reward."""
 
 from __future__ import annotations
 
@@ -8,19 +8,28 @@ from typing import Any
 
 import trio
 
+from rollouts.generation import GenerateContext, GenerateFn, single_turn_generate
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RewardFn, score_sample
+from rollouts.tools.rewards import tool_metrics
 from rollouts.types import Sample
 
 
 async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn: RewardFn, *,
                           max_new_tokens: int = 16, max_concurrency: int = 64,
-                          timeout_s: float = 30.0) -> dict[str, float]:  # fmt: skip
-    """Greedy (temperature 0) completion of every prompt, scored by `reward_fn`.
+                          timeout_s: float = 30.0, generate_fn: GenerateFn = single_turn_generate,
+                          tokenizer: Any = None) -> dict[str, float]:  # fmt: skip
+    """One greedy (temperature 0) episode per prompt, scored by `reward_fn`.
+
+    Args:
+        generate_fn: how an episode runs (default one assistant turn; a multi-turn tool
+            rollout evaluates tool use the same way it is trained).
+        tokenizer: for generate functions that need it (multi-turn).
 
     Returns:
-        `reward_mean`, and `accuracy` (mean of the reward's "correct" component, or of
-        reward > 0 when it has none).
+        `reward_mean`; `accuracy` (mean of the reward's "correct" component, or of reward > 0
+        when it has none); and, for multi-turn episodes, the tool metrics
+        (`tool_success_rate`, `tool_calls_per_sample`, ...).
     """
     if not prompts:
         return {}
@@ -29,18 +38,19 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
     scored: list[Sample | None] = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        async with limiter:
-            r = await engine.generate(prompts[i].prompt_ids, params, rid=f"eval-{i}")
-        sample = Sample(prompts[i].prompt_ids, r.output_ids, (1,) * len(r.output_ids),
-                        r.output_logprobs or (), r.text, metadata=prompts[i].metadata)  # fmt: skip
-        scored[i] = await score_sample(reward_fn, sample, timeout_s=timeout_s)
+        ctx = GenerateContext(engine, params, limiter, f"eval-{i}", i, tokenizer)
+        samples = await generate_fn(prompts[i], 1, ctx)
+        scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
     done = [s for s in scored if s is not None]
     correct = [s.reward_components.get("correct", float(s.reward > 0)) for s in done]
-    return {
+    out = {
         "accuracy": statistics.fmean(correct),
         "reward_mean": statistics.fmean(s.reward for s in done),
     }
+    if generate_fn is not single_turn_generate or any(s.tool_calls for s in done):
+        out |= tool_metrics(done)
+    return out

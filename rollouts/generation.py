@@ -28,6 +28,7 @@ import trio
 from rollouts.errors import EngineError, RolloutsError
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RewardFn, score_sample
+from rollouts.tools.rewards import tool_metrics
 from rollouts.types import RolloutBatch, Sample
 
 log = logging.getLogger("rollouts.generation")
@@ -179,7 +180,9 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     """Reward, accuracy, length and truncation statistics of accepted groups (pure).
 
     Each named reward component gets its mean as `reward/<name>` (over the samples that have
-    it); "accuracy" is the mean of the "correct" component when there is one.
+    it); "accuracy" is the mean of the "correct" component when there is one. Tool use
+    (`tool_calls_per_sample`, `tool_success_rate`, `turns_per_sample`, ...) is always included,
+    so a policy that stops calling tools shows up as zeros rather than as missing points.
     """
     samples = [s for g in groups for s in g]
     if not samples:
@@ -199,7 +202,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
         out[f"reward/{name}"] = statistics.fmean(values)
     if "reward/correct" in out:
         out["accuracy"] = out["reward/correct"]
-    return out
+    return out | tool_metrics(samples)
 
 
 @dataclass

@@ -39,3 +39,19 @@ def test_held_out_split_is_disjoint_from_training(tmp_path):
     assert questions(files.rl_eval, "messages") == held
     first = json.loads(files.rl_train.read_text().splitlines()[0])
     assert set(first) == {"messages", "answer"}
+
+
+def test_held_out_shares_flag_a_stratum_the_split_exhausts(tmp_path, caplog):
+    from rollouts.tasks.arithmetic import held_out_shares, write_arithmetic_datasets
+
+    shares = held_out_shares(make_problems(500, seed=0, min_digits=1, max_digits=2, ops="+"))
+    assert shares[(1, 1)] > 0.5 and shares[(2, 2)] < 0.05  # 1-digit sums: only 100 exist
+    with caplog.at_level("WARNING", logger="rollouts.tasks"):
+        write_arithmetic_datasets(tmp_path / "a", n_sft=10, n_rl=10, n_eval=500, min_digits=1,
+                                  max_digits=2, ops="+")  # fmt: skip
+    assert "1+1-digit" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rollouts.tasks"):
+        write_arithmetic_datasets(tmp_path / "b", n_sft=10, n_rl=10, n_eval=500, min_digits=2,
+                                  max_digits=2, ops="+")  # fmt: skip
+    assert "held-out split takes" not in caplog.text

@@ -32,6 +32,23 @@ class RewardConfig(Strict):
     )
 
 
+class EnvSection(Strict):
+    """How an episode runs: one assistant turn, or multi-turn with tools (rollouts.multiturn)."""
+
+    kind: Literal["single_turn", "tools"] = "single_turn"
+    tools: list[Literal["calculator", "python"]] = ["calculator"]
+    parser: Literal["hermes", "xml"] = "hermes"
+    grader: str = Field(
+        "rollouts.envs:arithmetic_grader",
+        description="module:function (final model text, metadata) -> reward of the answer",
+    )
+    system_prompt: str | None = None
+    show_specs: bool = Field(True, description="render the tools' JSON schemas into the prompt")
+    max_turns: int = Field(4, ge=1)
+    max_response_tokens: int | None = Field(128, ge=1, description="all turns together")
+    tool_timeout_s: float = Field(10.0, gt=0)
+
+
 class AlgorithmSection(Strict):
     """The algorithm preset and overrides; `then`/`switch_at_step` switch presets mid-run."""
 
@@ -68,6 +85,7 @@ class RLRunConfig(Strict):
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmSection = AlgorithmSection()
     reward: RewardConfig = RewardConfig()
+    env: EnvSection = EnvSection()
     optim: OptimConfig = OptimConfig(lr=1e-5, schedule="constant", grad_clip=1.0)
     backend: BackendConfig = BackendConfig()
     train: RLLoopConfig = RLLoopConfig()

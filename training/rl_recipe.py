@@ -38,6 +38,7 @@ from training.reference import ReferenceUpdateFn, frozen, make_reference
 from training.rl import CheckpointHook, StopFn, push_weights, run_rl_training
 from training.rl_batch import collate_rl
 from training.rl_config import AlgorithmSection, RLRunConfig
+from training.rl_env import build_episode_setup
 from training.rollout_dump import RolloutDumpWriter
 
 log = logging.getLogger("rollouts.rl_recipe")
@@ -156,6 +157,8 @@ class RLSummary:
     wall_time_s: float
     checkpoint: Path | None
     reward_curve: tuple[float, ...]
+    tool_success_before: float | None = None  # share of tool calls that succeeded (tool envs)
+    tool_success_after: float | None = None
 
     def line(self) -> str:
         def pct(v: float | None) -> str:
@@ -164,9 +167,13 @@ class RLSummary:
         gain = ""
         if self.accuracy_before is not None and self.accuracy_after is not None:
             gain = f" ({(self.accuracy_after - self.accuracy_before) * 100:+.1f} points)"
+        tools = ""
+        if self.tool_success_before is not None or self.tool_success_after is not None:
+            tools = (f" tool_success before={pct(self.tool_success_before)} "
+                     f"after={pct(self.tool_success_after)}")  # fmt: skip
         return (
             f"RL done: heldout_accuracy before={pct(self.accuracy_before)} "
-            f"after={pct(self.accuracy_after)}{gain} steps={self.steps} "
+            f"after={pct(self.accuracy_after)}{gain}{tools} steps={self.steps} "
             f"wall_time={self.wall_time_s:.1f}s checkpoint={self.checkpoint}"
         )
 
@@ -204,7 +211,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
     log.info("resolved config:\n%s", config_to_yaml(config))
-    reward_fn = extensions.reward_fn or resolve_callable(config.reward.fn)
+    episodes = build_episode_setup(config.env, config.reward, resolve=resolve_callable)
+    reward_fn = extensions.reward_fn or episodes.reward_fn
     schedule = algorithm_schedule(config.algorithm, config.rollout.sampling.max_new_tokens)
     model_path = await resolve_start_model(config)
 
@@ -239,7 +247,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
 
             async def evaluate() -> dict[str, float]:
                 return await evaluate_greedy(pool, held_out, reward_fn,
-                                             max_new_tokens=config.train.eval_max_new_tokens)  # fmt: skip
+                                             max_new_tokens=config.train.eval_max_new_tokens,
+                                             generate_fn=episodes.generate_fn,
+                                             tokenizer=tokenizer)  # fmt: skip
 
             before = await evaluate() if held_out else {}
             log.info("held-out before RL: %s", before)
@@ -249,7 +259,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 reward_fn=algorithms.shape_reward(first, reward_fn),
                 group_filter=group_filter_for(first, config.rollout.filter_groups),
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,
-                tokenizer=tokenizer,
+                tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
 
             def switch(algo: algorithms.AlgorithmConfig) -> None:
@@ -271,7 +281,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     pause_mode=config.engines.pause_mode, on_batch=dump,
                     resolved_config=config.model_dump(mode="json"), on_algorithm_switch=switch,
                 )  # fmt: skip
-    after = history[-1].get("eval_accuracy") if history else None
+    last = history[-1] if history else {}
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)
-    return RLSummary(before.get("accuracy"), after, backend.step, time.perf_counter() - t0,
-                     find_latest_checkpoint(out / "checkpoints"), curve)  # fmt: skip
+    return RLSummary(before.get("accuracy"), last.get("eval_accuracy"), backend.step,
+                     time.perf_counter() - t0, find_latest_checkpoint(out / "checkpoints"), curve,
+                     before.get("tool_success_rate"), last.get("eval_tool_success_rate"))  # fmt: skip

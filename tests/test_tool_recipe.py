@@ -1,0 +1,41 @@
+"""The RL recipe with `env.kind: tools`: multi-turn episodes for training and for evaluation."""
+
+from __future__ import annotations
+
+import json
+
+from training.config import load_config
+from training.rl_config import RLRunConfig
+from training.rl_env import build_episode_setup, build_tools
+from training.rl_recipe import resolve_callable, run_rl_recipe
+
+
+def test_env_section_builds_the_configured_tools_and_reward():
+    config = load_config(RLRunConfig, None, ["env.kind=tools", "env.tools=[calculator,python]",
+                                             "env.tool_timeout_s=3"])  # fmt: skip
+    tools = build_tools(config.env)
+    assert [t.name for t in tools] == ["calculator", "python"]
+    assert all(t.timeout_s == 3 for t in tools)
+    setup = build_episode_setup(config.env, config.reward, resolve=resolve_callable)
+    assert setup.reward_fn.__name__ == "env_reward"  # the env grades; no reward.fn was named
+    named = load_config(RLRunConfig, None, ["env.kind=tools",
+                                            "reward.fn=rollouts.tasks.arithmetic:correctness_reward"])  # fmt: skip
+    assert build_episode_setup(named.env, named.reward,
+                               resolve=resolve_callable).reward_fn.__name__ == "correctness_reward"  # fmt: skip
+
+
+async def test_tool_env_runs_through_rollouts_and_evaluation(tiny_model_dir, tmp_path):
+    config = load_config(RLRunConfig, None, [
+        f"output_dir={tmp_path / 'out'}", f"model.path={tiny_model_dir}", "data.task=multiply",
+        f"data.task_dir={tmp_path / 'data'}", "data.multiply.n_sft=4", "data.multiply.n_rl=16",
+        "data.multiply.n_eval=4", "env.kind=tools", "env.show_specs=false", "env.max_turns=2",
+        "env.max_response_tokens=24", "rollout.batch_size=2", "rollout.n_samples_per_prompt=2",
+        "rollout.filter_groups=none", "rollout.sampling.max_new_tokens=8", "train.max_steps=1",
+        "train.eval_samples=4", "train.eval_max_new_tokens=8", "backend.num_threads=1",
+    ])  # fmt: skip
+    summary = await run_rl_recipe(config)
+    row = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary.steps == 1 and summary.accuracy_before is not None
+    for key in ("turns_per_sample", "tool_calls_per_sample", "eval_tool_calls_per_sample",
+                "eval_turns_per_sample", "reward/correct"):  # fmt: skip
+        assert key in row, key
