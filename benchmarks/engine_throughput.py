@@ -201,8 +201,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: few requests, 1 repeat")
     args = parser.parse_args()
     if args.quick:
-        args.repeats, args.requests, args.sequential_requests, args.new_tokens = 1, 64, 4, 16
-        args.overhead_requests, args.overhead_rounds = 200, 2
+        harness.apply_quick(
+            args,
+            parser,
+            repeats=1,
+            sequential_requests=4,
+            new_tokens=16,
+            overhead_requests=200,
+            overhead_rounds=2,
+        )
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or build_tiny_model(Path(tmp) / "model", seed=0, size=args.size)

@@ -3,9 +3,13 @@
 Both arms start from the same SFT'd tiny model and get the same wall-clock training budget
 (`--budget-s`); the number that matters is held-out accuracy against training wall-clock.
 - rollouts: `run_rl_recipe` on configs/rl_tiny.yaml (what `examples/run_rl.py` runs): a local
-  engine process generates (1 torch thread), the trainer trains (1 thread), weights are
-  exported and pushed to the engine after every step. `--arms rollouts_overlap` adds the same
-  with `rollout.mode=overlap` (batch k+1 generated while training on k, one step off-policy).
+  engine process generates, then the trainer trains (sync mode; each with rl_tiny's thread
+  count, 1 + 1 on 2 cores), then weights are exported and pushed to the engine, every step.
+  `rollouts_2t` is the same with 2 threads for each (they take turns, so each may use every
+  core: faster on a machine of its own, much slower when other jobs share it).
+  `rollouts_overlap` (opt-in with --arms) is the same with `rollout.mode=overlap` (batch
+  k+1 generated while training on k, one step off-policy; 1 + 1 threads, since they run at
+  the same time).
 - trl: TRL `GRPOTrainer` with `use_vllm=False` in one process with 2 torch threads (the whole
   machine): it generates with HF `generate`, then trains.
 Matched: the RL prompts and reward of the rl_tiny recipe (`correctness_reward`, exact match
@@ -48,6 +52,7 @@ import rollouts.threads  # noqa: F401  (before torch: the project's OpenMP setti
 
 ARMS = {
     "rollouts": "rollouts (sync)",
+    "rollouts_2t": "rollouts (sync, 2+2 threads)",
     "rollouts_overlap": "rollouts (overlap)",
     "trl": "TRL GRPOTrainer",
 }
@@ -105,7 +110,7 @@ def run_rollouts(args, mode: str) -> dict:
         "train.log_every=1000000", f"rollout.mode={mode}", f"rollout.batch_size={args.prompts}",
         f"rollout.n_samples_per_prompt={args.group}",
         f"rollout.sampling.max_new_tokens={args.max_new_tokens}", f"optim.lr={args.lr}",
-        "optim.schedule=constant", "optim.warmup_steps=0",
+        "optim.schedule=constant", "optim.warmup_steps=0", *args.rollouts_overrides,
     ])  # fmt: skip
     clock = Timeline(args.budget_s, args.points, out / "snapshots")
     n = args.group
@@ -317,7 +322,8 @@ def plot(runs: dict[str, list[dict]], start_acc: float, args) -> Path | None:
     plt = harness.pyplot()
     if plt is None:
         return None
-    colors = {"rollouts": "tab:green", "rollouts_overlap": "tab:blue", "trl": "tab:orange"}
+    colors = {"rollouts": "tab:green", "rollouts_2t": "tab:olive", "rollouts_overlap": "tab:blue",
+              "trl": "tab:orange"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for arm, arm_runs in runs.items():
         for i, run in enumerate(arm_runs):
@@ -336,8 +342,9 @@ def plot(runs: dict[str, list[dict]], start_acc: float, args) -> Path | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", default="rollouts,trl", help=f"comma-separated, of: {', '.join(ARMS)}")
-    p.add_argument("--budget-s", type=float, default=60.0, help="training seconds per run")
+    p.add_argument("--arms", default="rollouts,rollouts_2t,trl",
+                   help=f"comma-separated, of: {', '.join(ARMS)}")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=50.0, help="training seconds per run")
     p.add_argument("--points", type=int, default=6, help="snapshots (accuracy points) per run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (rl_tiny: 16)")
@@ -347,28 +354,38 @@ def main() -> int:
     p.add_argument("--eval-prompts", type=int, default=500)
     p.add_argument("--threads", type=int, default=2, help="TRL's and the evaluator's threads")
     p.add_argument("--sft-checkpoint", help="starting model (default: the SFT recipe's output)")
+    p.add_argument("--rollouts-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra dotted overrides of rl_tiny for the rollouts arms, "
+                        "e.g. backend.num_threads=2")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="smoke run: 10 s budget, 1 repeat")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--train-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
+        if args.one == "rollouts_overlap":  # both run at once: one core each
+            args.rollouts_overrides += ["backend.num_threads=1", "engines.local_threads=1"]
+        if args.one == "rollouts_2t":  # they take turns: all (2) cores to each
+            args.rollouts_overrides += ["backend.num_threads=2", "engines.local_threads=2"]
         result = run_trl(args) if args.one == "trl" else run_rollouts(
             args, "overlap" if args.one == "rollouts_overlap" else "sync")  # fmt: skip
         harness.emit(result)
         return 0
     if args.quick:
-        args.budget_s, args.repeats, args.points, args.eval_prompts = 10.0, 1, 2, 100
+        harness.apply_quick(args, p, budget_s=10.0, repeats=1, points=2, eval_prompts=100)
     started = time.time()
     args.sft_checkpoint = sft_checkpoint(args)
     from training.config import load_config
     from training.rl_config import RLRunConfig
 
-    files = load_config(RLRunConfig, RL_CONFIG).data.write_task_files()
+    rl = load_config(RLRunConfig, RL_CONFIG, args.rollouts_overrides)
+    files = rl.data.write_task_files()
     args.train_file, args.eval_file = str(files.rl_train), str(files.rl_eval)
     arms = args.arms.split(",")
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("budget_s", "points", "prompts", "group", "max_new_tokens", "lr",
                             "threads", "sft_checkpoint", "train_file")]  # fmt: skip
+    if args.rollouts_overrides:
+        passthrough += ["--rollouts-overrides", *args.rollouts_overrides]
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     for r in range(args.repeats):
         for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
@@ -388,9 +405,10 @@ def main() -> int:
         f"{args.prompts} prompts x {args.group} samples per step, at most {args.max_new_tokens} "
         f"new tokens, lr {args.lr} constant, {args.budget_s:.0f} s of training per run, "
         f"accuracy = greedy exact match on {args.eval_prompts} held-out prompts. rollouts: "
-        f"trainer 1 thread + local engine 1 thread (rl_tiny); TRL: one process, "
-        f"{args.threads} threads. Accuracy columns are medians over repeats at equal "
-        "training time.\n\n"
+        f"trainer {rl.backend.num_threads} thread(s) + local engine {rl.engines.local_threads} "
+        f"thread(s) (rl_tiny{' + ' + ' '.join(args.rollouts_overrides) if args.rollouts_overrides else ''}); "
+        f"TRL: one process, {args.threads} threads. Accuracy columns are medians over repeats "
+        "at equal training time.\n\n"
         f"{table}\n\n" + "\n".join(notes) + "\n\n" + harness.image_link(png, args.quick, "GRPO")
     )  # fmt: skip
     harness.write_section("grpo_learning", "GRPO learning speed vs TRL", body, quick=args.quick,

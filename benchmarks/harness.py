@@ -52,6 +52,13 @@ def results_md(quick: bool) -> Path:
     return results_dir(quick) / "RESULTS.md" if quick else BENCH_DIR / "RESULTS.md"
 
 
+def apply_quick(args: Any, parser: Any, **values: Any) -> None:
+    """Smoke-mode settings, for every option the command line left at its default."""
+    for name, value in values.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+
+
 def median(values: Iterable[float]) -> float:
     values = [v for v in values if v == v]  # drop NaN
     return statistics.median(values) if values else float("nan")

@@ -4,8 +4,8 @@ One knob at a time from a base point (`--base G,B,L`: samples per prompt, prompt
 max response tokens), the sweep of the issue: group size 4/8/16, batch size 8/32/128 prompts,
 response length 8/32/128 tokens. Every configuration runs in a fresh process with its own
 local engine (so peak RSS belongs to that configuration): `run_rl_training` with the rl_tiny
-set-up (trainer 1 torch thread, local engine 1 thread, GRPO, weights pushed every step) on the
-tiny model. Responses are forced to full length (`ignore_eos`), so the length knob is exact;
+set-up (sync mode, trainer and local engine `--threads` torch threads each, 1 as in rl_tiny,
+GRPO, weights pushed every step) on the tiny model. Responses are forced to full length (`ignore_eos`), so the length knob is exact;
 no group filter, so every step trains on B x G samples. Seconds per step is the median over
 the steps after the first; the split generate / train / sync comes from the loop's own
 metrics. Peak RSS: the trainer process's maximum resident set, and the engine's VmHWM.
@@ -33,7 +33,7 @@ import rollouts.threads  # noqa: F401  (before torch: the project's OpenMP setti
 SWEEP = {"group": (4, 8, 16), "batch": (8, 32, 128), "length": (8, 32, 128)}
 
 
-def run_config(group: int, batch: int, length: int, steps: int) -> dict:
+def run_config(group: int, batch: int, length: int, steps: int, threads: int) -> dict:
     """Child process: `steps` RL steps at this size; per-step times and peak memory."""
     import trio
 
@@ -61,7 +61,7 @@ def run_config(group: int, batch: int, length: int, steps: int) -> dict:
     backend = PyTorchTrainingBackend(
         lambda: load_model(model_dir), tok, optim=OptimConfig(lr=1e-5, schedule="constant"),
         max_steps=steps, checkpoint_dir=tmp / "ckpt", pack_length=None,
-        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id), num_threads=1,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id), num_threads=threads,
     )  # fmt: skip
     rollout = RolloutConfig(batch_size=batch, n_samples_per_prompt=group, max_concurrency=128,
                             filter_groups="none", sampling={"max_new_tokens": length})  # fmt: skip
@@ -73,7 +73,8 @@ def run_config(group: int, batch: int, length: int, steps: int) -> dict:
         return await single_turn_generate(prompt, n, dataclasses.replace(ctx, sampling_params=params))  # fmt: skip
 
     async def main() -> tuple[list[dict], float]:
-        extra = ["--num-threads", "1", "--max-running-requests", "128", "--weight-version", "0"]
+        extra = ["--num-threads", str(threads), "--max-running-requests", "128",
+                 "--weight-version", "0"]  # fmt: skip
         async with (
             launch_engine(kind="local", model_path=model_dir, extra_args=extra) as launched,
             SGLangEngine(launched.url) as engine,
@@ -113,7 +114,8 @@ def slope(points: list[tuple[float, float]]) -> float:
     return math.log(y1 / y0) / math.log(x1 / x0)
 
 
-def plot(results: dict, base: tuple[int, int, int], sweep: dict, quick: bool) -> Path | None:
+def plot(results: dict, base: tuple[int, int, int], sweep: dict, quick: bool, threads: int
+         ) -> Path | None:  # fmt: skip
     plt = harness.pyplot()
     if plt is None:
         return None
@@ -134,7 +136,8 @@ def plot(results: dict, base: tuple[int, int, int], sweep: dict, quick: bool) ->
         ax.set_ylabel("seconds per step")
         ax.set_title(f"{knob} (others: G={base[0]}, B={base[1]}, L={base[2]})", fontsize=9)
     axes[0].legend()
-    fig.suptitle("RL step time on the tiny model (trainer 1 thread + local engine 1 thread)")
+    fig.suptitle(f"RL step time on the tiny model (sync; trainer and local engine {threads} "
+                 "threads each)")  # fmt: skip
     return harness.save_figure(fig, "rl_scaling", quick)
 
 
@@ -142,23 +145,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", default="8,8,32", help="G,B,L of the base point")
     p.add_argument("--steps", type=int, default=3, help="RL steps per configuration (1 untimed)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, trainer and engine each")
     p.add_argument("--quick", action="store_true", help="smoke run: small sizes, 2 steps")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         g, b, length = map(int, args.one.split(","))
-        harness.emit(run_config(g, b, length, args.steps))
+        harness.emit(run_config(g, b, length, args.steps, args.threads))
         return 0
     sweep = SWEEP
     if args.quick:
-        args.base, args.steps = "4,8,8", 2
+        harness.apply_quick(args, p, base="4,8,8", steps=2)
         sweep = {"group": (4, 8), "batch": (8, 16), "length": (8, 16)}
     base = tuple(map(int, args.base.split(",")))
     started = time.time()
     results = {}
     for cfg in configs(base, sweep):
         print(f"  G={cfg[0]} B={cfg[1]} L={cfg[2]} ...", flush=True)
-        out = harness.run_child([__file__, "--one", ",".join(map(str, cfg)), f"--steps={args.steps}"])  # fmt: skip
+        out = harness.run_child([__file__, "--one", ",".join(map(str, cfg)), f"--steps={args.steps}",
+                                 f"--threads={args.threads}"])  # fmt: skip
         timed = out["steps"][1:] or out["steps"]
         results[cfg] = {
             "step": harness.median(s["time_step_s"] for s in timed),
@@ -189,10 +194,11 @@ def main() -> int:
                      f"s/step x{pts[-1][1] / pts[0][1]:.1f}, log-log slope {slope(pts):.2f} "
                      f"({kind}); at {values[-1]}: generate {share['gen']:.0%}, train "
                      f"{share['train']:.0%}, sync {share['sync']:.0%}")  # fmt: skip
-    png = plot(results, base, sweep, args.quick)
+    png = plot(results, base, sweep, args.quick, args.threads)
     head = (f"Base point G={base[0]} samples per prompt, B={base[1]} prompts, L={base[2]} "
             f"tokens; one knob varied at a time; {args.steps} steps per configuration, the "
-            "first untimed; responses forced to L tokens.")  # fmt: skip
+            f"first untimed; responses forced to L tokens; trainer and engine {args.threads} "
+            "torch threads each (sync mode).")  # fmt: skip
     print(f"\nRL scaling\n{head}\n{table}\n" + "\n".join(notes))
     harness.write_section("rl_scaling", "RL step time and memory vs size",
                           f"{head}\n\n{table}\n\n" + "\n".join(notes) + "\n\n"

@@ -355,8 +355,8 @@ def main() -> int:
     p.add_argument("--loops", default="rollouts,raw_packed,raw_padded,trl",
                    help=f"comma-separated, of: {', '.join(LOOPS)}")  # fmt: skip
     p.add_argument("--data", choices=["chat", "arithmetic"], default="chat")
-    p.add_argument("--steps-tiny", type=int, default=30)
-    p.add_argument("--steps-small", type=int, default=8)
+    p.add_argument("--steps-tiny", type=int, default=20)
+    p.add_argument("--steps-small", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
@@ -375,7 +375,7 @@ def main() -> int:
         harness.emit(measure_ceiling(args) if args.one == "ceiling" else measure(args.one, args))
         return 0
     if args.quick:
-        args.sizes, args.repeats, args.steps_tiny, args.warmup = "tiny", 1, 6, 2
+        harness.apply_quick(args, p, sizes="tiny", repeats=1, steps_tiny=6)
     args.loops = args.loops.split(",")
     started = time.time()
     results = {}

@@ -1,7 +1,8 @@
 """Weight sync: export + sync_weights_to_engines to 1 and 2 local engines vs save + load by hand.
 
-For each model size, two local engines (`python -m engines.local`, 1 torch thread each, as
-rl_tiny) serve the model, and a `PyTorchTrainingBackend` (1 thread) holds the trainer's copy.
+For each model size, two local engines (`python -m engines.local`, 1 torch thread each: two
+of them share the 2 cores) serve the model, and a `PyTorchTrainingBackend` holds the trainer's
+copy.
 Alternating in every repeat:
 - ours, 1 engine:  `backend.export_weights(dir)` (HF layout: safetensors + config + tokenizer,
   on the trainer's worker thread) then `sync_weights_to_engines([engine], dir, version)`
@@ -120,7 +121,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 repeat")
     args = p.parse_args()
     if args.quick:
-        args.sizes, args.repeats = "tiny", 1
+        harness.apply_quick(args, p, sizes="tiny", repeats=1)
     torch.set_num_threads(1)
     started = time.time()
     rows, notes = [], []
