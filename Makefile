@@ -7,7 +7,8 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 # Benchmarks, in the order `make bench` runs them; BENCH_ARGS=--quick gives a smoke run.
-BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/rollout_throughput.py \
+BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/grpo_update.py \
+	benchmarks/rollout_throughput.py \
 	benchmarks/engine_throughput.py benchmarks/weight_sync.py benchmarks/rl_scaling.py
 BENCH_ARGS ?=
 

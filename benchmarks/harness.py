@@ -34,6 +34,7 @@ RESULT_MARK = "BENCH_RESULT "
 SECTIONS = (
     "sft_throughput",
     "grpo_learning",
+    "grpo_update",
     "rollout_throughput",
     "engine_throughput",
     "weight_sync",
