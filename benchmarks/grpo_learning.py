@@ -344,7 +344,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", default="rollouts,rollouts_2t,trl",
                    help=f"comma-separated, of: {', '.join(ARMS)}")  # fmt: skip
-    p.add_argument("--budget-s", type=float, default=50.0, help="training seconds per run")
+    p.add_argument("--budget-s", type=float, default=40.0,
+                   help="training seconds per run (longer: e.g. 300)")  # fmt: skip
     p.add_argument("--points", type=int, default=6, help="snapshots (accuracy points) per run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (rl_tiny: 16)")

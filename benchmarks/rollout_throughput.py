@@ -11,7 +11,8 @@ in alternating rounds; each round takes the next `--groups` RL prompts of the ar
   inline with the same correctness check on the engine's text. This is the >= 0.9x target.
 - raw httpx (per sample): the same, one request per sample (shown for scale: it is what
   batching per group saves).
-Completions/s counts every sample produced; the median over `--rounds` is reported.
+Completions/s counts every sample produced; the median over `--rounds` is reported, with the
+client process's CPU time per 1,000 completions (the engine is another process).
 
     .venv/bin/python benchmarks/rollout_throughput.py [--groups 64] [--rounds 5] [--quick]
 """
@@ -96,7 +97,7 @@ async def with_httpx(client: httpx.AsyncClient, prompts: list[PromptItem], confi
     return done
 
 
-async def run(args, model_dir: Path, data_dir: Path) -> dict[str, list[float]]:
+async def run(args, model_dir: Path, data_dir: Path) -> tuple[dict, dict]:
     tok = load_tokenizer(model_dir)
     files = write_arithmetic_datasets(data_dir, n_sft=10, n_rl=args.groups * args.rounds * 3,
                                       n_eval=10, min_digits=1, max_digits=2, ops="+")  # fmt: skip
@@ -107,6 +108,7 @@ async def run(args, model_dir: Path, data_dir: Path) -> dict[str, list[float]]:
     extra = ["--num-threads", str(args.engine_threads), "--max-running-requests",
              str(args.concurrency)]  # fmt: skip
     rates: dict[str, list[float]] = {k: [] for k in args.sides}
+    cpu: dict[str, list[float]] = {k: [] for k in args.sides}  # client CPU s per 1,000
     async with (
         launch_engine(kind="local", model_path=model_dir, extra_args=extra) as launched,
         SGLangEngine(launched.url) as engine,
@@ -119,15 +121,16 @@ async def run(args, model_dir: Path, data_dir: Path) -> dict[str, list[float]]:
             for side in args.sides[r % len(args.sides) :] + args.sides[: r % len(args.sides)]:
                 chunk = prompts[cursor : cursor + args.groups]
                 cursor += args.groups
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 if side == "manager":
                     count = await with_manager(pool, chunk, config, tok)
                 else:
                     count = await with_httpx(client, chunk, config, batched=side == "raw_batched")
                 rates[side].append(count / (time.perf_counter() - t0))
+                cpu[side].append((time.process_time() - c0) / count * 1000)
                 print(f"  round {r + 1}/{args.rounds} {side}: {rates[side][-1]:.0f} completions/s",
                       flush=True)  # fmt: skip
-    return rates
+    return rates, cpu
 
 
 def main() -> int:
@@ -147,13 +150,13 @@ def main() -> int:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
-        rates = trio.run(run, args, model_dir, Path(tmp) / "data")
+        rates, cpu = trio.run(run, args, model_dir, Path(tmp) / "data")
     med = {k: statistics.median(v) for k, v in rates.items()}
     base = med.get("raw_batched", float("nan"))
-    rows = [[SIDES[k], med[k], med[k] / base, ", ".join(f"{v:.0f}" for v in rates[k])]
-            for k in args.sides]  # fmt: skip
+    rows = [[SIDES[k], med[k], med[k] / base, statistics.median(cpu[k]),
+             ", ".join(f"{v:.0f}" for v in rates[k])] for k in args.sides]  # fmt: skip
     table = harness.md_table(["client", "completions/s", "vs raw (per group)",
-                              f"rounds ({args.rounds})"], rows)  # fmt: skip
+                              "client CPU s / 1k", f"rounds ({args.rounds})"], rows)  # fmt: skip
     head = (f"{args.groups} groups x {args.n} samples per round, at most {args.max_new_tokens} "
             f"new tokens (tiny model), {args.concurrency} samples in flight, one local engine "
             f"with {args.engine_threads} torch thread(s); medians of {args.rounds} alternating "

@@ -355,9 +355,9 @@ def main() -> int:
     p.add_argument("--loops", default="rollouts,raw_packed,raw_padded,trl",
                    help=f"comma-separated, of: {', '.join(LOOPS)}")  # fmt: skip
     p.add_argument("--data", choices=["chat", "arithmetic"], default="chat")
-    p.add_argument("--steps-tiny", type=int, default=20)
-    p.add_argument("--steps-small", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start")
+    p.add_argument("--steps-tiny", type=int, default=16)
+    p.add_argument("--steps-small", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps at the start")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=256)
@@ -365,7 +365,7 @@ def main() -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--matmul-size", type=int, default=1024)
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 repeat, 6 steps")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 repeat, 5 steps")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--data-file", type=Path, help=argparse.SUPPRESS)
@@ -375,7 +375,7 @@ def main() -> int:
         harness.emit(measure_ceiling(args) if args.one == "ceiling" else measure(args.one, args))
         return 0
     if args.quick:
-        harness.apply_quick(args, p, sizes="tiny", repeats=1, steps_tiny=6)
+        harness.apply_quick(args, p, sizes="tiny", repeats=1, steps_tiny=5)
     args.loops = args.loops.split(",")
     started = time.time()
     results = {}
