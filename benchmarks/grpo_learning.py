@@ -258,13 +258,15 @@ def sft_checkpoint(args) -> str:
     from training.checkpoint import find_latest_checkpoint
     from training.config import SFTRunConfig, load_config
 
-    out = harness.REPO / "runs" / "bench" / "sft_tiny"
-    steps = load_config(SFTRunConfig, SFT_CONFIG).train.max_steps
+    # smoke runs only need some model: a short SFT of their own keeps them fast
+    out = harness.REPO / "runs" / "bench" / ("sft_tiny_quick" if args.quick else "sft_tiny")
+    steps = 100 if args.quick else load_config(SFTRunConfig, SFT_CONFIG).train.max_steps
     latest = find_latest_checkpoint(out / "checkpoints")
     if latest is None or int(latest.name.split("_")[-1]) < steps:
         print(f"SFT'd model missing: running the SFT recipe into {out} (once) ...", flush=True)
         subprocess.run([sys.executable, "examples/run_sft.py", "--config", str(SFT_CONFIG),
-                        "--output-dir", str(out), f"model.tiny_dir={out.parent / 'tiny_model'}"],
+                        "--output-dir", str(out), "--max-steps", str(steps),
+                        f"model.tiny_dir={out.parent / 'tiny_model'}"],
                        cwd=harness.REPO, check=True)  # fmt: skip
         latest = find_latest_checkpoint(out / "checkpoints")
     return str(latest)
