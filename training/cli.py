@@ -29,3 +29,43 @@ def overrides_from_args(args: argparse.Namespace, extra: Mapping[str, Any] = {})
         **extra,
     }
     return [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+
+
+def rl_main(description: str, *, default_config: str | None = None) -> int:
+    """The whole of an RL example script: parse flags, run the RL recipe, print the summary.
+
+    Returns the exit code: 0, or 2 after printing a RolloutsError (bad config, data, engine).
+    """
+    import json
+    import sys
+
+    import trio
+
+    from rollouts.errors import RolloutsError
+    from training.config import load_config
+    from training.loggers import setup_logging
+    from training.plot import print_curve, write_reward_png
+    from training.rl_config import RLRunConfig
+    from training.rl_recipe import run_rl_recipe
+
+    parser = run_parser(description,
+                        model_help="starting HF model directory (default: the SFT checkpoint)")  # fmt: skip
+    parser.add_argument("--engine-url", action="append", default=[],
+                        help="live SGLang server (repeatable); default: launch local engines")  # fmt: skip
+    parser.set_defaults(config=default_config)
+    args = parser.parse_args()
+    urls = json.dumps(args.engine_url) if args.engine_url else None
+    setup_logging()
+    try:
+        config = load_config(RLRunConfig, args.config,
+                             overrides_from_args(args, {"engines.urls": urls}))  # fmt: skip
+        summary = trio.run(run_rl_recipe, config)
+    except RolloutsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print_curve("reward_mean per step", summary.reward_curve)
+    png = write_reward_png(summary.reward_curve, f"{config.output_dir}/reward.png")
+    if png:
+        print(f"wrote {png}")
+    print(summary.line())
+    return 0

@@ -49,6 +49,7 @@ class MultiplyTaskConfig(Strict):
     n_eval: int = Field(200, ge=1)
     seed: int = 0
     tool_specs: bool = Field(False, description="put the calculator's JSON schema in prompts")
+    direct_fraction: float = Field(0.0, ge=0, le=1, description="SFT answers without the tool")
 
 
 class TaskDataSource(Strict):

@@ -157,7 +157,9 @@ class RLSummary:
     wall_time_s: float
     checkpoint: Path | None
     reward_curve: tuple[float, ...]
-    tool_success_before: float | None = None  # share of tool calls that succeeded (tool envs)
+    tool_use_before: float | None = None  # share of episodes that called a tool (tool envs)
+    tool_use_after: float | None = None
+    tool_success_before: float | None = None  # share of tool calls that succeeded
     tool_success_after: float | None = None
 
     def line(self) -> str:
@@ -168,8 +170,10 @@ class RLSummary:
         if self.accuracy_before is not None and self.accuracy_after is not None:
             gain = f" ({(self.accuracy_after - self.accuracy_before) * 100:+.1f} points)"
         tools = ""
-        if self.tool_success_before is not None or self.tool_success_after is not None:
-            tools = (f" tool_success before={pct(self.tool_success_before)} "
+        if self.tool_use_before is not None:
+            tools = (f" tool_use before={pct(self.tool_use_before)} "
+                     f"after={pct(self.tool_use_after)} tool_success "
+                     f"before={pct(self.tool_success_before)} "
                      f"after={pct(self.tool_success_after)}")  # fmt: skip
         return (
             f"RL done: heldout_accuracy before={pct(self.accuracy_before)} "
@@ -285,4 +289,5 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)
     return RLSummary(before.get("accuracy"), last.get("eval_accuracy"), backend.step,
                      time.perf_counter() - t0, find_latest_checkpoint(out / "checkpoints"), curve,
+                     before.get("tool_use_rate"), last.get("eval_tool_use_rate"),
                      before.get("tool_success_rate"), last.get("eval_tool_success_rate"))  # fmt: skip

@@ -63,8 +63,13 @@ class MultiplyProblem:
             {"role": "assistant", "content": self.answer},
         ]
 
-    def sft_record(self, tool_specs: bool = False) -> dict:
-        return {"messages": self.trace(), **({"tools": [CALCULATOR_SPEC]} if tool_specs else {})}
+    def direct(self) -> list[dict]:
+        """The conversation without the tool: the product answered "in the head"."""
+        return [*self.messages(), {"role": "assistant", "content": self.answer}]
+
+    def sft_record(self, tool_specs: bool = False, *, use_tool: bool = True) -> dict:
+        messages = self.trace() if use_tool else self.direct()
+        return {"messages": messages, **({"tools": [CALCULATOR_SPEC]} if tool_specs else {})}
 
     def rl_record(self, tool_specs: bool = False) -> dict:
         tools = {"tools": [CALCULATOR_SPEC]} if tool_specs else {}
@@ -100,9 +105,13 @@ class MultiplyFiles:
 
 def write_multiply_datasets(out_dir: str | Path, *, n_sft: int = 4000, n_rl: int = 4000,
                             n_eval: int = 200, seed: int = 0, min_digits: int = 3,
-                            max_digits: int = 4, tool_specs: bool = False
-                            ) -> MultiplyFiles:  # fmt: skip
+                            max_digits: int = 4, tool_specs: bool = False,
+                            direct_fraction: float = 0.0) -> MultiplyFiles:  # fmt: skip
     """SFT tool-use traces and RL prompts, with a held-out split disjoint from both.
+
+    `direct_fraction` of the SFT conversations answer without the tool (with the right
+    product, which a small model cannot learn to compute): after SFT the model sometimes calls
+    the calculator and sometimes guesses, and RL has a real choice to learn from.
 
     With `tool_specs` the records carry the calculator's JSON schema (`tools`), which the chat
     template renders as a system turn, as a real model needs. The tiny model learns the tool
@@ -114,8 +123,10 @@ def write_multiply_datasets(out_dir: str | Path, *, n_sft: int = 4000, n_rl: int
     train = make_problems(n_sft + n_rl, seed=seed + 1,
                           exclude=frozenset((p.a, p.b) for p in held), **kw)  # fmt: skip
     sft, rl = train[:n_sft], train[n_sft:]
+    rng = random.Random(seed + 2)
+    sft_records = [p.sft_record(tool_specs, use_tool=rng.random() >= direct_fraction) for p in sft]
     return MultiplyFiles(
-        sft_train=write_jsonl(out / "sft_train.jsonl", [p.sft_record(tool_specs) for p in sft]),
+        sft_train=write_jsonl(out / "sft_train.jsonl", sft_records),
         sft_eval=write_jsonl(out / "sft_eval.jsonl", [p.sft_record(tool_specs) for p in held]),
         rl_train=write_jsonl(out / "rl_train.jsonl", [p.rl_record(tool_specs) for p in rl]),
         rl_eval=write_jsonl(out / "rl_eval.jsonl", [p.rl_record(tool_specs) for p in held]),
