@@ -300,3 +300,50 @@ async def test_multiturn_generate_plugs_into_collect_groups(local_engine, tiny_t
     metrics = tool_metrics(group)
     assert metrics["tool_calls_per_sample"] == 1.0 and metrics["turns_per_sample"] == 2.0
     assert metrics["tool_success_rate"] == 1.0
+
+
+# ----- extension points: parser, executor, stop condition ---------------------------------------
+
+
+async def test_custom_parser_executor_and_stop_condition_are_called_and_change_the_episode(
+    local_engine, tiny_tokenizer
+):
+    from rollouts.tools import Tool, ToolResult
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    seen_args: list[dict] = []
+
+    async def echo(arguments) -> ToolResult:  # a custom executor
+        seen_args.append(dict(arguments))
+        return ToolResult(f"echo:{arguments['x']}")
+
+    tools = [Tool("echo", "echo x", {"type": "object", "properties": {"x": {}}}, echo)]
+    parsed: list[str] = []
+
+    def parser(text: str):  # a custom parser: every turn calls echo
+        parsed.append(text)
+        return [ParsedToolCall("echo", {"x": len(parsed)})]
+
+    def run(config: MultiTurnConfig):
+        env = ToolEnv(make_prompt(tok, tools), tools, math_grader, parser)
+        return run_episode(env, make_ctx(engine, tok), ChatTurns.from_tokenizer(tok),
+                           config=config)  # fmt: skip
+
+    sample = await run(MultiTurnConfig(max_turns=3))
+    assert len(parsed) == 3 and seen_args == [{"x": 1}, {"x": 2}, {"x": 3}]
+    assert [c.output for c in sample.tool_calls] == ["echo:1", "echo:2", "echo:3"]
+    assert "echo:2" in tok.decode(sample.response_ids)
+    assert sample.status == "truncated"  # no final answer within max_turns
+
+    stops: list[int] = []
+
+    def stop_after_first_tool_result(messages) -> bool:
+        stops.append(len(messages))
+        return True
+
+    parsed.clear()
+    seen_args.clear()
+    stopped = await run(MultiTurnConfig(max_turns=3, stop_condition=stop_after_first_tool_result))
+    assert stops and len(parsed) == 1 and stopped.status == "completed"
+    assert len(stopped.tool_calls) == 1 and len(stopped.response_ids) < len(sample.response_ids)
