@@ -39,3 +39,27 @@ async def test_tool_env_runs_through_rollouts_and_evaluation(tiny_model_dir, tmp
     for key in ("turns_per_sample", "tool_calls_per_sample", "eval_tool_calls_per_sample",
                 "eval_turns_per_sample", "reward/correct"):  # fmt: skip
         assert key in row, key
+
+
+async def test_the_sft_checkpoint_is_reused_only_if_made_with_the_same_config(tmp_path):
+    from training.config import SFTRunConfig, config_to_yaml
+    from training.rl_recipe import resolve_start_model
+
+    sft = load_config(SFTRunConfig, None, [f"output_dir={tmp_path / 'sft'}", "train.max_steps=5"])
+    step = tmp_path / "sft" / "checkpoints" / "step_000005"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_000005")
+    saved = sft.model_dump(mode="json")
+    del saved["data"]["multiply"]  # a config saved before a field existed: defaults fill it
+    state = {"step": 5, "weight_version": 5, "metrics": {}, "extra": {"config": saved}}
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    (tmp_path / "sft.yaml").write_text(config_to_yaml(sft))
+    rl = load_config(RLRunConfig, None, [f"sft_config={tmp_path / 'sft.yaml'}"])
+    assert await resolve_start_model(rl) == str(step)
+
+    from training.rl_recipe import _saved_config
+
+    assert _saved_config(step) == sft
+    assert _saved_config(step) != sft.model_copy(update={"optim": sft.optim.model_copy(
+        update={"lr": 0.5})})  # fmt: skip
+    assert _saved_config(tmp_path / "nowhere") is None

@@ -8,6 +8,7 @@ each of them by `/update_weights_from_disk`.
 from __future__ import annotations
 
 import contextlib
+import json
 import importlib
 import logging
 import time
@@ -89,8 +90,10 @@ async def resolve_start_model(config: RLRunConfig) -> str:
         raise ConfigError("model.path is null and sft_config is null: no model to start from")
     sft = load_config(SFTRunConfig, config.sft_config)
     latest = find_latest_checkpoint(Path(sft.output_dir) / "checkpoints")
-    if latest is None or _steps_of(latest) < sft.train.max_steps:
-        log.info("no finished SFT checkpoint in %s: running the SFT recipe first", sft.output_dir)
+    stale = latest is not None and _saved_config(latest) != sft
+    if latest is None or _steps_of(latest) < sft.train.max_steps or stale:
+        why = "was made with another config" if stale else "is missing or unfinished"
+        log.info("the SFT checkpoint in %s %s: running the SFT recipe first", sft.output_dir, why)
         summary = await run_sft_recipe(sft)
         log.info("%s", summary.line())
         latest = summary.checkpoint
@@ -99,6 +102,15 @@ async def resolve_start_model(config: RLRunConfig) -> str:
 
 def _steps_of(checkpoint: Path) -> int:
     return int(checkpoint.name.split("_")[-1])
+
+
+def _saved_config(checkpoint: Path) -> SFTRunConfig | None:
+    """The config an SFT checkpoint was trained with, defaults filled in (None: unknown)."""
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+        return SFTRunConfig.model_validate(state["extra"]["config"])
+    except (OSError, ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
+        return None
 
 
 def load_prompts(config: RLRunConfig, tokenizer: Any):
