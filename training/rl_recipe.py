@@ -8,8 +8,8 @@ each of them by `/update_weights_from_disk`.
 from __future__ import annotations
 
 import contextlib
-import json
 import importlib
+import json
 import logging
 import time
 from collections.abc import Callable
