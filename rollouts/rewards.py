@@ -8,7 +8,8 @@ is an error, so an aggregate is never guessed.
 
 The builders are pure: they only read the sample. `score_sample` (and `call_reward`, which it
 uses) are the only functions here that touch trio: sync rewards run in a worker thread so a
-slow verifier never blocks the event loop; async rewards are awaited.
+slow verifier never blocks the event loop; async rewards are awaited. `rollouts.scoring` scores
+the samples of one finished request together, with the same outcome per sample.
 
 What is not covered: a sync reward that hangs cannot be killed. On timeout its thread is
 abandoned (`abandon_on_cancel=True`): the sample is marked failed at once, the thread runs on
@@ -243,7 +244,7 @@ def vector_reward(components: Mapping[str, RewardFn], aggregate: Aggregator) -> 
     def finish(values: dict[str, float]) -> dict[str, float]:
         return {**values, TOTAL: float(aggregate(values))}
 
-    if not any(_is_async(fn) for fn in fns.values()):
+    if not any(is_async_reward(fn) for fn in fns.values()):
 
         def vector(sample: Sample) -> dict[str, float]:
             return finish({k: scalar_reward(fn(sample), k) for k, fn in fns.items()})  # type: ignore[arg-type]
@@ -271,7 +272,7 @@ def add_overlong_shaping(
         penalty = overlong(sample)
         return {**(parts or {"task": total}), "overlong": penalty, TOTAL: total + penalty}
 
-    if not _is_async(reward_fn):
+    if not is_async_reward(reward_fn):
 
         def shaped(sample: Sample) -> dict[str, float]:
             return combine(reward_fn(sample), sample)  # type: ignore[arg-type]
@@ -314,6 +315,10 @@ def split_reward(value: object) -> tuple[float, dict[str, float] | None]:
     return scalar_reward(value), None
 
 
+# One reward call's result: split_reward's (total, components), what it raised, or None (timed out)
+RewardOutcome: TypeAlias = tuple[float, dict[str, float] | None] | Exception | None
+
+
 async def call_reward(
     reward_fn: RewardFn, sample: Sample, *, limiter: trio.CapacityLimiter | None = None
 ) -> RewardValue:
@@ -322,7 +327,7 @@ async def call_reward(
     A sync callable that returns an awaitable (e.g. a lambda wrapping an async function) has
     that awaitable awaited in the event loop.
     """
-    if _is_async(reward_fn):
+    if is_async_reward(reward_fn):
         return await reward_fn(sample)  # type: ignore[misc]
     value = await trio.to_thread.run_sync(
         reward_fn, sample, abandon_on_cancel=True, limiter=limiter
@@ -362,27 +367,38 @@ async def score_sample(
     Raises:
         RewardError: only with `fail_fast`; names the sample and the cause.
     """
-    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
-    error: str | None = None
-    cause: BaseException | None = None
-    with trio.move_on_after(timeout_s) as scope:
+    outcome: RewardOutcome = None
+    with trio.move_on_after(timeout_s):
         try:
-            total, components = split_reward(await call_reward(reward_fn, sample, limiter=limiter))
+            outcome = split_reward(await call_reward(reward_fn, sample, limiter=limiter))
         except Exception as exc:
-            error, cause = f"reward {name} raised {type(exc).__name__}: {exc}", exc
-    if scope.cancelled_caught:
+            outcome = exc
+    return settle_reward(reward_fn, sample, outcome, timeout_s=timeout_s, fail_fast=fail_fast)
+
+
+def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *,
+                  timeout_s: float, fail_fast: bool) -> Sample:  # fmt: skip
+    """`sample` scored with `outcome`, or a failed copy naming the error (see `score_sample`).
+
+    Raises:
+        RewardError: the reward failed and `fail_fast` is set.
+    """
+    if isinstance(outcome, tuple):
+        return sample.with_reward(*outcome)
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    if outcome is None:
         error = f"reward {name} timed out after {timeout_s} s"
-    if error is None:
-        return sample.with_reward(total, components)
+    else:
+        error = f"reward {name} raised {type(outcome).__name__}: {outcome}"
     if fail_fast:
         raise RewardError(
             f"group {sample.group_id} sample {sample.index_in_group}: {error} "
             "(reward fail-fast is on; turn it off to mark such samples failed instead)"
-        ) from cause
+        ) from outcome
     return sample.failed(error)
 
 
-def _is_async(fn: object) -> bool:
+def is_async_reward(fn: object) -> bool:
     """True for `async def` functions, partials of them and objects with an async __call__."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - checking the method, not callability

@@ -1,0 +1,158 @@
+"""Scoring the samples of one finished request together: one worker-thread call per batch.
+
+Why: a group's samples come back together (one batched `/generate` call). Handing each to its
+own worker thread cost ~0.2 ms of client CPU per sample, most of the rollout manager's own
+overhead: a thread hand-off, an event-loop wake-up, a task and a cancel scope per sample.
+
+Contract of `score_samples(reward_fn, samples, timeout_s=...)`: each sample ends up exactly as
+`score_sample` would leave it (scored, or failed with the reason in `error`; `RewardError`
+under `fail_fast`), in the order given.
+- A sync reward runs in ONE worker-thread call for the batch, sample after sample, so the event
+  loop never blocks. Each sample still has `timeout_s` of its own: the deadline follows the
+  sample the thread is working on. A sample that runs past it is marked failed ("timed out")
+  and the thread is abandoned (it stops once that call returns); the samples before it keep
+  their rewards and those after it are scored by a fresh thread.
+- A reward that raises or returns an invalid value fails only its own sample.
+- An async reward is awaited for all samples concurrently, each under its own timeout.
+- A single sample goes through `score_sample` itself.
+
+Not covered: parallelism inside a batch for a sync reward that releases the GIL (e.g. one that
+waits on a subprocess): its samples run one after another. Make such a reward async (e.g.
+`trio.run_process`, or its own `trio.to_thread.run_sync` per sample) to score them
+concurrently. A sample the abandoned thread had already started when it was abandoned may be
+scored twice (once by each thread); only the fresh thread's result is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Awaitable, Sequence
+
+import trio
+
+from rollouts.rewards import (
+    RewardFn,
+    RewardOutcome,
+    is_async_reward,
+    score_sample,
+    settle_reward,
+    split_reward,
+)
+from rollouts.types import Sample
+
+_PENDING = object()
+
+
+async def score_samples(
+    reward_fn: RewardFn,
+    samples: Sequence[Sample],
+    *,
+    timeout_s: float,
+    fail_fast: bool = False,
+    limiter: trio.CapacityLimiter | None = None,
+) -> list[Sample]:
+    """`samples` scored by `reward_fn` (or marked failed), in order. See the module docstring.
+
+    Args:
+        reward_fn: the reward (sync or async; scalar or vector with "total").
+        samples: finished trajectories, e.g. the samples of one batched request.
+        timeout_s: wall-clock budget of each sample's reward call.
+        fail_fast: raise instead of marking a sample failed.
+        limiter: CapacityLimiter for sync rewards' threads (default: trio's global one).
+
+    Raises:
+        RewardError: only with `fail_fast`; names the first failed sample and the cause.
+    """
+    if len(samples) <= 1:
+        return [await score_sample(reward_fn, s, timeout_s=timeout_s, fail_fast=fail_fast,
+                                   limiter=limiter) for s in samples]  # fmt: skip
+    if is_async_reward(reward_fn):
+        out = list(samples)
+
+        async def one(i: int) -> None:
+            out[i] = await score_sample(reward_fn, samples[i], timeout_s=timeout_s,
+                                        fail_fast=fail_fast)  # fmt: skip
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(samples)):
+                nursery.start_soon(one, i)
+        return out
+    out = []
+    while len(out) < len(samples):
+        todo = samples[len(out) :]
+        results = await _run_in_thread(reward_fn, todo, timeout_s, limiter)
+        if len(results) < len(todo):
+            results.append(None)  # the sample the thread was stuck on: timed out
+        for sample, result in zip(todo, results, strict=False):
+            if inspect.isawaitable(result):  # a sync callable that returned an awaitable
+                result = await _await_reward(result, timeout_s)
+            out.append(settle_reward(reward_fn, sample, result,  # type: ignore[arg-type]
+                                     timeout_s=timeout_s, fail_fast=fail_fast))  # fmt: skip
+    return out
+
+
+class _ThreadBatch:
+    """What the worker thread scoring a batch shares with the event loop.
+
+    The thread writes `results[i]` and `current`; the event loop only reads them. Each write is
+    one reference assignment (atomic under the GIL), and `current` is a new tuple per sample, so
+    "the thread is still on the same sample" is an identity check.
+    """
+
+    def __init__(self, samples: Sequence[Sample]) -> None:
+        self.samples = samples
+        self.results: list[object] = [_PENDING] * len(samples)
+        self.current: tuple[int, float] = (0, time.perf_counter())  # (index, started at)
+        self.abandoned = False
+
+    def run(self, reward_fn: RewardFn) -> None:
+        """Score every sample in order (in the worker thread); stop early once abandoned."""
+        for i, sample in enumerate(self.samples):
+            if self.abandoned:
+                return
+            self.current = (i, time.perf_counter())
+            try:
+                value = reward_fn(sample)
+                self.results[i] = value if inspect.isawaitable(value) else split_reward(value)
+            except Exception as exc:
+                self.results[i] = exc
+
+
+async def _run_in_thread(reward_fn: RewardFn, samples: Sequence[Sample], timeout_s: float,
+                         limiter: trio.CapacityLimiter | None) -> list[object]:  # fmt: skip
+    """Results for `samples` from one worker-thread call, in order (a `split_reward` tuple, an
+    exception or an awaitable each). Shorter than `samples` when the sample right after the
+    last result ran past `timeout_s`: the thread is then abandoned."""
+    batch = _ThreadBatch(samples)
+    # trio's clock is time.perf_counter() plus an offset (or virtual time under a MockClock)
+    to_trio_time = trio.current_time() - time.perf_counter()
+    finished = trio.Event()
+
+    async def run() -> None:
+        await trio.to_thread.run_sync(batch.run, reward_fn, abandon_on_cancel=True,
+                                      limiter=limiter)  # fmt: skip
+        finished.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        while not finished.is_set():
+            current = batch.current
+            with trio.move_on_at(current[1] + to_trio_time + timeout_s):
+                await finished.wait()
+            if not finished.is_set() and batch.current is current:  # stuck on one sample
+                batch.abandoned = True
+                nursery.cancel_scope.cancel()
+                i = current[0]
+                kept = batch.results[: i + 1]  # a copy: the abandoned thread may write on
+                return kept if kept[i] is not _PENDING else kept[:i]
+    return batch.results
+
+
+async def _await_reward(awaitable: Awaitable[object], timeout_s: float) -> RewardOutcome:
+    with trio.move_on_after(timeout_s):
+        try:
+            return split_reward(await awaitable)
+        except Exception as exc:
+            return exc
+    return None
