@@ -27,7 +27,8 @@ import trio
 
 from rollouts.errors import EngineError, RolloutsError
 from rollouts.prompts import PromptItem
-from rollouts.rewards import RewardFn, score_sample
+from rollouts.rewards import RewardFn
+from rollouts.scoring import score_samples
 from rollouts.tools.rewards import tool_metrics
 from rollouts.types import RolloutBatch, Sample
 
@@ -65,7 +66,8 @@ class GenerateContext:
 GenerateFn = Callable[[PromptItem, int, GenerateContext], Awaitable[list[Sample]]]
 """(prompt, n, ctx) -> n samples with distinct `index_in_group`. It may call `ctx.report(s)`
 as each sample finishes, so its reward is computed at once and the sample survives if the group
-is cut short; samples it returns without reporting are scored after it returns."""
+is cut short; samples it returns without reporting are scored after it returns. Samples
+reported with no await in between are scored as one batch (`rollouts.scoring`)."""
 
 
 def version_number(version: str | None, default: int) -> int:
@@ -278,20 +280,29 @@ async def collect_groups(
 
     async def run_group(gid: int, prompt: PromptItem, done: list[Sample]) -> None:
         offset = len(done)
-        started_scoring: set[int] = set()
+        reported: set[int] = set()
+        to_score: list[Sample] = []  # reported, not yet handed to a scoring task
 
-        async def score_into(sample: Sample) -> None:
-            done.append(await score_sample(reward_fn, sample, timeout_s=reward_timeout_s,
-                                           fail_fast=reward_fail_fast))  # fmt: skip
+        async def score_reported() -> None:
+            batch = to_score[:]
+            to_score.clear()
+            done.extend(await score_samples(reward_fn, batch, timeout_s=reward_timeout_s,
+                                            fail_fast=reward_fail_fast))  # fmt: skip
 
         try:
             async with trio.open_nursery() as scoring:
 
                 def report(sample: Sample) -> None:
-                    sample = replace(sample, index_in_group=sample.index_in_group + offset)
-                    if sample.index_in_group not in started_scoring:
-                        started_scoring.add(sample.index_in_group)
-                        scoring.start_soon(score_into, sample)
+                    # Samples reported together (no await in between, e.g. the results of one
+                    # batched request) are scored together: one scoring task, one thread call.
+                    if offset:
+                        sample = replace(sample, index_in_group=sample.index_in_group + offset)
+                    if sample.index_in_group in reported:
+                        return
+                    reported.add(sample.index_in_group)
+                    if not to_score:
+                        scoring.start_soon(score_reported)
+                    to_score.append(sample)
 
                 ctx = GenerateContext(engine, sampling_params, limiter, f"{rid_prefix}-g{gid}",
                                       gid, tokenizer, report=report, slot_lock=slot_lock)  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import trio
 
@@ -211,3 +213,28 @@ async def test_groups_are_one_batched_request_or_one_request_per_sample(
         assert all(len(s.response_ids) == len(s.rollout_logprobs) > 0 for s in samples)
         if expected_calls:
             assert target.calls == expected_calls
+
+
+async def test_stalled_reward_in_a_batch_scored_group_fails_only_that_sample(
+    local_engine, tiny_tokenizer
+):
+    # each group is one batched request whose samples are scored together in one thread call
+    _, engine = local_engine
+    release = threading.Event()
+
+    def reward(sample: Sample) -> float:
+        if prompt_index(sample) == 0 and sample.index_in_group == 1:
+            release.wait(timeout=30)  # stalls far past the timeout
+        return 1.0
+
+    cfg = config(batch_size=2, n_samples_per_prompt=3, filter_groups="none", reward_timeout_s=0.5)
+    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
+                                                     shuffle=False), cfg, reward_fn=reward)  # fmt: skip
+    try:
+        with trio.fail_after(60):
+            batch = await manager.generate_batch()
+    finally:
+        release.set()
+    assert batch.metrics["samples_failed"] == 1 and batch.metrics["groups_failed"] == 1
+    assert [prompt_index(g[0]) for g in batch.groups] == [1, 2]  # prompt 0's group rejected
+    assert all(s.status != "failed" and s.reward == 1.0 for g in batch.groups for s in g)
