@@ -105,9 +105,12 @@ async def hold_slots(limiter: trio.CapacityLimiter, k: int, lock: trio.Lock
     borrowers = [object() for _ in range(k)]
     held: list[object] = []
     try:
-        async with lock:
+        async with lock:  # a checkpoint: the free tokens below are taken without one
             for borrower in borrowers:
-                await limiter.acquire_on_behalf_of(borrower)
+                try:
+                    limiter.acquire_on_behalf_of_nowait(borrower)  # fails while others queue
+                except trio.WouldBlock:
+                    await limiter.acquire_on_behalf_of(borrower)
                 held.append(borrower)
         yield
     finally:
@@ -143,9 +146,13 @@ async def single_turn_generate(prompt: PromptItem, n: int, ctx: GenerateContext)
             ctx.report(out[i])
 
     size = max(1, int(ctx.limiter.total_tokens)) if batch is not None else 1
-    async with trio.open_nursery() as nursery:
-        for start in range(0, n, size):
-            nursery.start_soon(chunk, start, min(n, start + size))
+    starts = range(0, n, size)
+    if len(starts) == 1:  # the common case: one request, no nursery needed
+        await chunk(0, n)
+    else:
+        async with trio.open_nursery() as nursery:
+            for start in starts:
+                nursery.start_soon(chunk, start, min(n, start + size))
     return [s for s in out if s is not None]
 
 
