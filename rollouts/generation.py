@@ -317,10 +317,10 @@ async def collect_groups(
                 for sample in await generate_fn(prompt, n_samples - offset, ctx):
                     report(sample)
             outcome = "done"
-        except EngineError as err:
+        except* EngineError as group:  # except*: it arrives wrapped by the nurseries above
             if engine_fail_fast:
                 raise
-            log.warning("group %d dropped after an engine error: %s", gid, err)
+            log.warning("group %d dropped after an engine error: %s", gid, group.exceptions[0])
             outcome = "failed"
         finally:
             running.pop(gid, None)  # before the send: a finished group is never also "partial"

@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.errors import EngineError
 from rollouts.generation import (
     GenerateContext,
     hold_slots,
@@ -238,3 +239,31 @@ async def test_stalled_reward_in_a_batch_scored_group_fails_only_that_sample(
     assert batch.metrics["samples_failed"] == 1 and batch.metrics["groups_failed"] == 1
     assert [prompt_index(g[0]) for g in batch.groups] == [1, 2]  # prompt 0's group rejected
     assert all(s.status != "failed" and s.reward == 1.0 for g in batch.groups for s in g)
+
+
+class FailingForPromptZero:
+    """A real engine that answers every request for prompt 0 with an engine error."""
+
+    def __init__(self, engine, prompt_ids) -> None:
+        self.engine, self.prompt_ids = engine, tuple(prompt_ids)
+
+    async def generate_batch(self, batch_input_ids, *args, **kw):
+        if tuple(batch_input_ids[0]) == self.prompt_ids:
+            raise EngineError("POST /generate failed: injected", status=500)
+        return await self.engine.generate_batch(batch_input_ids, *args, **kw)
+
+    async def abort(self, rid: str) -> None:
+        await self.engine.abort(rid)
+
+
+async def test_engine_error_without_fail_fast_drops_only_that_group(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    prompts = make_prompts(tiny_tokenizer, 8)
+    cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                 engine_fail_fast=False)  # fmt: skip
+    failing = FailingForPromptZero(engine, prompts[0].prompt_ids)
+    manager = AsyncRolloutManager(failing, DataBuffer(prompts, shuffle=False), cfg,
+                                  reward_fn=lambda s: 0.0)  # fmt: skip
+    batch = await manager.generate_batch()
+    assert [prompt_index(g[0]) for g in batch.groups] == [1, 2]
+    assert batch.metrics["groups_failed"] == 1 and batch.metrics["samples_failed"] == 0
