@@ -15,7 +15,9 @@ Contract:
   keeps generating; samples more than `max_staleness` versions behind the trainer are dropped
   or regenerated, and counted — never trained on silently).
 - Lifecycle: `async with manager:` (or `await nursery.start(manager.run)`) ties background
-  generation to a nursery the caller owns; leaving it cancels generation and aborts requests.
+  generation to a nursery the caller owns; leaving it cancels generation and, if that cut a
+  batch off, aborts the engine's requests (`abort_all`). A clean exit sends nothing, so an
+  engine shared with other clients keeps their requests.
 
 Not covered: partial rollouts that continue a cut-short *sample* (only whole samples are kept).
 """
@@ -94,6 +96,7 @@ class AsyncRolloutManager:
         self._prefetch: trio.MemoryReceiveChannel | None = None
         self._n_calls = 0
         self._stale_dropped = 0
+        self._cut_off = False  # a batch was interrupted: its requests may still run at the engine
 
     def set_policy(self, *, reward_fn: RewardFn | None = None,
                    group_filter: GroupFilter | None = None) -> None:  # fmt: skip
@@ -131,9 +134,10 @@ class AsyncRolloutManager:
             return await self._nursery_cm.__aexit__(*exc)
         finally:
             self._nursery = None
-            with trio.move_on_after(5) as scope:
-                scope.shield = True
-                await _abort_all(self.engine)
+            if self._cut_off:  # finished batches abort their own surplus; others share the engine
+                with trio.move_on_after(5) as scope:
+                    scope.shield = True
+                    await _abort_all(self.engine)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the manager's background work until cancelled (for `nursery.start`)."""
@@ -210,24 +214,28 @@ class AsyncRolloutManager:
 
     async def _collect(self, n_groups: int) -> CollectResult:
         cfg = self.config
-        result = await collect_groups(
-            GroupSource(self._next_prompt),
-            n_groups=n_groups,
-            n_samples=cfg.n_samples_per_prompt,
-            engine=self.engine,
-            sampling_params=cfg.sampling.params(),
-            reward_fn=self.reward_fn,
-            generate_fn=self.generate_fn,
-            group_filter=self.group_filter,
-            limiter=self._limiter,
-            extra_groups=cfg.extra_groups,
-            max_launches=math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups,
-            reward_timeout_s=cfg.reward_timeout_s,
-            reward_fail_fast=cfg.reward_fail_fast,
-            engine_fail_fast=cfg.engine_fail_fast,
-            rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
-            tokenizer=self.tokenizer,
-        )
+        try:
+            result = await collect_groups(
+                GroupSource(self._next_prompt),
+                n_groups=n_groups,
+                n_samples=cfg.n_samples_per_prompt,
+                engine=self.engine,
+                sampling_params=cfg.sampling.params(),
+                reward_fn=self.reward_fn,
+                generate_fn=self.generate_fn,
+                group_filter=self.group_filter,
+                limiter=self._limiter,
+                extra_groups=cfg.extra_groups,
+                max_launches=math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups,
+                reward_timeout_s=cfg.reward_timeout_s,
+                reward_fail_fast=cfg.reward_fail_fast,
+                engine_fail_fast=cfg.engine_fail_fast,
+                rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
+                tokenizer=self.tokenizer,
+            )
+        except BaseException:
+            self._cut_off = True
+            raise
         version = self.current_version()
         for prompt, samples in result.partial:
             self.data_buffer.hold([_held_record(prompt, samples)], version)

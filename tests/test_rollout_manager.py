@@ -267,3 +267,45 @@ async def test_engine_error_without_fail_fast_drops_only_that_group(local_engine
     batch = await manager.generate_batch()
     assert [prompt_index(g[0]) for g in batch.groups] == [1, 2]
     assert batch.metrics["groups_failed"] == 1 and batch.metrics["samples_failed"] == 0
+
+
+class AbortCounting:
+    """A real engine whose `abort_all` calls are counted; `block` makes new batches hang."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.abort_alls, self.block = engine, 0, False
+        self.blocked = trio.Event()
+
+    async def generate_batch(self, *args, **kw):
+        if self.block:
+            self.blocked.set()
+            await trio.sleep_forever()
+        return await self.engine.generate_batch(*args, **kw)
+
+    async def abort(self, rid: str) -> None:
+        await self.engine.abort(rid)
+
+    async def abort_all(self) -> None:
+        self.abort_alls += 1
+        await self.engine.abort_all()
+
+
+async def test_leaving_the_manager_aborts_the_engine_only_when_a_batch_was_cut_off(
+    local_engine, tiny_tokenizer
+):
+    # a clean exit must not abort_all: other clients (eval, another manager) share the engine
+    _, engine = local_engine
+    cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none")
+    counting = AbortCounting(engine)
+    buffer = DataBuffer(make_prompts(tiny_tokenizer, 30), seed=0)
+    async with AsyncRolloutManager(counting, buffer, cfg, reward_fn=lambda s: 0.0) as manager:
+        await manager.generate_batch()
+    assert counting.abort_alls == 0
+
+    overlap = cfg.model_copy(update={"mode": "overlap"})
+    with trio.fail_after(60):
+        async with AsyncRolloutManager(counting, buffer, overlap, reward_fn=lambda s: 0.0) as m:
+            await m.generate_batch()
+            counting.block = True  # the prefetch of the next batch has not run yet
+            await counting.blocked.wait()
+    assert counting.abort_alls == 1
