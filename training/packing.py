@@ -8,7 +8,8 @@ the boundaries to varlen kernels (flash attention). RoPE positions restart too, 
 sample sees exactly what it would see alone. Padding continues the positions of the row's last
 sample, so a row holding one sample plus padding still counts as a single sequence: a batch
 without packing keeps SDPA's fast `is_causal` path, and real tokens never attend to the pads
-that follow them.
+that follow them. The one batch that does carry a (4D) mask is the prompt-shared RL batch of
+training/prefix_sharing.py; `forward_logits` maps its logits back to one sample per row.
 
 Targets are pre-shifted: `target_ids[b, t]` is the token at `t+1` of the same sample when that
 token is trained, else -100. The last token of a sample therefore never predicts the first
@@ -37,6 +38,9 @@ IGNORE_INDEX = -100
 PACKING_AWARE_ATTENTION = frozenset(
     {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"}
 )
+# Attention implementations that apply a custom 4D mask as given (transformers ≥4.53 returns a
+# 4D mask unchanged): sdpa takes it boolean, eager adds it, so it gets an additive float copy.
+CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,6 +50,11 @@ class SFTBatch:
     `segment_ids[b, t]` is the index (in the list given to `prepare_sft_batch`) of the sample
     the token belongs to, -1 for padding. `is_packed` is True when some row holds more than
     one sample.
+
+    Prompt-shared batches (training/prefix_sharing.py) feed the model other rows than the
+    per-sample view: `input_ids` / `position_ids` are then the model's rows [R, W], with
+    `attention_mask` [R, 1, W, W] (bool, True = may attend) and `source_index` [B, T], the flat
+    index into [R * W] of each per-sample position; `target_ids` / `segment_ids` stay [B, T].
     """
 
     input_ids: torch.Tensor
@@ -57,6 +66,8 @@ class SFTBatch:
     n_tokens: int
     n_slots: int
     is_packed: bool
+    attention_mask: torch.Tensor | None = None
+    source_index: torch.Tensor | None = None
 
     @property
     def padding_efficiency(self) -> float:
@@ -71,7 +82,13 @@ class SFTBatch:
             position_ids=self.position_ids.to(device),
             target_ids=self.target_ids.to(device),
             segment_ids=self.segment_ids.to(device),
+            attention_mask=_move(self.attention_mask, device),
+            source_index=_move(self.source_index, device),
         )
+
+
+def _move(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def pack_sequences(samples: Sequence[TokenizedSample], max_tokens_per_row: int) -> list[list[int]]:
@@ -224,30 +241,48 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
 
     Args:
         model: an HF causal LM (transformers ≥4.53) on the batch's device.
-        batch: from `prepare_sft_batch` (moved with `batch.to(device)` if needed).
+        batch: from `prepare_sft_batch` or `prepare_prefix_shared_batch` (moved with
+            `batch.to(device)` if needed).
 
     Returns:
-        Logits [B, T, V].
+        Logits [B, T, V] in the per-sample view (row b is sample b, aligned with
+        `batch.target_ids`), whatever rows the model ran on.
 
     Raises:
-        ConfigError: if the batch is packed and the model's attention implementation is not
-            one that isolates packed samples via `position_ids`.
+        ConfigError: if the model's attention implementation cannot run the batch: packed rows
+            need one that isolates samples via `position_ids`, prompt-shared rows one that
+            takes a custom 4D mask.
     """
-    if batch.is_packed:
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl not in PACKING_AWARE_ATTENTION:
+    impl = getattr(model.config, "_attn_implementation", None)
+    mask = batch.attention_mask
+    if mask is not None:
+        if impl not in CUSTOM_MASK_ATTENTION:
             raise ConfigError(
-                f"attn_implementation {impl!r} does not isolate packed samples; load the model "
-                f"with one of {sorted(PACKING_AWARE_ATTENTION)} or turn packing off"
+                f"attn_implementation {impl!r} cannot run prompt-shared rows (a 4D attention "
+                f"mask); load the model with one of {sorted(CUSTOM_MASK_ATTENTION)} or turn "
+                "prompt sharing off (share_prompts=False)"
             )
-    # attention_mask must stay None: a 2D mask would switch off packed-row detection.
+        if impl == "eager":  # eager adds the mask to the scores
+            dtype = next(model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
+    elif batch.is_packed and impl not in PACKING_AWARE_ATTENTION:
+        raise ConfigError(
+            f"attn_implementation {impl!r} does not isolate packed samples; load the model "
+            f"with one of {sorted(PACKING_AWARE_ATTENTION)} or turn packing off"
+        )
+    # Without a 4D mask, attention_mask must stay None: a 2D mask would switch off packed-row
+    # detection.
     out = model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
-        attention_mask=None,
+        attention_mask=mask,
         use_cache=False,
     )
-    return out.logits
+    if batch.source_index is None:
+        return out.logits
+    return out.logits.flatten(0, 1)[batch.source_index]
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
