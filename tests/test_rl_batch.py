@@ -75,7 +75,7 @@ async def test_online_dpo_trains_through_the_backend_with_a_reference(tiny_model
     model, tok = load_model_and_tokenizer(tiny_model_dir)
     backend = PyTorchTrainingBackend(
         model, tok, optim=OptimConfig(lr=1e-3), max_steps=5, checkpoint_dir=tmp_path,
-        pack_length=None, micro_batch_tokens=40,  # small: pairs must not be split
+        pack_length=None, micro_batch_tokens=20,  # 2 pairs (one shared row each): must not split
         collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
     )  # fmt: skip
     groups = (

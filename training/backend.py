@@ -41,6 +41,7 @@ from training.packing import (
     sft_loss,
     token_logprobs,
 )
+from training.prefix_sharing import split_rows_by_budget
 
 R = TypeVar("R")
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -166,19 +167,10 @@ class PyTorchTrainingBackend:
                 [samples[i] for row in rows[k : k + rows_per_mb] for i in row]
                 for k in range(0, len(rows), rows_per_mb)
             ]
-        out: list[list[Any]] = []
-        current: list[Any] = []
-        longest = 0
-        for unit in _units(samples):  # examples sharing a `unit` (e.g. a DPO pair) stay together
-            n = max(len(s.input_ids) for s in unit)
-            if current and (len(current) + len(unit)) * max(longest, n) > self.micro_batch_tokens:
-                out.append(current)
-                current, longest = [], 0
-            current.extend(unit)
-            longest = max(longest, n)
-        if current:
-            out.append(current)
-        return out
+        # One row per sample, or per run of samples sharing a prompt (RL examples with
+        # `shared_prefix_len`); samples sharing a `unit` (e.g. a DPO pair) stay together.
+        # Micro-batches are consecutive whole rows, so collating one re-plans the same rows.
+        return split_rows_by_budget(samples, self.micro_batch_tokens)
 
     # -- queued operations ------------------------------------------------------------------------
 
@@ -364,18 +356,6 @@ class PyTorchTrainingBackend:
         self.weight_version = int(json_state["weight_version"])
         self.model.zero_grad(set_to_none=True)
         return json_state["extra"]
-
-
-def _units(samples: Sequence[Any]) -> list[list[Any]]:
-    """Consecutive samples with the same non-None `unit` attribute, as lists; others alone."""
-    units: list[list[Any]] = []
-    for s in samples:
-        unit = getattr(s, "unit", None)
-        if unit is not None and units and getattr(units[-1][0], "unit", None) == unit:
-            units[-1].append(s)
-        else:
-            units.append([s])
-    return units
 
 
 def _merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:

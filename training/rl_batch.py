@@ -3,7 +3,9 @@
 Token ids and engine logprobs travel untouched from the engine: an `RLExample` is the sample's
 prompt + response ids with the loss mask extended by zeros over the prompt. RL batches are not
 packed: sequence-level quantities (advantages, GSPO's ratio, seq-mean aggregation) need one
-sequence per row, and RL responses in a batch have similar lengths.
+sequence per row, and RL responses in a batch have similar lengths. The model may still see
+fewer rows: by default the samples of a group are scored against one shared copy of their
+prompt (training/prefix_sharing.py), and the logits come back one sample per row.
 
 Logprob alignment: position t of a row predicts token t+1, so a response token's logprob, its
 engine logprob and its advantage all sit at the position just before it (where
@@ -28,7 +30,8 @@ from training.algorithms import (
     compute_policy_loss,
 )
 from training.kl import KLFn, logprob_mismatch_metrics
-from training.packing import IGNORE_INDEX, SFTBatch, prepare_sft_batch, token_logprobs
+from training.packing import IGNORE_INDEX, SFTBatch, token_logprobs
+from training.prefix_sharing import prepare_prefix_shared_batch
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class RLExample:
     source: str = ""
     reward: float = 0.0
     unit: int | None = None  # examples sharing a unit stay in one micro-batch (DPO pairs)
+    shared_prefix_len: int = 0  # leading tokens (the prompt) it may share a row for; 0: never
 
     @property
     def n_trained(self) -> int:
@@ -54,7 +58,8 @@ class RLExample:
 
 @dataclass(frozen=True)
 class RLBatch:
-    """Tensors of one RL micro-batch; one sample per row."""
+    """Tensors of one RL micro-batch; one sample per row (the model's input rows may hold a
+    group with its prompt once: `base.source_index` maps them back, see prefix_sharing)."""
 
     base: SFTBatch
     advantages_B: torch.Tensor
@@ -91,6 +96,14 @@ class RLBatch:
         return self.base.position_ids
 
     @property
+    def attention_mask(self) -> torch.Tensor | None:
+        return self.base.attention_mask
+
+    @property
+    def source_index(self) -> torch.Tensor | None:
+        return self.base.source_index
+
+    @property
     def is_packed(self) -> bool:
         return False
 
@@ -107,9 +120,13 @@ class RLBatch:
         return self.base.segment_ids
 
 
-def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = None
-                      ) -> RLExample:  # fmt: skip
-    """The training view of one sample: prompt + response ids, mask 0 over the prompt."""
+def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = None,
+                      share_prompt: bool = True) -> RLExample:  # fmt: skip
+    """The training view of one sample: prompt + response ids, mask 0 over the prompt.
+
+    With `share_prompt`, neighbouring examples with the same prompt ids may be scored against
+    one copy of it (training/prefix_sharing.py); the logprobs are the same either way.
+    """
     trained = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=False) if m]
     return RLExample(
         input_ids=sample.prompt_ids + sample.response_ids,
@@ -119,6 +136,7 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
         source=f"group {sample.group_id} sample {sample.index_in_group}",
         reward=sample.reward,
         unit=unit,
+        shared_prefix_len=len(sample.prompt_ids) if share_prompt else 0,
     )
 
 
@@ -128,16 +146,19 @@ def batch_rewards(batch: RolloutBatch) -> torch.Tensor:
 
 
 def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
-                   advantage_fn: AdvantageFn | None = None) -> list[RLExample]:  # fmt: skip
+                   advantage_fn: AdvantageFn | None = None, *, share_prompts: bool = True
+                   ) -> list[RLExample]:  # fmt: skip
     """Advantages for every sample of `batch` under `algorithm`, as trainer examples (pure).
 
     Samples with no trained token (empty responses) are kept out: they carry no gradient. For
     the pairwise loss (online DPO) each group contributes its best and worst sample as one
     unit (chosen first), and groups without a preference contribute nothing. `advantage_fn`,
     when given, replaces the algorithm's estimator (rewards [G, N] → advantages [G, N]).
+    `share_prompts` lets the trainer score a group's samples against one copy of their prompt
+    (same logprobs and gradients, less compute); False gives one model row per sample.
     """
     if algorithm.loss == "pairwise":
-        return _preference_pairs(batch)
+        return _preference_pairs(batch, share_prompts)
     rewards_GN = batch_rewards(batch)
     if advantage_fn is None:
         advantages_GN = compute_advantages(algorithm, rewards_GN)
@@ -152,11 +173,12 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
     for g, group in enumerate(batch.groups):
         for n, sample in enumerate(group):
             if sample.num_trained_tokens:
-                examples.append(sample_to_example(sample, float(advantages_GN[g, n])))
+                advantage = float(advantages_GN[g, n])
+                examples.append(sample_to_example(sample, advantage, share_prompt=share_prompts))
     return examples
 
 
-def _preference_pairs(batch: RolloutBatch) -> list[RLExample]:
+def _preference_pairs(batch: RolloutBatch, share_prompts: bool) -> list[RLExample]:
     examples = []
     for g, group in enumerate(batch.groups):
         usable = [s for s in group if s.num_trained_tokens]
@@ -166,8 +188,8 @@ def _preference_pairs(batch: RolloutBatch) -> list[RLExample]:
         worst = min(usable, key=lambda s: s.reward)
         if best.reward > worst.reward:
             examples += [
-                sample_to_example(best, 1.0, unit=g),
-                sample_to_example(worst, -1.0, unit=g),
+                sample_to_example(best, 1.0, unit=g, share_prompt=share_prompts),
+                sample_to_example(worst, -1.0, unit=g, share_prompt=share_prompts),
             ]
     return examples
 
@@ -230,8 +252,12 @@ def _scatter(base: SFTBatch, values: Sequence[Sequence[float]]) -> torch.Tensor:
 
 
 def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
-    """Tensors for a micro-batch of examples, one per row, right-padded."""
-    base = prepare_sft_batch(examples, pad_id=pad_id, packing=False)
+    """Tensors for a micro-batch of examples, one per row, right-padded.
+
+    Examples that may share their prompt (`shared_prefix_len`) are run by the model in shared
+    rows; every tensor here and the logits `forward_logits` returns stay one sample per row.
+    """
+    base = prepare_prefix_shared_batch(examples, pad_id=pad_id)
     have_rollout = all(len(e.rollout_logprobs) == e.n_trained for e in examples)
     have_ref = all(e.ref_logprobs is not None for e in examples)
     rewards_GN = None

@@ -1,0 +1,196 @@
+"""Prompt-shared RL rows: the same logprobs, loss and gradients as one row per sample, less compute."""
+
+import random
+from dataclasses import replace
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollouts.errors import ConfigError
+from rollouts.types import RolloutBatch, Sample
+from training.algorithms import grpo
+from training.packing import IGNORE_INDEX, forward_logits, token_logprobs
+from training.prefix_sharing import plan_rows, split_rows_by_budget
+from training.rl_batch import RLExample, build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+
+PAD = 0
+
+
+def rollout_batch(seed: int, *, groups: int = 4, n: int = 4, same_prompt: bool = True
+                  ) -> RolloutBatch:  # fmt: skip
+    """Random groups; responses end with a tool turn (mask 0) followed by trained tokens."""
+    rng = random.Random(seed)
+
+    def ids(k: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, 200) for _ in range(k))
+
+    out = []
+    for g in range(groups):
+        prompt = ids(rng.randint(6, 14))
+        group = []
+        for i in range(n):
+            head, tool, tail = (
+                ids(rng.randint(1, 5)),
+                ids(rng.randint(0, 3)),
+                ids(rng.randint(1, 4)),
+            )
+            mask = (1,) * len(head) + (0,) * len(tool) + (1,) * len(tail)
+            group.append(Sample(prompt if same_prompt else ids(rng.randint(6, 14)),
+                                head + tool + tail, mask, tuple(-1.0 * m for m in mask),
+                                reward=float(rng.random() < 0.5), group_id=g, index_in_group=i))  # fmt: skip
+        out.append(tuple(group))
+    return RolloutBatch(tuple(out), 1, 0)
+
+
+def unshared(examples):
+    return [replace(e, shared_prefix_len=0) for e in examples]
+
+
+def test_a_group_shares_one_row_and_a_group_with_differing_prompts_falls_back():
+    shared = rollout_batch(0, groups=1).groups
+    differing = rollout_batch(1, groups=1, same_prompt=False).groups
+    examples = build_examples(RolloutBatch(shared + differing, 1, 0), grpo())
+    rows = plan_rows(examples)
+    assert [(r.start, r.stop) for r in rows] == [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8)]
+    assert rows[0].prefix_len == len(shared[0][0].prompt_ids)
+    batch, plain = collate_rl(examples, pad_id=PAD), collate_rl(unshared(examples), pad_id=PAD)
+    assert batch.input_ids.shape[0] == 5 and batch.attention_mask is not None
+    assert batch.n_tokens < plain.n_tokens
+    # everything after the model is in the per-sample view, unchanged
+    assert torch.equal(batch.target_ids, plain.target_ids)
+    assert torch.equal(batch.segment_ids, plain.segment_ids)
+    assert torch.equal(batch.rollout_logprobs_BT, plain.rollout_logprobs_BT)
+    alone = collate_rl(build_examples(RolloutBatch(differing, 1, 0), grpo()), pad_id=PAD)
+    assert alone.attention_mask is None and alone.source_index is None  # the plain batch
+    off = build_examples(RolloutBatch(shared, 1, 0), grpo(), share_prompts=False)
+    assert collate_rl(off, pad_id=PAD).attention_mask is None
+
+
+def test_a_branch_sees_the_prompt_and_itself_at_continued_positions():
+    examples = [RLExample((5, 6, 7, 8), (0, 0, 1, 1), 1.0, (), shared_prefix_len=2),
+                RLExample((5, 6, 9), (0, 0, 1), -1.0, (), shared_prefix_len=2)]  # fmt: skip
+    batch = collate_rl(examples, pad_id=PAD)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2]]
+    assert batch.attention_mask[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],  # token 9: the prompt and itself, not the other branch
+    ]
+    # sample 1's position 1 (token 6, predicting 9) is the shared prompt position 1
+    assert batch.source_index[:, :3].tolist() == [[0, 1, 2], [0, 1, 4]]
+    assert batch.target_ids.tolist() == [[IGNORE_INDEX, 7, 8, IGNORE_INDEX],
+                                         [IGNORE_INDEX, 9, IGNORE_INDEX, IGNORE_INDEX]]  # fmt: skip
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_rows_give_the_logprobs_loss_and_gradients_of_one_row_per_sample(
+    tiny_model_dir, attn
+):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn)
+    examples = build_examples(rollout_batch(2), grpo())
+    loss_fn = rl_loss_fn(grpo())
+    out = {}
+    for name, exs in (("shared", examples), ("plain", unshared(examples))):
+        batch = collate_rl(exs, pad_id=PAD)
+        model.zero_grad(set_to_none=True)
+        logits = forward_logits(model, batch)
+        loss, _ = loss_fn(logits, batch)
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        out[name] = token_logprobs(logits, batch.target_ids).detach(), loss.item(), grads
+    (lp, loss, grads), (lp0, loss0, grads0) = out["shared"], out["plain"]
+    assert (lp - lp0).abs().max().item() < 1e-5
+    assert abs(loss - loss0) < 1e-5
+    for k, g0 in grads0.items():
+        assert (grads[k] - g0).abs().max() <= 1e-4 * g0.abs().max() + 1e-9, k
+
+
+async def test_backend_update_and_logprobs_match_the_unshared_path(tiny_model_dir, tmp_path):
+    from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+    from training.config import OptimConfig
+
+    examples = build_examples(rollout_batch(3, groups=6), grpo())
+    results = {}
+    for name, exs in (("shared", examples), ("plain", unshared(examples))):
+        model, tok = load_model_and_tokenizer(tiny_model_dir)
+        with PyTorchTrainingBackend(
+            model, tok, optim=OptimConfig(), max_steps=1, checkpoint_dir=tmp_path / name,
+            pack_length=None, micro_batch_tokens=120,  # several micro-batches
+            collate_fn=partial(collate_rl, pad_id=tok.pad_token_id),
+        ) as backend:  # fmt: skip
+            logprobs = await backend.compute_logprobs(exs).result()
+            metrics = await backend.forward_backward(
+                exs, loss_fn=rl_loss_fn(grpo()), loss_weight_fn=loss_weight_fn(grpo())
+            ).result()
+            grads = torch.cat([p.grad.flatten() for p in backend.model.parameters()])
+        results[name] = logprobs, metrics, grads
+    (lp, m, g), (lp0, m0, g0) = results["shared"], results["plain"]
+    assert m["n_microbatches"] > 1 and m["n_tokens"] < 0.7 * m0["n_tokens"]
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(lp, lp0, strict=True))
+    assert m["loss"] == pytest.approx(m0["loss"], abs=1e-5)
+    assert (g - g0).abs().max() <= 1e-4 * g0.abs().max()
+
+
+class LogitsOnly(torch.nn.Module):
+    """A 'model' whose logits are a parameter: shows which model positions get a gradient."""
+
+    def __init__(self, rows: int, width: int, attn: str = "sdpa"):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.randn(rows, width, 16))
+        self.config = SimpleNamespace(_attn_implementation=attn)
+
+    def forward(self, input_ids, position_ids, attention_mask, use_cache):
+        assert attention_mask.shape == (*input_ids.shape[:1], 1, *input_ids.shape[1:2] * 2)
+        return SimpleNamespace(logits=self.logits)
+
+
+def test_tool_tokens_in_a_shared_row_get_no_gradient():
+    # prompt 5 6; branch a: 7 (trained) 8 (tool) 9 (trained); branch b: 10 (trained)
+    examples = [RLExample((5, 6, 7, 8, 9), (0, 0, 1, 0, 1), 1.0, (), shared_prefix_len=2),
+                RLExample((5, 6, 10), (0, 0, 1), -1.0, (), shared_prefix_len=2)]  # fmt: skip
+    batch = collate_rl(examples, pad_id=PAD)
+    model = LogitsOnly(*batch.input_ids.shape)
+    loss, _ = rl_loss_fn(grpo())(forward_logits(model, batch), batch)
+    loss.backward()
+    got = model.logits.grad[0].abs().sum(-1) > 0  # per row position: [5, 6, 7, 8, 9, 10]
+    # 6 predicts 7 and 10, 8 predicts 9; 7 predicts the tool token 8: no gradient
+    assert got.tolist() == [False, True, False, True, False, False]
+
+
+def test_attention_without_custom_masks_is_refused():
+    examples = build_examples(rollout_batch(4, groups=1), grpo())
+    batch = collate_rl(examples, pad_id=PAD)
+    model = LogitsOnly(*batch.input_ids.shape, attn="flash_attention_2")
+    with pytest.raises(ConfigError, match="share_prompts=False"):
+        forward_logits(model, batch)
+
+
+def test_long_responses_get_rows_of_their_own_and_short_ones_share():
+    def group(response_len: int) -> list[RLExample]:
+        ids = (1,) * 16 + (2,) * response_len
+        return [RLExample(ids, (0,) * 16 + (1,) * response_len, 0.0, (), shared_prefix_len=16)] * 8
+
+    assert len(plan_rows(group(8))) == 1
+    assert len(plan_rows(group(4000))) == 8  # W² attention would cost more than 7 prompts
+
+
+def test_micro_batches_hold_whole_rows_and_pairs_within_the_budget():
+    examples = build_examples(rollout_batch(5, groups=6), grpo())
+    examples += unshared(examples[:6])
+    examples += [replace(e, unit=99) for e in unshared(examples[:2])]  # a pair: never split
+    for budget in (1, 60, 150, 10_000):
+        mbs = split_rows_by_budget(examples, budget)
+        assert [e for mb in mbs for e in mb] == examples
+        for mb in mbs:
+            rows = plan_rows(mb)
+            slots = len(rows) * max(r.width for r in rows)
+            assert slots <= budget or len(mbs) == 1 or len(rows) == 1 or mb[-1].unit == 99
+        assert any(mb[-2:] == examples[-2:] for mb in mbs)
+    assert len(split_rows_by_budget(examples, 10_000)) == 1
