@@ -1,18 +1,17 @@
-"""Where a GRPO update's time goes, and what sharing each group's prompt would save (what-if).
+"""Where a GRPO update's time goes, and what sharing each group's prompt saves.
 
 The GRPO step of rl_tiny is dominated by the update (forward + backward over B x G sequences
 of prompt + response), and the update is compute-bound. On one batch of that shape (real
 arithmetic prompts through the chat template, responses of 2..`--max-response` tokens) this
 times forward + backward of the same GRPO loss three ways, alternating, in one process:
-- backend: `PyTorchTrainingBackend.forward_backward` with the RL loss (what the loop runs:
-  collate, one row per sample, worker thread);
-- per_sample: the same layout inline (one row per sample, right-padded): the bare compute;
-- shared_prompt: one row per group, [prompt, response 1, ..., response G], with a tree
-  attention mask (each response sees the prompt and itself) and position ids that restart
-  after the prompt, so every response token's logprob is that of the per-sample layout; the
-  first token of each response is scored from the prompt's last position.
-It checks that shared_prompt gives the same logprobs and gradients (float tolerance) and
-reports the speed-up. shared_prompt is not in the library yet: this measures what it would buy.
+- shared_prompt: `PyTorchTrainingBackend.forward_backward` with the RL loss as the loop runs it
+  (the default `share_prompts=True`): one model row per group, [prompt, response 1, ...,
+  response G], with a tree attention mask and positions continuing after the prompt
+  (training/prefix_sharing.py);
+- backend_per_sample: the same call with `share_prompts=False`: one row per sample;
+- per_sample: that layout inline, without the backend (the bare compute).
+It checks that the shared rows give the same logprobs and gradients as one row per sample
+(float tolerance) and reports the speed-up.
 
     .venv/bin/python benchmarks/grpo_update.py [--threads 1,2] [--reps 8] [--quick]
 """
@@ -69,49 +68,26 @@ def per_sample_logprobs(model, groups, pad: int):
     return out, mask, ids.numel()
 
 
-def shared_prompt_logprobs(model, groups, pad: int):
-    """One row per group with a tree mask; the same [S, L] logprobs as per_sample."""
-    import torch
-
-    width = max(len(p) + sum(map(len, rs)) for p, rs in groups)
-    longest = max(len(r) for _, rs in groups for r in rs)
-    n_samples = sum(len(rs) for _, rs in groups)
-    ids = torch.full((len(groups), width), pad)
-    pos = torch.zeros((len(groups), width), dtype=torch.long)
-    attend = torch.zeros((len(groups), 1, width, width), dtype=torch.bool)
-    src = torch.zeros((n_samples, longest), dtype=torch.long)  # flat position scoring each token
-    tgt = torch.zeros((n_samples, longest), dtype=torch.long)
-    mask = torch.zeros(n_samples, longest)
-    s = 0
-    for g, (p, rs) in enumerate(groups):
-        n = len(p)
-        ids[g, :n], pos[g, :n] = torch.tensor(p), torch.arange(n)
-        attend[g, 0, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        off = n
-        for r in rs:
-            k = len(r)
-            ids[g, off : off + k], pos[g, off : off + k] = torch.tensor(r), torch.arange(n, n + k)
-            attend[g, 0, off : off + k, :n] = True
-            attend[g, 0, off : off + k, off : off + k] = torch.ones(k, k, dtype=torch.bool).tril()
-            src[s, :k] = torch.tensor(
-                [g * width + n - 1] + [g * width + off + j for j in range(k - 1)]
-            )
-            tgt[s, :k], mask[s, :k] = torch.tensor(r), 1
-            off, s = off + k, s + 1
-        for t in range(off, width):  # padding attends to itself: finite softmax, no effect
-            attend[g, 0, t, t] = True
-    logits = model(input_ids=ids, position_ids=pos, attention_mask=attend, use_cache=False).logits
-    picked = logits.reshape(-1, logits.shape[-1])[src]  # [S, L, V]
-    lp = picked.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)
-    return lp * mask, mask, ids.numel()
-
-
 def grpo_loss(lp, mask, adv):
     """GRPO with one update per batch: ratio 1 (old = detached), per-sequence token mean."""
     import torch
 
     ratio = torch.exp(lp - lp.detach())
     return -((ratio * adv[:, None] * mask).sum(1) / mask.sum(1)).mean()
+
+
+def library_logprobs_and_grads(model, examples, pad: int):
+    """Per-token logprobs [S, T] and gradients of the library's GRPO loss on one micro-batch."""
+    from training.algorithms import grpo
+    from training.packing import forward_logits, token_logprobs
+    from training.rl_batch import collate_rl, rl_loss_fn
+
+    model.zero_grad(set_to_none=True)
+    batch = collate_rl(examples, pad_id=pad)
+    logits = forward_logits(model, batch)
+    rl_loss_fn(grpo())(logits, batch)[0].backward()
+    lp = token_logprobs(logits, batch.target_ids).detach()
+    return lp, {k: p.grad.clone() for k, p in model.named_parameters()}, batch.n_slots
 
 
 def measure(threads: int, args) -> dict:
@@ -136,17 +112,17 @@ def measure(threads: int, args) -> dict:
                                             reward=rw, group_id=g, index_in_group=i)
                                      for i, (r, rw) in enumerate(zip(rs, rewards[g], strict=True)))
                                for g, (p, rs) in enumerate(groups)), 0, 0, {})  # fmt: skip
-    examples = build_examples(batch, grpo())
-    adv = torch.tensor([e.advantage for e in examples])
+    shared = build_examples(batch, grpo())
+    per_sample = build_examples(batch, grpo(), share_prompts=False)
+    adv = torch.tensor([e.advantage for e in shared])
 
-    def run(layout) -> tuple:
+    def bare() -> None:
         model.zero_grad(set_to_none=True)
-        lp, mask, slots = layout(model, groups, pad)
+        lp, mask, _ = per_sample_logprobs(model, groups, pad)
         grpo_loss(lp, mask, adv).backward()
-        return lp.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}, slots
 
-    a_lp, a_grad, a_slots = run(per_sample_logprobs)
-    b_lp, b_grad, b_slots = run(shared_prompt_logprobs)
+    a_lp, a_grad, a_slots = library_logprobs_and_grads(model, per_sample, pad)
+    b_lp, b_grad, b_slots = library_logprobs_and_grads(model, shared, pad)
     checks = {
         "logprob_max_abs_diff": (a_lp - b_lp).abs().max().item(),
         "grad_max_rel_diff": max(((a_grad[k] - b_grad[k]).abs().max()
@@ -158,23 +134,26 @@ def measure(threads: int, args) -> dict:
         collate_fn=lambda ex: collate_rl(ex, pad_id=pad),
     )  # fmt: skip
 
-    async def through_backend() -> None:
-        await backend.forward_backward(examples, loss_fn=rl_loss_fn(grpo()),
-                                       loss_weight_fn=loss_weight_fn(grpo())).result()  # fmt: skip
-        await backend.call(lambda: backend.model.zero_grad(set_to_none=True)).result()
+    def through_backend(examples) -> None:
+        async def step() -> None:
+            await backend.forward_backward(examples, loss_fn=rl_loss_fn(grpo()),
+                                           loss_weight_fn=loss_weight_fn(grpo())).result()  # fmt: skip
+            await backend.call(lambda: backend.model.zero_grad(set_to_none=True)).result()
 
-    times: dict[str, list[float]] = {"backend": [], "per_sample": [], "shared_prompt": []}
+        trio.run(step)
+
+    arms = {"shared_prompt": lambda: through_backend(shared),
+            "backend_per_sample": lambda: through_backend(per_sample), "per_sample": bare}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in arms}
     with backend:
         for _ in range(args.reps + 1):  # the first round warms up
-            for name in times:
+            for name, run in arms.items():
                 t0 = time.perf_counter()
-                if name == "backend":
-                    trio.run(through_backend)
-                else:
-                    run(per_sample_logprobs if name == "per_sample" else shared_prompt_logprobs)
+                run()
                 times[name].append(time.perf_counter() - t0)
-    return {"times": {k: statistics.median(v[1:]) for k, v in times.items()},
-            "slots": {"per_sample": a_slots, "shared_prompt": b_slots}, **checks}  # fmt: skip
+    slots = {"shared_prompt": b_slots, "backend_per_sample": a_slots, "per_sample": a_slots}
+    return {"times": {k: statistics.median(v[1:]) for k, v in times.items()}, "slots": slots,
+            **checks}  # fmt: skip
 
 
 def main() -> int:
@@ -199,21 +178,22 @@ def main() -> int:
                                  f"--group={args.group}", f"--max-response={args.max_response}",
                                  f"--reps={args.reps}"])  # fmt: skip
         t = out["times"]
-        for name in ("backend", "per_sample", "shared_prompt"):
-            slots = out["slots"].get(name, out["slots"]["per_sample"])
-            rows.append([threads, name, slots, t[name] * 1000, t["per_sample"] / t[name]])
-        notes.append(f"- {threads} thread(s): shared prompt {t['per_sample'] / t['shared_prompt']:.2f}x "
-                     f"faster than one row per sample; the backend's update costs "
-                     f"{t['backend'] / t['per_sample']:.2f}x the bare per-sample compute; same "
-                     f"logprobs (max |diff| {out['logprob_max_abs_diff']:.1e}) and gradients "
-                     f"(max relative diff {out['grad_max_rel_diff']:.1e})")  # fmt: skip
-    table = harness.md_table(["threads", "layout", "token slots", "fwd+bwd ms", "speed vs per-sample"],
-                             rows)  # fmt: skip
+        for name in ("shared_prompt", "backend_per_sample", "per_sample"):
+            slots = out["slots"][name]
+            rows.append([threads, name, slots, t[name] * 1000, t["backend_per_sample"] / t[name]])
+        notes.append(f"- {threads} thread(s): the backend's update with shared prompts is "
+                     f"{t['backend_per_sample'] / t['shared_prompt']:.2f}x faster than with one row "
+                     f"per sample, which costs {t['backend_per_sample'] / t['per_sample']:.2f}x the "
+                     f"bare per-sample compute; same logprobs (max |diff| "
+                     f"{out['logprob_max_abs_diff']:.1e}) and gradients (max relative diff "
+                     f"{out['grad_max_rel_diff']:.1e})")  # fmt: skip
+    table = harness.md_table(["threads", "layout", "token slots", "fwd+bwd ms",
+                              "speed vs backend per-sample"], rows)  # fmt: skip
     head = (f"One GRPO batch of rl_tiny's shape: {args.prompts} prompts x {args.group} samples, "
             f"responses of 2-{args.max_response} tokens (EOS included), tiny model; median of "
             f"{args.reps} alternating repetitions.")  # fmt: skip
     print(f"\nGRPO update\n{head}\n{table}\n" + "\n".join(notes))
-    harness.write_section("grpo_update", "GRPO update: where the time goes, and a shared-prompt what-if",
+    harness.write_section("grpo_update", "GRPO update: where the time goes, and shared prompts",
                           f"{head}\n\n{table}\n\n" + "\n".join(notes), quick=args.quick,
                           started=started)  # fmt: skip
     return 0
