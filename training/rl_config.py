@@ -71,6 +71,7 @@ class RLLoopConfig(Strict):
     keep_last: int = Field(2, ge=1)
     resume: Literal["auto", "never"] = "never"
     dump_rollouts: bool = False
+    share_prompts: bool = Field(True, description="score a group's responses on one prompt copy")
 
 
 class RLRunConfig(Strict):
