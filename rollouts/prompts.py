@@ -41,6 +41,13 @@ class PromptItem:
         return cls(tuple(d["prompt_ids"]), tuple(d["messages"]), d["metadata"], d["source"])
 
 
+def prompt_item(tokenizer: Any, messages: list[Mapping[str, Any]],
+                metadata: Mapping[str, Any] | None = None, *, tools=None) -> PromptItem:  # fmt: skip
+    """A PromptItem from chat messages, rendered with the tokenizer's chat template."""
+    return PromptItem(tuple(encode_prompt(tokenizer, messages, tools)), tuple(messages),
+                      dict(metadata or {}))  # fmt: skip
+
+
 def _validate(obj: Any, source: str) -> tuple[list[dict] | None, list[str]]:
     if not isinstance(obj, dict):
         return None, [f"{source}: expected a JSON object, got {type(obj).__name__}"]

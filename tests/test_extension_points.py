@@ -17,7 +17,7 @@ import torch
 
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
-from rollouts.prompts import PromptItem
+from rollouts.prompts import PromptItem, prompt_item
 from rollouts.rewards import vector_reward, weighted_sum
 from rollouts.shaping import add_shaping, length_bonus
 from training.advantages import grpo_advantages
@@ -40,12 +40,8 @@ def index_reward(sample) -> float:
 
 
 def prompts(tokenizer, n: int = 8) -> list[PromptItem]:
-    items = []
-    for i in range(n):
-        messages = [{"role": "user", "content": f"{i}+{i}"}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        items.append(PromptItem(tuple(ids["input_ids"]), tuple(messages), {"answer": str(2 * i)}))
-    return items
+    return [prompt_item(tokenizer, [{"role": "user", "content": f"{i}+{i}"}], {"answer": str(2 * i)})
+            for i in range(n)]  # fmt: skip
 
 
 async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 1,

@@ -17,18 +17,14 @@ from rollouts.generation import (
     single_turn_generate,
 )
 from rollouts.manager import AsyncRolloutManager
-from rollouts.prompts import PromptItem
+from rollouts.prompts import PromptItem, prompt_item
 from rollouts.types import Sample
 from training.data_buffer import DataBuffer
 
 
 def make_prompts(tokenizer, n: int) -> list[PromptItem]:
-    items = []
-    for i in range(n):
-        messages = [{"role": "user", "content": f"{i}+{i}"}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        items.append(PromptItem(tuple(ids["input_ids"]), tuple(messages), {"answer": str(2 * i)}))
-    return items
+    return [prompt_item(tokenizer, [{"role": "user", "content": f"{i}+{i}"}], {"answer": str(2 * i)})
+            for i in range(n)]  # fmt: skip
 
 
 def config(**kw) -> RolloutConfig:
