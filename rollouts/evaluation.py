@@ -10,7 +10,8 @@ import trio
 
 from rollouts.generation import GenerateContext, GenerateFn, single_turn_generate
 from rollouts.prompts import PromptItem
-from rollouts.rewards import RewardFn, score_sample
+from rollouts.rewards import RewardFn
+from rollouts.scoring import score_sample
 from rollouts.tools.rewards import tool_metrics
 from rollouts.types import Sample
 

@@ -1,15 +1,15 @@
-"""Reward functions: pure builders, and `score_sample`, which runs one under a timeout.
+"""Reward functions: pure builders, and `call_reward`, which runs one (sync or async).
 
 A reward is a plain callable `(sample) -> float`, or `(sample) -> Mapping[str, float]` for a
 vector reward, and may be `async def`. Convention for vector rewards: the mapping holds the
-named components plus the aggregated scalar under the key "total" (`TOTAL`); `score_sample`
-turns it into `sample.with_reward(total, components_without_total)`. A mapping without "total"
-is an error, so an aggregate is never guessed.
+named components plus the aggregated scalar under the key "total" (`TOTAL`);
+`rollouts.scoring.score_sample` turns it into `sample.with_reward(total, components)`. A
+mapping without "total" is an error, so an aggregate is never guessed.
 
-The builders are pure: they only read the sample. `score_sample` (and `call_reward`, which it
-uses) are the only functions here that touch trio: sync rewards run in a worker thread so a
-slow verifier never blocks the event loop; async rewards are awaited. `rollouts.scoring` scores
-the samples of one finished request together, with the same outcome per sample.
+The builders are pure: they only read the sample. `call_reward` is the only function here that
+touches trio: sync rewards run in a worker thread so a slow verifier never blocks the event
+loop; async rewards are awaited. Scoring a sample under a timeout (`score_sample`) and the
+samples of one finished request together (`score_samples`) live in `rollouts.scoring`.
 
 What is not covered: a sync reward that hangs cannot be killed. On timeout its thread is
 abandoned (`abandon_on_cancel=True`): the sample is marked failed at once, the thread runs on
@@ -27,7 +27,7 @@ from typing import TypeAlias
 
 import trio
 
-from rollouts.errors import ConfigError, DataError, RewardError
+from rollouts.errors import ConfigError, DataError
 from rollouts.types import Sample
 
 RewardValue: TypeAlias = float | Mapping[str, float]
@@ -315,10 +315,6 @@ def split_reward(value: object) -> tuple[float, dict[str, float] | None]:
     return scalar_reward(value), None
 
 
-# One reward call's result: split_reward's (total, components), what it raised, or None (timed out)
-RewardOutcome: TypeAlias = tuple[float, dict[str, float] | None] | Exception | None
-
-
 async def call_reward(
     reward_fn: RewardFn, sample: Sample, *, limiter: trio.CapacityLimiter | None = None
 ) -> RewardValue:
@@ -335,67 +331,6 @@ async def call_reward(
     if inspect.isawaitable(value):
         value = await value
     return value  # type: ignore[return-value]
-
-
-async def score_sample(
-    reward_fn: RewardFn,
-    sample: Sample,
-    *,
-    timeout_s: float,
-    fail_fast: bool = False,
-    limiter: trio.CapacityLimiter | None = None,
-) -> Sample:
-    """`sample` with its reward (and components) set, or marked failed if the reward could not be computed.
-
-    A reward that raises, returns a non-finite or non-numeric value, or runs past
-    `timeout_s` marks the sample failed with the reason in `sample.error` (count these in
-    metrics); it does not stop the run unless `fail_fast`. On timeout a sync reward's thread
-    is abandoned, not killed (see the module docstring).
-    Score only samples whose generation succeeded: a failed sample's error would be
-    overwritten by the reward's.
-
-    Args:
-        reward_fn: the reward (sync or async; scalar or vector with "total").
-        sample: the trajectory to score; its status is otherwise left as is.
-        timeout_s: wall-clock budget for this reward call.
-        fail_fast: raise instead of marking the sample failed.
-        limiter: CapacityLimiter for sync rewards' threads (default: trio's global one).
-
-    Returns:
-        The scored sample, or a failed copy.
-
-    Raises:
-        RewardError: only with `fail_fast`; names the sample and the cause.
-    """
-    outcome: RewardOutcome = None
-    with trio.move_on_after(timeout_s):
-        try:
-            outcome = split_reward(await call_reward(reward_fn, sample, limiter=limiter))
-        except Exception as exc:
-            outcome = exc
-    return settle_reward(reward_fn, sample, outcome, timeout_s=timeout_s, fail_fast=fail_fast)
-
-
-def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *,
-                  timeout_s: float, fail_fast: bool) -> Sample:  # fmt: skip
-    """`sample` scored with `outcome`, or a failed copy naming the error (see `score_sample`).
-
-    Raises:
-        RewardError: the reward failed and `fail_fast` is set.
-    """
-    if isinstance(outcome, tuple):
-        return sample.with_reward(*outcome)
-    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
-    if outcome is None:
-        error = f"reward {name} timed out after {timeout_s} s"
-    else:
-        error = f"reward {name} raised {type(outcome).__name__}: {outcome}"
-    if fail_fast:
-        raise RewardError(
-            f"group {sample.group_id} sample {sample.index_in_group}: {error} "
-            "(reward fail-fast is on; turn it off to mark such samples failed instead)"
-        ) from outcome
-    return sample.failed(error)
 
 
 def is_async_reward(fn: object) -> bool:

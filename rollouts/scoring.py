@@ -28,20 +28,79 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Awaitable, Sequence
+from typing import TypeAlias
 
 import trio
 
-from rollouts.rewards import (
-    RewardFn,
-    RewardOutcome,
-    is_async_reward,
-    score_sample,
-    settle_reward,
-    split_reward,
-)
+from rollouts.errors import RewardError
+from rollouts.rewards import RewardFn, call_reward, is_async_reward, split_reward
 from rollouts.types import Sample
 
 _PENDING = object()
+
+# One reward call's result: split_reward's (total, components), what it raised, or None (timed out)
+RewardOutcome: TypeAlias = tuple[float, dict[str, float] | None] | Exception | None
+
+
+async def score_sample(
+    reward_fn: RewardFn,
+    sample: Sample,
+    *,
+    timeout_s: float,
+    fail_fast: bool = False,
+    limiter: trio.CapacityLimiter | None = None,
+) -> Sample:
+    """`sample` with its reward (and components) set, or marked failed if the reward could not be computed.
+
+    A reward that raises, returns a non-finite or non-numeric value, or runs past
+    `timeout_s` marks the sample failed with the reason in `sample.error` (count these in
+    metrics); it does not stop the run unless `fail_fast`. On timeout a sync reward's thread
+    is abandoned, not killed (see the module docstring).
+    Score only samples whose generation succeeded: a failed sample's error would be
+    overwritten by the reward's.
+
+    Args:
+        reward_fn: the reward (sync or async; scalar or vector with "total").
+        sample: the trajectory to score; its status is otherwise left as is.
+        timeout_s: wall-clock budget for this reward call.
+        fail_fast: raise instead of marking the sample failed.
+        limiter: CapacityLimiter for sync rewards' threads (default: trio's global one).
+
+    Returns:
+        The scored sample, or a failed copy.
+
+    Raises:
+        RewardError: only with `fail_fast`; names the sample and the cause.
+    """
+    outcome: RewardOutcome = None
+    with trio.move_on_after(timeout_s):
+        try:
+            outcome = split_reward(await call_reward(reward_fn, sample, limiter=limiter))
+        except Exception as exc:
+            outcome = exc
+    return settle_reward(reward_fn, sample, outcome, timeout_s=timeout_s, fail_fast=fail_fast)
+
+
+def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *,
+                  timeout_s: float, fail_fast: bool) -> Sample:  # fmt: skip
+    """`sample` scored with `outcome`, or a failed copy naming the error (see `score_sample`).
+
+    Raises:
+        RewardError: the reward failed and `fail_fast` is set.
+    """
+    if isinstance(outcome, tuple):
+        return sample.with_reward(*outcome)
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    if outcome is None:
+        error = f"reward {name} timed out after {timeout_s} s"
+    else:
+        error = f"reward {name} raised {type(outcome).__name__}: {outcome}"
+    if fail_fast:
+        raise RewardError(
+            f"group {sample.group_id} sample {sample.index_in_group}: {error} "
+            "(reward fail-fast is on; turn it off to mark such samples failed instead)"
+        ) from outcome
+    return sample.failed(error)
 
 
 async def score_samples(

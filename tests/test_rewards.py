@@ -24,10 +24,10 @@ from rollouts.rewards import (
     normalize_answer,
     overlong_penalty,
     regex_format_reward,
-    score_sample,
     vector_reward,
     weighted_sum,
 )
+from rollouts.scoring import score_sample
 from rollouts.types import Sample
 
 
