@@ -18,7 +18,7 @@ DPO (`online_dpo()`), a different algorithm.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 from pydantic import Field, model_validator
@@ -292,22 +292,9 @@ def apply_kl_reward_penalty(
     return rewards_GN - penalty_GN, {"kl_reward_penalty_mean": penalty_GN.mean().item(), "kl": kl}
 
 
-class PolicyLossFn(Protocol):
-    """The loss extension point: `compute_policy_loss`'s signature (a custom one may wrap it)."""
-
-    def __call__(
-        self,
-        config: AlgorithmConfig,
-        logprobs_BT: torch.Tensor,
-        old_logprobs_BT: torch.Tensor | None,
-        advantages_B: torch.Tensor,
-        mask_BT: torch.Tensor,
-        *,
-        ref_logprobs_BT: torch.Tensor | None = None,
-        rollout_logprobs_BT: torch.Tensor | None = None,
-        rewards_GN: torch.Tensor | None = None,
-        kl_fn: KLFn | None = None,
-    ) -> LossOutput: ...
+# The loss extension point: a callable with `compute_policy_loss`'s signature (a custom one may
+# wrap it). Written as an alias so that the signature lives in one place, the function below.
+PolicyLossFn: TypeAlias = Callable[..., LossOutput]
 
 
 def compute_policy_loss(
