@@ -174,7 +174,7 @@ async def test_failed_weight_updates_answer_400_and_keep_weights_path_and_versio
 async def test_weight_update_waits_for_in_flight_requests_unless_told_to_abort_them(
     local_engine, tiny_model_dir_seed1
 ):
-    _, engine = local_engine
+    server, engine = local_engine
     order: list[str] = []
 
     async def generate(rid: str, max_new: int) -> None:
@@ -200,7 +200,8 @@ async def test_weight_update_waits_for_in_flight_requests_unless_told_to_abort_t
     order.clear()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(generate, "b", 1000)
-        await wait_for(lambda: _state_is(engine, running=1))
+        # a first token must exist before the abort, or the result carries no version span
+        await wait_for(lambda: _generated(server, 1))
         nursery.start_soon(update, "v2", True)
     assert order[0] == "b:abort:v1" and order[1] == "update:v2"
 
