@@ -1,6 +1,7 @@
 import json
 
 from rollouts.tasks.arithmetic import (
+    ArithmeticProblem,
     extract_answer,
     is_correct,
     make_problems,
@@ -41,17 +42,24 @@ def test_held_out_split_is_disjoint_from_training(tmp_path):
     assert set(first) == {"messages", "answer"}
 
 
-def test_held_out_shares_flag_a_stratum_the_split_exhausts(tmp_path, caplog):
+def test_held_out_split_takes_a_small_share_of_every_stratum_and_warns_when_it_cannot(
+    tmp_path, caplog
+):
     from rollouts.tasks.arithmetic import held_out_shares, write_arithmetic_datasets
 
+    # A digit-stratified draw of 500 takes most of the 100 one-digit sums ...
     shares = held_out_shares(make_problems(500, seed=0, min_digits=1, max_digits=2, ops="+"))
-    assert shares[(1, 1)] > 0.5 and shares[(2, 2)] < 0.05  # 1-digit sums: only 100 exist
+    assert shares[(1, 1)] > 0.5 and shares[(2, 2)] < 0.05
+    # ... the held-out split is drawn uniformly over questions instead: ~5% of each stratum.
     with caplog.at_level("WARNING", logger="rollouts.tasks"):
-        write_arithmetic_datasets(tmp_path / "a", n_sft=10, n_rl=10, n_eval=500, min_digits=1,
-                                  max_digits=2, ops="+")  # fmt: skip
-    assert "1+1-digit" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="rollouts.tasks"):
-        write_arithmetic_datasets(tmp_path / "b", n_sft=10, n_rl=10, n_eval=500, min_digits=2,
-                                  max_digits=2, ops="+")  # fmt: skip
+        files = write_arithmetic_datasets(tmp_path / "a", n_sft=10, n_rl=10, n_eval=500,
+                                          min_digits=1, max_digits=2, ops="+")  # fmt: skip
     assert "held-out split takes" not in caplog.text
+    held = [json.loads(line) for line in files.rl_eval.read_text().splitlines()]
+    problems = [ArithmeticProblem(r["messages"][0]["content"], r["answer"]) for r in held]
+    assert all(share < 0.12 for share in held_out_shares(problems).values())
+    # A problem space too small for the split is flagged.
+    with caplog.at_level("WARNING", logger="rollouts.tasks"):
+        write_arithmetic_datasets(tmp_path / "b", n_sft=10, n_rl=10, n_eval=50, min_digits=1,
+                                  max_digits=1, ops="+")  # fmt: skip
+    assert "1+1-digit" in caplog.text

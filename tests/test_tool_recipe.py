@@ -41,25 +41,41 @@ async def test_tool_env_runs_through_rollouts_and_evaluation(tiny_model_dir, tmp
         assert key in row, key
 
 
-async def test_the_sft_checkpoint_is_reused_only_if_made_with_the_same_config(tmp_path):
+async def test_the_sft_checkpoint_is_reused_only_if_made_with_the_same_config_and_data(tmp_path):
     from training.config import SFTRunConfig, config_to_yaml
-    from training.rl_recipe import resolve_start_model
+    from training.recipes import sft_data_files
+    from training.rl_recipe import _saved_config, resolve_start_model, sft_checkpoint_mismatch
 
-    sft = load_config(SFTRunConfig, None, [f"output_dir={tmp_path / 'sft'}", "train.max_steps=5"])
+    sft = load_config(SFTRunConfig, None, [
+        f"output_dir={tmp_path / 'sft'}", "train.max_steps=5", f"data.task_dir={tmp_path / 'd'}",
+        "data.arithmetic.n_sft=20", "data.arithmetic.n_rl=10", "data.arithmetic.n_eval=10",
+    ])  # fmt: skip
     step = tmp_path / "sft" / "checkpoints" / "step_000005"
     step.mkdir(parents=True)
     (step.parent / "latest").write_text("step_000005")
     saved = sft.model_dump(mode="json")
     del saved["data"]["multiply"]  # a config saved before a field existed: defaults fill it
-    state = {"step": 5, "weight_version": 5, "metrics": {}, "extra": {"config": saved}}
+    fingerprint = sft_data_files(sft).fingerprint()
+    extra = {"config": saved, "data_sha256": fingerprint}
+    state = {"step": 5, "weight_version": 5, "metrics": {}, "extra": extra}
     (step / "trainer_state.json").write_text(json.dumps(state))
     (tmp_path / "sft.yaml").write_text(config_to_yaml(sft))
     rl = load_config(RLRunConfig, None, [f"sft_config={tmp_path / 'sft.yaml'}"])
     assert await resolve_start_model(rl) == str(step)
 
-    from training.rl_recipe import _saved_config
-
     assert _saved_config(step) == sft
     assert _saved_config(step) != sft.model_copy(update={"optim": sft.optim.model_copy(
         update={"lr": 0.5})})  # fmt: skip
     assert _saved_config(tmp_path / "nowhere") is None
+    assert sft_checkpoint_mismatch(step, sft) is None
+    longer = sft.model_copy(update={"train": sft.train.model_copy(update={"max_steps": 6})})
+    assert sft_checkpoint_mismatch(step, longer) == "is unfinished"
+    # same config as saved, other data files (e.g. from a new version of the task generator)
+    other = load_config(SFTRunConfig, None, [
+        f"output_dir={tmp_path / 'sft'}", "train.max_steps=5", f"data.task_dir={tmp_path / 'd'}",
+        "data.arithmetic.n_sft=21", "data.arithmetic.n_rl=10", "data.arithmetic.n_eval=10",
+    ])  # fmt: skip
+    assert sft_data_files(other).fingerprint() != fingerprint
+    state["extra"]["config"] = other.model_dump(mode="json")
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    assert sft_checkpoint_mismatch(step, other) == "was trained on other data"

@@ -7,6 +7,7 @@ different wiring copies the few lines they need.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -40,6 +41,7 @@ class PreparedSFTData:
     data: SFTData
     stats: TokenizeStats
     accuracy_prompts: tuple[EvalPrompt, ...]
+    fingerprint: str  # of the files trained and evaluated on (see `sft_data_files`)
 
 
 def load_eval_prompts(path: Path) -> tuple[EvalPrompt, ...]:
@@ -53,6 +55,31 @@ def load_eval_prompts(path: Path) -> tuple[EvalPrompt, ...]:
     return tuple(prompts)
 
 
+@dataclass(frozen=True)
+class SFTDataFiles:
+    train: Path
+    eval: Path | None
+    accuracy: Path | None  # prompts + answers for the in-loop greedy check (single-turn tasks)
+
+    def fingerprint(self) -> str:
+        """sha256 over the files' bytes: tells whether a checkpoint was trained on this data."""
+        h = hashlib.sha256()
+        for path in (self.train, self.eval, self.accuracy):
+            h.update(b"-" if path is None else path.read_bytes() + b"\0")
+        return h.hexdigest()
+
+
+def sft_data_files(config: SFTRunConfig) -> SFTDataFiles:
+    """The JSONL files an SFT config trains on: its paths, or its task's (written if needed)."""
+    dc = config.data
+    if dc.train_path is not None:
+        eval_path = Path(dc.eval_path) if dc.eval_path else None
+        return SFTDataFiles(Path(dc.train_path), eval_path, None)
+    files = dc.write_task_files()
+    accuracy = files.rl_eval if dc.task == "arithmetic" else None  # single-turn: greedy check
+    return SFTDataFiles(files.sft_train, files.sft_eval, accuracy)
+
+
 def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
     """Load (or generate) the SFT data, validate and tokenize it, and wrap it in a DataBuffer.
 
@@ -61,25 +88,19 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
         ConfigError: no data source configured.
     """
     dc = config.data
+    files = sft_data_files(config)
     accuracy_prompts: tuple[EvalPrompt, ...] = ()
-    if dc.train_path is not None:
-        train_path = Path(dc.train_path)
-        eval_path = Path(dc.eval_path) if dc.eval_path else None
-    else:
-        files = dc.write_task_files()
-        train_path, eval_path = files.sft_train, files.sft_eval
-        if dc.task == "arithmetic":  # single-turn: the in-loop greedy check applies
-            n = config.train.greedy_eval_samples
-            accuracy_prompts = load_eval_prompts(files.rl_eval)[:n]
-
-    train_records = load_sft_jsonl(train_path)
-    eval_records = load_sft_jsonl(eval_path) if eval_path else []
+    if files.accuracy is not None:
+        accuracy_prompts = load_eval_prompts(files.accuracy)[: config.train.greedy_eval_samples]
+    train_records = load_sft_jsonl(files.train)
+    eval_records = load_sft_jsonl(files.eval) if files.eval else []
     kw = dict(max_seq_len=dc.max_seq_len, overlong=dc.overlong)
     train_samples, stats = tokenize_records(train_records, tokenizer, **kw)
     eval_samples, _ = tokenize_records(eval_records[: config.train.eval_samples], tokenizer, **kw)
-    log.info("train data %s: %s", train_path, stats.summary())
+    log.info("train data %s: %s", files.train, stats.summary())
     buffer = DataBuffer(train_samples, seed=dc.shuffle_seed)
-    return PreparedSFTData(SFTData(buffer, tuple(eval_samples)), stats, accuracy_prompts)
+    data = SFTData(buffer, tuple(eval_samples))
+    return PreparedSFTData(data, stats, accuracy_prompts, files.fingerprint())
 
 
 def build_backend(config: SFTRunConfig, model_path: str) -> PyTorchTrainingBackend:
@@ -148,6 +169,7 @@ async def run_sft_recipe(config: SFTRunConfig) -> SFTSummary:
                 logger=fan_out(jsonl, console),
                 evaluate_fn=accuracy if prepared.accuracy_prompts else None,
                 resolved_config=resolved,
+                extra_state={"data_sha256": prepared.fingerprint},
             )
         finally:
             jsonl.close()

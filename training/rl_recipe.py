@@ -34,7 +34,7 @@ from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data_buffer import DataBuffer
 from training.kl import KLFn
 from training.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
-from training.recipes import run_sft_recipe
+from training.recipes import run_sft_recipe, sft_data_files
 from training.reference import ReferenceUpdateFn, frozen, make_reference
 from training.rl import CheckpointHook, StopFn, push_weights, run_rl_training
 from training.rl_batch import collate_rl
@@ -90,9 +90,8 @@ async def resolve_start_model(config: RLRunConfig) -> str:
         raise ConfigError("model.path is null and sft_config is null: no model to start from")
     sft = load_config(SFTRunConfig, config.sft_config)
     latest = find_latest_checkpoint(Path(sft.output_dir) / "checkpoints")
-    stale = latest is not None and _saved_config(latest) != sft
-    if latest is None or _steps_of(latest) < sft.train.max_steps or stale:
-        why = "was made with another config" if stale else "is missing or unfinished"
+    why = "is missing" if latest is None else sft_checkpoint_mismatch(latest, sft)
+    if why is not None:
         log.info("the SFT checkpoint in %s %s: running the SFT recipe first", sft.output_dir, why)
         summary = await run_sft_recipe(sft)
         log.info("%s", summary.line())
@@ -100,16 +99,39 @@ async def resolve_start_model(config: RLRunConfig) -> str:
     return str(latest)
 
 
+def sft_checkpoint_mismatch(checkpoint: Path, sft: SFTRunConfig) -> str | None:
+    """Why `checkpoint` is not the finished result of recipe `sft` on its current data (None: it is).
+
+    Compares the step count, the saved config (defaults of newer fields filled in) and the
+    fingerprint of the data files (task files are regenerated, so a changed generator counts).
+    """
+    if _steps_of(checkpoint) < sft.train.max_steps:
+        return "is unfinished"
+    if _saved_config(checkpoint) != sft:
+        return "was made with another config"
+    if _saved_extra(checkpoint).get("data_sha256") != sft_data_files(sft).fingerprint():
+        return "was trained on other data"
+    return None
+
+
 def _steps_of(checkpoint: Path) -> int:
     return int(checkpoint.name.split("_")[-1])
+
+
+def _saved_extra(checkpoint: Path) -> dict[str, Any]:
+    """The extra state saved with a checkpoint (config, data fingerprint; {}: unreadable)."""
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+        return dict(state["extra"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _saved_config(checkpoint: Path) -> SFTRunConfig | None:
     """The config an SFT checkpoint was trained with, defaults filled in (None: unknown)."""
     try:
-        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
-        return SFTRunConfig.model_validate(state["extra"]["config"])
-    except (OSError, ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
+        return SFTRunConfig.model_validate(_saved_extra(checkpoint)["config"])
+    except (ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
         return None
 
 

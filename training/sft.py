@@ -72,6 +72,7 @@ async def run_sft_training(
     logger: Logger = lambda step, metrics: None,
     evaluate_fn: EvaluateFn | None = None,
     resolved_config: dict[str, Any] | None = None,
+    extra_state: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Train until `config.max_steps` optimizer steps are done.
 
@@ -82,6 +83,8 @@ async def run_sft_training(
         logger: called with (step, metrics) after every step.
         evaluate_fn: extra evaluation run every `eval_every` steps and at the end.
         resolved_config: the full run config, saved with each checkpoint.
+        extra_state: more JSON-able state saved with each checkpoint (the recipe stores the
+            fingerprint of the data it trains on).
 
     Returns:
         The metrics of each step run by this call (empty when resuming a finished run).
@@ -104,6 +107,7 @@ async def run_sft_training(
         logger(step, metrics)
         history.append(metrics)
         if step % config.checkpoint_every == 0 or step == config.max_steps:
-            extra = {"data_buffer": data.train.state_dict(), "config": resolved_config or {}}
+            extra = {**(extra_state or {}), "data_buffer": data.train.state_dict(),
+                     "config": resolved_config or {}}  # fmt: skip
             await backend.save_checkpoint(step, metrics, extra_state=extra)
     return history

@@ -42,15 +42,31 @@ class ArithmeticProblem:
         return {"messages": self.messages(), "answer": self.answer}
 
 
+def _low(digits: int) -> int:
+    return 0 if digits == 1 else 10 ** (digits - 1)
+
+
 def make_problem(
-    rng: random.Random, *, min_digits: int = 1, max_digits: int = 3, ops: str = "+-"
+    rng: random.Random,
+    *,
+    min_digits: int = 1,
+    max_digits: int = 3,
+    ops: str = "+-",
+    stratified: bool = True,
 ) -> ArithmeticProblem:
-    """Draw one problem; operand digit counts are uniform in [min_digits, max_digits]."""
+    """Draw one problem.
+
+    `stratified`: each operand's digit count is uniform in [min_digits, max_digits], so short
+    operands get as much practice as long ones (training draws). Otherwise every distinct
+    question is equally likely (held-out draws: they then take the same small share of every
+    digit stratum, and training still sees nearly all of the tiny 1-digit strata).
+    """
 
     def operand() -> int:
+        if not stratified:
+            return rng.randint(_low(min_digits), 10**max_digits - 1)
         digits = rng.randint(min_digits, max_digits)
-        low = 0 if digits == 1 else 10 ** (digits - 1)
-        return rng.randint(low, 10**digits - 1)
+        return rng.randint(_low(digits), 10**digits - 1)
 
     a, b, op = operand(), operand(), rng.choice(ops)
     result = a + b if op == "+" else a - b
@@ -66,11 +82,13 @@ def make_problems(
     ops: str = "+-",
     exclude: set[str] | frozenset[str] = frozenset(),
     distinct: bool = True,
+    stratified: bool = True,
 ) -> list[ArithmeticProblem]:
     """Draw `n` problems whose questions are not in `exclude`, deterministically from `seed`.
 
     With `distinct`, no question repeats (held-out sets); without, training sets may repeat
-    questions, as a small problem space (2-digit numbers) requires.
+    questions, as a small problem space (2-digit numbers) requires. `stratified`: see
+    `make_problem`.
     """
     rng = random.Random(seed)
     seen = set(exclude)
@@ -83,7 +101,9 @@ def make_problems(
                 f"cannot draw {n} problems with {min_digits}-{max_digits} digits and ops "
                 f"{ops!r} outside the {len(exclude)} excluded ones: the problem space is too small"
             )
-        problem = make_problem(rng, min_digits=min_digits, max_digits=max_digits, ops=ops)
+        problem = make_problem(
+            rng, min_digits=min_digits, max_digits=max_digits, ops=ops, stratified=stratified
+        )
         if problem.question not in seen:
             if distinct:
                 seen.add(problem.question)
@@ -126,7 +146,7 @@ def held_out_shares(problems: list[ArithmeticProblem], n_ops: int = 1
     """
 
     def size(digits: int) -> int:
-        return 10 if digits == 1 else 9 * 10 ** (digits - 1)
+        return 10**digits - _low(digits)
 
     counts: dict[tuple[int, int], int] = {}
     for p in problems:
@@ -157,12 +177,14 @@ def write_arithmetic_datasets(
 ) -> ArithmeticFiles:
     """Write SFT (chat) and RL (prompt + answer) JSONL files with a shared held-out split.
 
-    The held-out problems are drawn first and excluded from both training sets, so eval
-    accuracy measures generalisation, not memorisation.
+    The held-out problems are drawn first, uniformly over the distinct questions, and excluded
+    from both training sets, so eval accuracy measures generalisation, not memorisation. A
+    digit-stratified held-out draw would instead take most of the 100 one-digit sums, which
+    training then never sees (and RL on 2-digit sums makes the model worse at).
     """
     out = Path(out_dir)
     kwargs = dict(min_digits=min_digits, max_digits=max_digits, ops=ops)
-    held_out = make_problems(n_eval, seed=seed, **kwargs)
+    held_out = make_problems(n_eval, seed=seed, stratified=False, **kwargs)
     for stratum, share in held_out_shares(held_out, len(ops)).items():
         if share > 0.25:
             log.warning(
