@@ -63,7 +63,7 @@ def rl_main(description: str, *, default_config: str | None = None) -> int:
     except RolloutsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print_curve("reward_mean per step", summary.reward_curve)
+    print_curve("reward_mean", summary.reward_curve)
     png = write_reward_png(summary.reward_curve, f"{config.output_dir}/reward.png")
     if png:
         print(f"wrote {png}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,16 +31,18 @@ def sparkline(values: Sequence[float]) -> str:
     )
 
 
-def print_curve(title: str, values: Sequence[float], *, chunks: int = 10) -> None:
-    """Print a sparkline and the mean of `values` over `chunks` consecutive windows."""
+def window_means(values: Sequence[float], windows: int) -> list[float]:
+    """Means of `values` over at most `windows` consecutive, equal-sized windows."""
+    size = max(1, math.ceil(len(values) / windows))
+    return [statistics.fmean(values[i : i + size]) for i in range(0, len(values), size)]
+
+
+def print_curve(title: str, values: Sequence[float], *, chunks: int = 10, width: int = 60) -> None:
+    """Print a sparkline (of at most `width` window means) and the means of `chunks` windows."""
     if not values:
         return
-    size = max(1, math.ceil(len(values) / chunks))
-    means = [
-        sum(values[i : i + size]) / len(values[i : i + size]) for i in range(0, len(values), size)
-    ]
-    print(f"{title} ({len(values)} steps): {sparkline(values)}")
-    print("  window means: " + " ".join(f"{m:.3f}" for m in means))
+    print(f"{title} ({len(values)} steps): {sparkline(window_means(values, width))}")
+    print("  window means: " + " ".join(f"{m:.3f}" for m in window_means(values, chunks)))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
