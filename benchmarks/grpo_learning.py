@@ -7,7 +7,7 @@ Both arms start from the same SFT'd tiny model and get the same wall-clock train
   count, 1 + 1 on 2 cores), then weights are exported and pushed to the engine, every step.
   `rollouts_2t` is the same with 2 threads for each (they take turns, so each may use every
   core: faster on a machine of its own, much slower when other jobs share it).
-  `rollouts_overlap` (opt-in with --arms) is the same with `rollout.mode=overlap` (batch
+  `rollouts_overlap` is the same with `rollout.mode=overlap` (batch
   k+1 generated while training on k, one step off-policy; 1 + 1 threads, since they run at
   the same time).
 - trl: TRL `GRPOTrainer` with `use_vllm=False` in one process with 2 torch threads (the whole
@@ -344,7 +344,7 @@ def plot(runs: dict[str, list[dict]], start_acc: float, args) -> Path | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", default="rollouts,rollouts_2t,trl",
+    p.add_argument("--arms", default="rollouts,rollouts_overlap,rollouts_2t,trl",
                    help=f"comma-separated, of: {', '.join(ARMS)}")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=40.0,
                    help="training seconds per run (longer: e.g. 300)")  # fmt: skip

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
 from .sampling import Sampled, sample, scaled_logprobs, top_logprobs
 from .sequence import Sequence, TopLogprobs
@@ -94,7 +95,21 @@ class ModelRunner:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _new_cache(self, kvs) -> DynamicCache:
-        return DynamicCache(ddp_cache_data=kvs, config=self.model.config)
+        """A cache holding `kvs` (one (keys, values) per layer), without copying them.
+
+        `DynamicCache(ddp_cache_data=...)` copies every tensor (an update of an empty layer is a
+        `torch.cat`): on a 128-row batch that was ~12% of the engine's step time. Plain
+        `DynamicLayer`s take the tensors as they are; other layer kinds (sliding window) go
+        through their own `update`.
+        """
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k, v) in zip(cache.layers, kvs, strict=True):
+            if type(layer) is DynamicLayer:
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            else:
+                layer.update(k, v)
+        return cache
 
     def reset(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
