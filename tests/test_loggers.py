@@ -92,3 +92,15 @@ def test_plot_module_runs_on_a_run_directory(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "training.plot", str(tmp_path), "--keys", "nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 1 and "no numeric values for any of ['nope']" in bad.stderr
+
+
+def test_a_long_reward_curve_prints_as_window_means(capsys):
+    from training.plot import print_curve, window_means
+
+    assert window_means([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [2.0, 4.5]
+    print_curve("reward_mean", [i / 599 for i in range(600)], width=60)
+    first, second = capsys.readouterr().out.splitlines()
+    bars = first.split(": ")[1]
+    assert first.startswith("reward_mean (600 steps)") and len(bars) == 60
+    assert bars[0] == "▁" and bars[-1] == "█"
+    assert second.split()[-1] == f"{sum(i / 599 for i in range(540, 600)) / 60:.3f}"

@@ -56,7 +56,8 @@ def test_a_group_shares_one_row_and_a_group_with_differing_prompts_falls_back():
     assert [(r.start, r.stop) for r in rows] == [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8)]
     assert rows[0].prefix_len == len(shared[0][0].prompt_ids)
     batch, plain = collate_rl(examples, pad_id=PAD), collate_rl(unshared(examples), pad_id=PAD)
-    assert batch.input_ids.shape[0] == 5 and batch.attention_mask is not None
+    # five short trees: cheapest side by side in one model row
+    assert batch.input_ids.shape[0] == 1 and batch.attention_mask is not None
     assert batch.n_tokens < plain.n_tokens
     # everything after the model is in the per-sample view, unchanged
     assert torch.equal(batch.target_ids, plain.target_ids)
@@ -87,6 +88,35 @@ def test_a_branch_sees_the_prompt_and_itself_at_continued_positions():
                                          [IGNORE_INDEX, 9, IGNORE_INDEX, IGNORE_INDEX]]  # fmt: skip
 
 
+def test_trees_side_by_side_in_a_row_never_see_each_other():
+    examples = [RLExample((5, 6, 7), (0, 0, 1), 1.0, (), shared_prefix_len=2),
+                RLExample((5, 6, 8), (0, 0, 1), -1.0, (), shared_prefix_len=2),
+                RLExample((9, 7), (0, 1), 1.0, (), shared_prefix_len=1),
+                RLExample((9, 8), (0, 1), -1.0, (), shared_prefix_len=1)]  # fmt: skip
+    batch = collate_rl(examples, pad_id=PAD)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 7, 8]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 2, 0, 1, 1]]
+    assert batch.attention_mask[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0],  # the second tree's prompt: nothing of the first tree
+        [0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 1, 0, 1],
+    ]
+    assert batch.source_index[:, :2].tolist() == [[0, 1], [0, 1], [4, 5], [4, 6]]
+
+
+def test_trees_are_packed_only_when_that_is_cheaper():
+    from training.prefix_sharing import pack_trees
+
+    assert pack_trees([40, 10, 10, 20]) == [[0], [1, 2, 3]]  # 2 rows of 40: no padding
+    assert pack_trees([30]) == [[0]]
+    # wide trees: attention over a combined row costs more than the padding it saves
+    assert pack_trees([3000, 2000], pairs_per_token=512) == [[0], [1]]
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_rows_give_the_logprobs_loss_and_gradients_of_one_row_per_sample(
     tiny_model_dir, attn
@@ -95,6 +125,7 @@ def test_shared_rows_give_the_logprobs_loss_and_gradients_of_one_row_per_sample(
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn)
     examples = build_examples(rollout_batch(2), grpo())
+    assert collate_rl(examples, pad_id=PAD).input_ids.shape[0] < len(plan_rows(examples))  # packed
     loss_fn = rl_loss_fn(grpo())
     out = {}
     for name, exs in (("shared", examples), ("plain", unshared(examples))):
