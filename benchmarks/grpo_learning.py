@@ -257,17 +257,20 @@ def sft_checkpoint(args) -> str:
         return args.sft_checkpoint
     from training.checkpoint import find_latest_checkpoint
     from training.config import SFTRunConfig, load_config
+    from training.rl_recipe import sft_checkpoint_mismatch
 
     # smoke runs only need some model: a short SFT of their own keeps them fast
     out = harness.REPO / "runs" / "bench" / ("sft_tiny_quick" if args.quick else "sft_tiny")
-    steps = 100 if args.quick else load_config(SFTRunConfig, SFT_CONFIG).train.max_steps
+    overrides = [f"output_dir={out}", f"model.tiny_dir={out.parent / 'tiny_model'}"]
+    if args.quick:
+        overrides.append("train.max_steps=100")
+    sft = load_config(SFTRunConfig, SFT_CONFIG, overrides)
     latest = find_latest_checkpoint(out / "checkpoints")
-    if latest is None or int(latest.name.split("_")[-1]) < steps:
-        print(f"SFT'd model missing: running the SFT recipe into {out} (once) ...", flush=True)
+    why = "is missing" if latest is None else sft_checkpoint_mismatch(latest, sft)
+    if why is not None:
+        print(f"SFT'd model in {out} {why}: running the SFT recipe ...", flush=True)
         subprocess.run([sys.executable, "examples/run_sft.py", "--config", str(SFT_CONFIG),
-                        "--output-dir", str(out), "--max-steps", str(steps),
-                        f"model.tiny_dir={out.parent / 'tiny_model'}"],
-                       cwd=harness.REPO, check=True)  # fmt: skip
+                        *overrides], cwd=harness.REPO, check=True)  # fmt: skip
         latest = find_latest_checkpoint(out / "checkpoints")
     return str(latest)
 
