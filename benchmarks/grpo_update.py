@@ -192,10 +192,8 @@ def main() -> int:
     head = (f"One GRPO batch of rl_tiny's shape: {args.prompts} prompts x {args.group} samples, "
             f"responses of 2-{args.max_response} tokens (EOS included), tiny model; median of "
             f"{args.reps} alternating repetitions.")  # fmt: skip
-    print(f"\nGRPO update\n{head}\n{table}\n" + "\n".join(notes))
-    harness.write_section("grpo_update", "GRPO update: where the time goes, and shared prompts",
-                          f"{head}\n\n{table}\n\n" + "\n".join(notes), quick=args.quick,
-                          started=started)  # fmt: skip
+    harness.publish("grpo_update", "GRPO update: where the time goes, and shared prompts",
+                    "GRPO update", [head, table], notes, quick=args.quick, started=started)  # fmt: skip
     return 0
 
 

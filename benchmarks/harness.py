@@ -101,6 +101,15 @@ def _relative(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
+def publish(key: str, title: str, label: str, parts: list[str], notes: list[str], *,
+            quick: bool, started: float, image: str = "") -> Path:  # fmt: skip
+    """Print `label`, `parts` (e.g. a header line and a table) and `notes` to the terminal,
+    and write them (plus an optional image link) as this script's section of RESULTS.md."""
+    print(f"\n{label}\n" + "\n".join(parts) + "\n" + "\n".join(notes))
+    body = "\n\n".join(parts) + "\n\n" + "\n".join(notes) + (f"\n\n{image}" if image else "")
+    return write_section(key, title, body, quick=quick, started=started)
+
+
 def write_section(key: str, title: str, body: str, *, quick: bool, started: float) -> Path:
     """Replace (or add) this script's section of RESULTS.md, keeping the others.
 

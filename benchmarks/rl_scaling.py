@@ -199,11 +199,9 @@ def main() -> int:
             f"tokens; one knob varied at a time; {args.steps} steps per configuration, the "
             f"first untimed; responses forced to L tokens; trainer and engine {args.threads} "
             "torch threads each (sync mode).")  # fmt: skip
-    print(f"\nRL scaling\n{head}\n{table}\n" + "\n".join(notes))
-    harness.write_section("rl_scaling", "RL step time and memory vs size",
-                          f"{head}\n\n{table}\n\n" + "\n".join(notes) + "\n\n"
-                          + harness.image_link(png, args.quick, "RL scaling"),
-                          quick=args.quick, started=started)  # fmt: skip
+    harness.publish("rl_scaling", "RL step time and memory vs size", "RL scaling",
+                    [head, table], notes, quick=args.quick, started=started,
+                    image=harness.image_link(png, args.quick, "RL scaling"))  # fmt: skip
     return 0
 
 

@@ -168,10 +168,9 @@ def main() -> int:
         notes.append(f"AsyncRolloutManager / raw httpx (same batched requests): "
                      f"{harness.verdict(statistics.median(ratios), 0.9)} (median of per-round "
                      f"ratios; range {min(ratios):.2f}-{max(ratios):.2f}).")  # fmt: skip
-    print(f"\nRollout throughput\n{head}\n{table}\n" + "\n".join(notes))
-    harness.write_section("rollout_throughput", "Rollout throughput vs raw httpx",
-                          f"{head}\n\n{table}\n\n" + "\n".join(notes), quick=args.quick,
-                          started=started)  # fmt: skip
+    harness.publish("rollout_throughput", "Rollout throughput vs raw httpx",
+                    "Rollout throughput", [head, table], notes, quick=args.quick,
+                    started=started)  # fmt: skip
     return 0
 
 

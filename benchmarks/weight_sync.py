@@ -145,9 +145,8 @@ def main() -> int:
         )  # fmt: skip
     table = harness.md_table(["model", "path", "ms (median)", "vs raw",
                               f"runs (ms, {args.repeats} repeats)"], rows)  # fmt: skip
-    print(f"\nWeight sync\n{table}\n" + "\n".join(notes))
-    harness.write_section("weight_sync", "Weight sync vs save + load by hand",
-                          f"{table}\n\n" + "\n".join(notes), quick=args.quick, started=started)  # fmt: skip
+    harness.publish("weight_sync", "Weight sync vs save + load by hand", "Weight sync",
+                    [table], notes, quick=args.quick, started=started)  # fmt: skip
     return 0
 
 

@@ -58,6 +58,8 @@ from training.packing import SFTBatch, pack_balanced, prepare_sft_batch
 # beat one row per sample and 2048 was the most even; larger values put long responses in
 # rows so wide that attention costs more than the prompt copies saved.
 ATTENTION_PAIRS_PER_TOKEN = 2048
+# Model-row counts `pack_trees` tries: 1, 2, 3, 4, 6, 8, 12, ... (geometric, so few tries).
+_ROW_COUNTS = sorted({c for k in range(12) for c in (2**k, 3 * 2**k)})
 
 
 @dataclass(frozen=True)
@@ -168,12 +170,10 @@ def pack_trees(widths: Sequence[int], *, pairs_per_token: int = ATTENTION_PAIRS_
     best = [[i] for i in range(len(widths))]
     best_cost = cost(best)
     total, widest = sum(widths), max(widths, default=0)
-    counts = sorted({c for k in range(12) for c in (2**k, 3 * 2**k)})
-    for n in [c for c in counts if c < len(widths)]:
-        capacity = max(widest, -(-total // n))
-        layout = pack_balanced([range(w) for w in widths], capacity)
-        if cost(layout) < best_cost:
-            best, best_cost = layout, cost(layout)
+    for n in (c for c in _ROW_COUNTS if c < len(widths)):
+        layout = pack_balanced([range(w) for w in widths], max(widest, -(-total // n)))
+        if (c := cost(layout)) < best_cost:
+            best, best_cost = layout, c
     return best
 
 
