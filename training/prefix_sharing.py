@@ -197,38 +197,51 @@ def prepare_prefix_shared_batch(examples: Sequence[Any], *, pad_id: int) -> SFTB
     layout = pack_trees([row.width for row in rows])
     width = max(sum(rows[t].width for t in trees) for trees in layout)
     shape = (len(layout), width)
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
     # Per slot: its tree and its branch (ids unique within a model row; a tree's prompt is a
     # branch every branch of that tree sees). Pads are trees of their own (they see themselves).
-    tree_ids = -1 - torch.arange(width).repeat(len(layout), 1)
-    branch_ids = tree_ids.clone()
-    is_prompt = torch.zeros(shape, dtype=torch.bool)
-    source_index = torch.zeros(base.target_ids.shape, dtype=torch.long)
+    # Flat Python lists, converted once (per-sample tensor ops cost more for short responses).
+    ids_: list[int] = []
+    positions: list[int] = []
+    tree_of: list[int] = []
+    branch_of: list[int] = []
+    prompt_flags: list[bool] = []
+    sources: list[list[int]] = [[] for _ in examples]
     for r, trees in enumerate(layout):
-        offset, next_branch = 0, 0
+        flat, next_branch = r * width, 0
         for t in trees:
-            row, start = rows[t], offset
-            p, flat = row.prefix_len, r * width
-            ids = examples[row.start].input_ids
-            input_ids[r, offset : offset + p] = torch.tensor(ids[:p], dtype=torch.long)
-            position_ids[r, offset : offset + p] = torch.arange(p)
-            branch_ids[r, offset : offset + p] = next_branch
-            is_prompt[r, offset : offset + p] = True
-            offset += p
+            row, start = rows[t], len(ids_) - flat
+            p = row.prefix_len
+            ids_.extend(examples[row.start].input_ids[:p])
+            positions.extend(range(p))
+            branch_of.extend([next_branch] * p)
+            prompt_flags.extend([True] * p)
+            prompt_slots = list(range(flat + start, flat + start + p))
             for s in range(row.start, row.stop):
                 next_branch += 1
                 ids = examples[s].input_ids
-                n = len(ids) - p
-                input_ids[r, offset : offset + n] = torch.tensor(ids[p:], dtype=torch.long)
-                position_ids[r, offset : offset + n] = torch.arange(p, p + n)
-                branch_ids[r, offset : offset + n] = next_branch
-                source_index[s, :p] = flat + start + torch.arange(p)
-                source_index[s, p : p + n] = flat + offset + torch.arange(n)
-                offset += n
-            tree_ids[r, start:offset] = t
+                n, offset = len(ids) - p, len(ids_) - flat
+                ids_.extend(ids[p:])
+                positions.extend(range(p, p + n))
+                branch_of.extend([next_branch] * n)
+                prompt_flags.extend([False] * n)
+                sources[s] = prompt_slots + list(range(flat + offset, flat + offset + n))
+            tree_of.extend([t] * (len(ids_) - flat - start))
             next_branch += 1
-        position_ids[r, offset:] = torch.arange(width - offset)
+        used = len(ids_) - flat
+        pads = [-1 - c for c in range(used, width)]
+        ids_.extend([pad_id] * len(pads))
+        positions.extend(range(len(pads)))
+        tree_of.extend(pads)
+        branch_of.extend(pads)
+        prompt_flags.extend([False] * len(pads))
+    input_ids = torch.tensor(ids_, dtype=torch.long).view(shape)
+    position_ids = torch.tensor(positions, dtype=torch.long).view(shape)
+    tree_ids = torch.tensor(tree_of, dtype=torch.long).view(shape)
+    branch_ids = torch.tensor(branch_of, dtype=torch.long).view(shape)
+    is_prompt = torch.tensor(prompt_flags, dtype=torch.bool).view(shape)
+    n_cols = base.target_ids.shape[1]
+    source_index = torch.tensor([src + [0] * (n_cols - len(src)) for src in sources],
+                                dtype=torch.long)  # fmt: skip
     same_tree = tree_ids[:, None, :] == tree_ids[:, :, None]
     causal = position_ids[:, None, :] <= position_ids[:, :, None]
     sees = (branch_ids[:, None, :] == branch_ids[:, :, None]) | is_prompt[:, None, :]

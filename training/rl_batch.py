@@ -241,13 +241,15 @@ def kl_penalised_batch(batch: RolloutBatch, algorithm: AlgorithmConfig,
 
 
 def _scatter(base: SFTBatch, values: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Per-trained-token values of each sample at its trained positions ([B, T], one per row)."""
     out = torch.zeros(base.target_ids.shape, dtype=torch.float32)
     trained = base.target_ids != IGNORE_INDEX
-    for i, v in enumerate(values):
-        sel = (base.segment_ids == i) & trained
-        if int(sel.sum()) != len(v):
-            raise ValueError(f"sample {i}: {len(v)} logprobs for {int(sel.sum())} trained tokens")
-        out[sel] = torch.tensor(v, dtype=torch.float32)
+    counts = trained.sum(dim=1).tolist()
+    for i, (v, n) in enumerate(zip(values, counts, strict=True)):
+        if n != len(v):
+            raise ValueError(f"sample {i}: {len(v)} logprobs for {n} trained tokens")
+    # Boolean indexing walks row-major: sample by sample, positions in order.
+    out[trained] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
     return out
 
 
