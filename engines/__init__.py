@@ -28,4 +28,5 @@ from .types import PauseMode as PauseMode
 from .types import ScoreResult as ScoreResult
 from .types import WeightSpan as WeightSpan
 from .types import WeightSyncError as WeightSyncError
+from .weight_sync import pause_engines as pause_engines
 from .weight_sync import sync_weights_to_engines as sync_weights_to_engines

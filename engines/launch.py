@@ -34,6 +34,7 @@ import httpx
 import trio
 
 from rollouts.errors import EngineError
+from rollouts.nursery import open_nursery
 
 logger = logging.getLogger(__name__)
 
@@ -147,39 +148,31 @@ async def launch_engine(
         root = str(Path(__file__).resolve().parent.parent)
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
     logger.info("launching engine: %s (log: %s)", " ".join(argv), log)
-    lone: BaseException | None = None
     with log.open("ab") as log_file:
-        try:
-            async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(
-                    partial(
-                        trio.run_process,
-                        argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        check=False,
-                        env=child_env,
-                        deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s),
-                    )
+        # The process task itself never raises (check=False), so an error is the startup
+        # failure or the caller's own, and `open_nursery` raises it as is.
+        async with open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                partial(
+                    trio.run_process,
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                    env=child_env,
+                    deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s),
                 )
-                try:
-                    await _wait_until_healthy(
-                        process, url, log, startup_timeout_s, poll_interval_s, api_key
-                    )
-                    yield LaunchedEngine(
-                        url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
-                    )
-                finally:
-                    nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # The process task itself never raises (check=False), so a lone error is the
-            # startup failure or the caller's own: raise it as is, not wrapped in a group.
-            if len(group.exceptions) != 1:
-                raise
-            lone = group.exceptions[0]
-    if lone is not None:
-        raise lone  # outside the handler, so the group is not chained as its context
+            )
+            try:
+                await _wait_until_healthy(
+                    process, url, log, startup_timeout_s, poll_interval_s, api_key
+                )
+                yield LaunchedEngine(
+                    url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
+                )
+            finally:
+                nursery.cancel_scope.cancel()
     logger.info("engine %s stopped (exit code %s)", url, process.returncode)
 
 

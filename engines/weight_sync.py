@@ -10,6 +10,10 @@ read `/get_model_info` and check it reports `version` → continue.
   mixed; the error says which engine has what.
 - Returns the wall time of the whole sync in seconds.
 
+`pause_engines` + `sync_weights_to_engines(..., paused=True)` split the same sequence in two, so
+a caller can pause first (requests sent after that wait in the engine and run on the new
+weights) and let the rest finish in the background (`training.rl` does).
+
 Not covered: rollback of the engines that succeeded; NCCL/tensor-based refit.
 """
 
@@ -35,6 +39,7 @@ async def sync_weights_to_engines(
     weight_version: str,
     *,
     pause_mode: PauseMode = "abort",
+    paused: bool = False,
     resume_timeout_s: float = 30.0,
 ) -> float:
     """Update every engine's weights from `checkpoint_dir` and label them `weight_version`.
@@ -45,6 +50,7 @@ async def sync_weights_to_engines(
         weight_version: the new label; each engine must report it afterwards.
         pause_mode: how in-flight requests are paused ("abort" aborts them, as SGLang's RL
             recipe does; "retract"/"in_place" keep them, finishing under the new weights).
+        paused: every engine is already paused (`pause_engines`); skip the pause.
 
     Returns:
         Seconds the sync took.
@@ -57,10 +63,11 @@ async def sync_weights_to_engines(
     started = time.perf_counter()
 
     async def sync_one(engine: InferenceEngine) -> None:
-        paused = False
+        is_paused = paused
         try:
-            await engine.pause(pause_mode)
-            paused = True
+            if not is_paused:
+                await engine.pause(pause_mode)
+                is_paused = True
             await engine.update_weights_from_disk(path, weight_version)
             info = await engine.model_info()
             if info.weight_version != weight_version:
@@ -79,7 +86,7 @@ async def sync_weights_to_engines(
                     failures.setdefault(engine.url, []).append(
                         f"could not be resumed, it may still be paused: {exc}"
                     )
-            if scope.cancelled_caught and paused:
+            if scope.cancelled_caught and is_paused:
                 failures.setdefault(engine.url, []).append(
                     f"resume timed out after {resume_timeout_s} s"
                 )
@@ -98,3 +105,44 @@ async def sync_weights_to_engines(
         "synced weights %s to %d engine(s) in %.3f s", weight_version, len(engines), duration
     )
     return duration
+
+
+async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMode = "abort", *,
+                        resume_timeout_s: float = 30.0) -> None:  # fmt: skip
+    """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`.
+
+    Requests sent after this returns wait in the engines until they are resumed.
+
+    Raises:
+        WeightSyncError: an engine could not be paused; every engine is resumed first (the
+            message names each failure).
+    """
+    failures: dict[str, str] = {}
+
+    async def pause_one(engine: InferenceEngine) -> None:
+        try:
+            await engine.pause(pause_mode)
+        except EngineError as exc:
+            failures[engine.url] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        for engine in engines:
+            nursery.start_soon(pause_one, engine)
+    if not failures:
+        return
+    with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s):
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(_resume_quietly, engine)
+    lines = [f"{url}: {reason}" for url, reason in failures.items()]
+    raise WeightSyncError(
+        f"pausing {len(failures)} of {len(engines)} engine(s) for a weight sync failed (all were "
+        "resumed):\n  " + "\n  ".join(lines)
+    )
+
+
+async def _resume_quietly(engine: InferenceEngine) -> None:
+    try:
+        await engine.resume()
+    except EngineError as exc:
+        logger.warning("could not resume %s after a failed pause: %s", engine.url, exc)

@@ -12,6 +12,7 @@ from engines import (
     WeightSyncError,
     find_free_port,
     launch_engine,
+    pause_engines,
     sync_weights_to_engines,
 )
 
@@ -76,4 +77,26 @@ async def test_sync_updates_both_engines_and_a_failure_names_the_engine_and_leav
         with trio.fail_after(30):  # it serves at once: it was resumed
             result = await engines[0].generate(prompt, params)
         assert result.weight_version == "step-3" and result.output_ids == before[0].output_ids
+
+        # pause first, load later (what the RL loop does): a request sent in between waits in
+        # the engine and runs on the new weights
+        await pause_engines(engines)
+        waiting: list = []
+
+        async def generate_while_paused() -> None:
+            waiting.append(await engines[0].generate(prompt, params))
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(generate_while_paused)
+            await trio.sleep(0.3)
+            assert not waiting  # held by the paused engine
+            await sync_weights_to_engines(engines, tiny_model_dir_seed1, "step-4", paused=True)
+        assert waiting[0].weight_version == "step-4"
+        assert waiting[0].output_ids == after[0].output_ids
+
+        # a failed pause resumes the engines that were paused and names the one that failed
+        with pytest.raises(WeightSyncError) as info:
+            await pause_engines([engines[1], dead])
+        assert dead.url in str(info.value) and engines[1].url not in str(info.value)
+        assert (await engines[1].server_info())["internal_states"][0]["paused"] is False
         nursery.cancel_scope.cancel()

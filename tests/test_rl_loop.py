@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import trio
 
-from engines import EnginePool, SGLangEngine, launch_engine
+from engines import EnginePool, SGLangEngine, WeightSyncError, launch_engine
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -21,6 +22,13 @@ from training.loggers import JsonlLogger
 from training.rl import run_rl_training
 from training.rl_batch import collate_rl
 from training.rl_config import RLLoopConfig
+
+
+class BadPathEngine(SGLangEngine):
+    """A real engine client that asks the server to load from a path that does not exist."""
+
+    async def update_weights_from_disk(self, model_path, weight_version=None, **kw):
+        return await super().update_weights_from_disk(f"{model_path}-missing", weight_version, **kw)
 
 
 async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
@@ -60,17 +68,31 @@ async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
             )  # fmt: skip
             info = await engine.model_info()
             after = await engine.score(probe, len(prompts[0].prompt_ids))
+            trained_version = backend.weight_version
+            ckpt = find_latest_checkpoint(tmp_path / "out" / "checkpoints")
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+
+            # an engine that fails to load during a step: the loop stops with the engine's
+            # message, raised as itself, and the engine is left serving its old weights
+            async with BadPathEngine(launched.url, max_retries=0) as broken:
+                with pytest.raises(WeightSyncError, match="Failed to get weights iterator"):
+                    await run_rl_training(
+                        backend, buffer, manager, [broken], RLLoopConfig(max_steps=1),
+                        algorithm=constant_schedule(grpo()), export_dir=tmp_path / "out" / "w2",
+                    )  # fmt: skip
+            assert (await engine.model_info()).weight_version == "3"
+            assert (await engine.server_info())["internal_states"][0]["paused"] is False
     logger.close()
-    assert info.weight_version == "3" and backend.weight_version == 3
+    assert info.weight_version == "3" and trained_version == 3
     assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs, strict=True)) > 1e-4
     assert len(history) == 3
     for m in history:
         assert m["time_sync_s"] > 0 and m["grad_norm"] > 0
+        assert m["staleness_max"] == 0  # each batch generated after the last push finished
         assert "logprob_diff_max_abs" in m and m["logprob_diff_max_abs"] < 1e-3
+    assert all(m["time_sync_engines_s"] > 0 for m in history[1:])
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
-    ckpt = find_latest_checkpoint(tmp_path / "out" / "checkpoints")
-    state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 3 and "data_buffer" in state["extra"]
 
 
