@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -166,8 +166,9 @@ class AsyncRolloutManager:
         assert self._nursery is not None
         if self._prefetch is None:
             batch = await self._generate_now()
-        else:
+        else:  # generated during the last step: its staleness counts from now
             batch = await self._prefetch.receive()
+            batch = replace(batch, metrics={**batch.metrics, **self._staleness(batch.samples)})
         send, self._prefetch = trio.open_memory_channel[RolloutBatch](1)
         self._nursery.start_soon(self._prefetch_one, send)
         return batch
@@ -255,16 +256,22 @@ class AsyncRolloutManager:
 
     def _to_batch(self, result: CollectResult) -> RolloutBatch:
         groups = [tuple(apply_sample_transforms(g, self.transforms)) for g in result.accepted]
-        version = self.current_version()
-        lags = [version - s.weight_version for g in groups for s in g]
         metrics = {
             **result.metrics(),
-            "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-            "staleness_max": float(max(lags, default=0)),
+            **self._staleness([s for g in groups for s in g]),
             "stale_groups_dropped": float(self._stale_dropped),
             "held_groups": float(self.data_buffer.n_held),
         }
         return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics)
+
+    def _staleness(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """How many weight versions the samples are behind the trainer now."""
+        version = self.current_version()
+        lags = [version - s.weight_version for s in samples]
+        return {
+            "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+            "staleness_max": float(max(lags, default=0)),
+        }
 
 
 def _held_record(prompt: PromptItem, samples: list[Sample]) -> dict[str, Any]:

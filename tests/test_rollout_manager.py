@@ -155,15 +155,24 @@ async def test_overlap_mode_prefetches_the_next_batch(local_engine, tiny_tokeniz
     _, engine = local_engine
     buffer = DataBuffer(make_prompts(tiny_tokenizer, 30), seed=0)
     cfg = config(batch_size=2, n_samples_per_prompt=2, mode="overlap", filter_groups="none")
-    async with AsyncRolloutManager(engine, buffer, cfg, reward_fn=lambda s: 0.0) as manager:
+    version = 0
+    manager = AsyncRolloutManager(engine, buffer, cfg, reward_fn=lambda s: 0.0,
+                                  current_version=lambda: version)  # fmt: skip
+    async with manager:
         first = await manager.generate_batch()
         with trio.fail_after(60):
             while buffer.sample_offset < 4:  # the next batch's prompts are drawn in background
                 await trio.sleep(0.01)
+            while manager._prefetch.statistics().current_buffer_used == 0:
+                await trio.sleep(0.01)  # ... and generated, with the weights of version 0
+        version = 1  # the trainer steps on `first` meanwhile
         second = await manager.generate_batch()
     assert {prompt_index(g[0]) for g in first.groups}.isdisjoint(
         {prompt_index(g[0]) for g in second.groups}
     )
+    # staleness counts from the hand-over, not from when the prefetch finished
+    assert first.metrics["staleness_max"] == 0
+    assert second.metrics["staleness_mean"] == second.metrics["staleness_max"] == 1
 
 
 async def test_multi_token_holders_share_a_limiter_without_deadlock_or_overshoot():
