@@ -8,6 +8,9 @@ cut short are handed back (prompt + finished samples) so the caller can return t
 DataBuffer's holding area. Everything else here is pure: transforms, filters, conversion to a
 `RolloutBatch`, metrics.
 
+Groups' batched `/generate` calls made at the same moment are merged into one request
+(`rollouts.coalesce`): one HTTP request per step instead of one per group.
+
 What is not covered: retrying a failed engine request (the EnginePool does that once per
 failure); a group with any failed sample is rejected as a whole and counted.
 """
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 
 import trio
 
+from rollouts.coalesce import CoalescingEngine
 from rollouts.errors import EngineError, RolloutsError
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RewardFn
@@ -224,6 +228,7 @@ class CollectResult:
     n_filtered: int = 0
     n_failed_groups: int = 0
     n_failed_samples: int = 0
+    n_interrupted: int = 0  # groups with samples aborted by someone else, held for later
     completion_tokens: int = 0
     wall_time_s: float = 0.0
 
@@ -233,6 +238,7 @@ class CollectResult:
             "groups_filtered": float(self.n_filtered),
             "groups_failed": float(self.n_failed_groups),
             "samples_failed": float(self.n_failed_samples),
+            "groups_interrupted": float(self.n_interrupted),
             "groups_returned_partial": float(len(self.partial)),
             "generate_time_s": self.wall_time_s,
             "rollout_tokens_per_s": self.completion_tokens / max(self.wall_time_s, 1e-9),
@@ -311,8 +317,9 @@ async def collect_groups(
                         scoring.start_soon(score_reported)
                     to_score.append(sample)
 
-                ctx = GenerateContext(engine, sampling_params, limiter, f"{rid_prefix}-g{gid}",
-                                      gid, tokenizer, report=report, slot_lock=slot_lock)  # fmt: skip
+                ctx = GenerateContext(ctx_engine, sampling_params, limiter,
+                                      f"{rid_prefix}-g{gid}", gid, tokenizer, report=report,
+                                      slot_lock=slot_lock)  # fmt: skip
                 running[gid] = (prompt, done, ctx)
                 for sample in await generate_fn(prompt, n_samples - offset, ctx):
                     report(sample)
@@ -327,6 +334,9 @@ async def collect_groups(
         await send.send((outcome, prompt, done))
 
     async with trio.open_nursery() as nursery:
+        # groups' batched calls made at the same moment go out as one request
+        ctx_engine = (CoalescingEngine(engine, nursery) if hasattr(engine, "generate_batch")
+                      else engine)  # fmt: skip
 
         def launch() -> None:
             prompt, done = source.next_prompt()
@@ -342,6 +352,14 @@ async def collect_groups(
                 break
             kind, prompt, samples = await recv.receive()
             group = tuple(sorted(samples, key=lambda s: s.index_in_group))
+            if kind == "done" and any(s.status == "aborted" for s in group):
+                # Cut short by someone else (a pause with "abort", an abort_all): not a real
+                # outcome. Keep the finished samples for later, as for surplus groups.
+                result.partial.append((prompt, _finished(group)))
+                result.n_interrupted += 1
+                if result.n_launched < cap:
+                    launch()
+                continue
             n_failed = sum(s.status == "failed" for s in group)
             result.n_failed_samples += n_failed
             if kind == "failed" or n_failed or len(group) < n_samples:
@@ -369,9 +387,14 @@ async def collect_groups(
         except (trio.WouldBlock, trio.EndOfChannel):
             break
         if kind == "done":
-            result.partial.append((prompt, samples))
+            result.partial.append((prompt, _finished(samples)))
     result.wall_time_s = time.perf_counter() - started
     return result
+
+
+def _finished(samples: Sequence[Sample]) -> list[Sample]:
+    """The samples worth keeping for a later try of their group: not cut short by an abort."""
+    return [s for s in samples if s.status != "aborted"]
 
 
 async def _abort_quietly(engine: GenerateEngine, rid: str) -> None:

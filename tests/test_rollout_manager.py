@@ -161,10 +161,9 @@ async def test_overlap_mode_prefetches_the_next_batch(local_engine, tiny_tokeniz
     async with manager:
         first = await manager.generate_batch()
         with trio.fail_after(60):
-            while buffer.sample_offset < 4:  # the next batch's prompts are drawn in background
-                await trio.sleep(0.01)
-            while manager._prefetch.statistics().current_buffer_used == 0:
-                await trio.sleep(0.01)  # ... and generated, with the weights of version 0
+            await manager.settle()  # the next batch is generated in background, with version 0
+        assert buffer.sample_offset == 4
+        assert manager._prefetch.statistics().current_buffer_used == 1
         version = 1  # the trainer steps on `first` meanwhile
         second = await manager.generate_batch()
     assert {prompt_index(g[0]) for g in first.groups}.isdisjoint(
@@ -251,9 +250,11 @@ class FailingForPromptZero:
 
     def __init__(self, engine, prompt_ids) -> None:
         self.engine, self.prompt_ids = engine, tuple(prompt_ids)
+        self.batch_sizes: list[int] = []
 
     async def generate_batch(self, batch_input_ids, *args, **kw):
-        if tuple(batch_input_ids[0]) == self.prompt_ids:
+        self.batch_sizes.append(len(batch_input_ids))
+        if any(tuple(ids) == self.prompt_ids for ids in batch_input_ids):
             raise EngineError("POST /generate failed: injected", status=500)
         return await self.engine.generate_batch(batch_input_ids, *args, **kw)
 
@@ -272,6 +273,24 @@ async def test_engine_error_without_fail_fast_drops_only_that_group(local_engine
     batch = await manager.generate_batch()
     assert [prompt_index(g[0]) for g in batch.groups] == [1, 2]
     assert batch.metrics["groups_failed"] == 1 and batch.metrics["samples_failed"] == 0
+    # groups 0 and 1 went out merged; that failed, so each was re-sent alone; then group 2
+    assert failing.batch_sizes == [4, 2, 2, 2]
+
+
+async def test_a_batch_of_groups_goes_out_as_one_request(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    counting = FailingForPromptZero(engine, [])  # fails nothing; records each request's size
+    cfg = config(batch_size=6, n_samples_per_prompt=3, filter_groups="none")
+    manager = AsyncRolloutManager(counting, DataBuffer(make_prompts(tiny_tokenizer, 6)), cfg,
+                                  reward_fn=lambda s: 0.0)  # fmt: skip
+    batch = await manager.generate_batch()
+    assert counting.batch_sizes == [18]
+    assert len(batch.groups) == 6 and all(len(g) == 3 for g in batch.groups)
+    assert len({s.group_id for s in batch.samples}) == 6
+    for group in batch.groups:  # each caller got its own results: its own prompt, in order
+        assert {s.prompt_ids for s in group} == {group[0].prompt_ids}
+        assert [s.index_in_group for s in group] == [0, 1, 2]
+        assert all(len(s.response_ids) == len(s.rollout_logprobs) > 0 for s in group)
 
 
 class AbortCounting:
@@ -314,3 +333,49 @@ async def test_leaving_the_manager_aborts_the_engine_only_when_a_batch_was_cut_o
             counting.block = True  # the prefetch of the next batch has not run yet
             await counting.blocked.wait()
     assert counting.abort_alls == 1
+
+
+class PausedDuringFirstRequest:
+    """A real engine paused with "abort" (as a weight sync does) while its first request runs."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, 0
+
+    async def generate_batch(self, *args, **kw):
+        self.calls += 1
+        if self.calls > 1:
+            return await self.engine.generate_batch(*args, **kw)
+        out = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _append(out, self.engine.generate_batch(*args, **kw)))
+            with trio.fail_after(30):  # once the engine runs it (up to 800 tokens: a while)
+                while not (await self.engine.server_info())["internal_states"][0][
+                    "num_running_reqs"
+                ]:
+                    await trio.sleep(0.005)
+            await self.engine.pause("abort")
+            await self.engine.resume()
+        return out[0]
+
+    async def abort(self, rid: str) -> None:
+        await self.engine.abort(rid)
+
+
+async def _append(out: list, awaitable) -> None:
+    out.append(await awaitable)
+
+
+async def test_groups_cut_short_by_a_pause_are_held_not_trained(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    buffer = DataBuffer(make_prompts(tiny_tokenizer, 8), shuffle=False)
+    cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none", max_new_tokens=800)
+    paused = PausedDuringFirstRequest(engine)
+    batch = await AsyncRolloutManager(paused, buffer, cfg, reward_fn=lambda s: 0.0).generate_batch()
+    assert paused.calls >= 2
+    assert len(batch.groups) == 2
+    assert all(s.status in ("completed", "truncated") for s in batch.samples)
+    assert batch.metrics["groups_interrupted"] == 2  # both went out in the first request
+    assert [prompt_index(g[0]) for g in batch.groups] == [2, 3]
+    assert buffer.n_held == 2  # prompts 0 and 1 come back first next time, without samples
+    held = buffer.take_held(2)
+    assert all(h.item["samples"] == [] for h in held)
