@@ -94,6 +94,8 @@ class AsyncRolloutManager:
         self._limiter = trio.CapacityLimiter(config.max_concurrency)
         self._nursery: trio.Nursery | None = None
         self._prefetch: trio.MemoryReceiveChannel | None = None
+        self._prefetched = trio.Event()  # overlap mode: the batch being prefetched is complete
+        self._prefetched.set()
         self._n_calls = 0
         self._stale_dropped = 0
         self._cut_off = False  # a batch was interrupted: its requests may still run at the engine
@@ -170,12 +172,27 @@ class AsyncRolloutManager:
             batch = await self._prefetch.receive()
             batch = replace(batch, metrics={**batch.metrics, **self._staleness(batch.samples)})
         send, self._prefetch = trio.open_memory_channel[RolloutBatch](1)
-        self._nursery.start_soon(self._prefetch_one, send)
+        self._prefetched = trio.Event()
+        self._nursery.start_soon(self._prefetch_one, send, self._prefetched)
         return batch
 
-    async def _prefetch_one(self, send: trio.MemorySendChannel) -> None:
-        async with send:
-            await send.send(await self._generate_now())
+    async def _prefetch_one(self, send: trio.MemorySendChannel, done: trio.Event) -> None:
+        try:
+            async with send:
+                await send.send(await self._generate_now())
+        finally:
+            done.set()
+
+    async def settle(self) -> None:
+        """Return once no batch is being generated that a weight update would cut short.
+
+        The RL loop calls it before pausing the engines. Overlap mode: waits for the batch
+        being prefetched (generated entirely by the weights it started with, one step behind);
+        pausing with "abort" in the middle of it would return its samples cut short. Sync mode
+        has nothing in flight; async mode keeps generating (its staleness bound applies).
+        """
+        if self.config.mode == "overlap":
+            await self._prefetched.wait()
 
     async def _produce(self, send: trio.MemorySendChannel) -> None:
         async with send:
@@ -288,6 +305,7 @@ def _accumulate(total: CollectResult, part: CollectResult) -> None:
     total.n_filtered += part.n_filtered
     total.n_failed_groups += part.n_failed_groups
     total.n_failed_samples += part.n_failed_samples
+    total.n_interrupted += part.n_interrupted
     total.completion_tokens += part.completion_tokens
     total.wall_time_s += part.wall_time_s
 

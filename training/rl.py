@@ -196,7 +196,8 @@ async def run_rl_training(
     Args:
         backend: the policy being trained; its checkpoint_dir is where resume looks.
         data_buffer: the prompts (the rollout manager draws from it); checkpointed with held groups.
-        rollout_manager: has `async generate_batch() -> RolloutBatch`.
+        rollout_manager: has `async generate_batch() -> RolloutBatch`; its `async settle()`, if
+            it has one, is awaited before each weight push (see `AsyncRolloutManager.settle`).
         engines: every engine that serves the policy; all receive each weight update.
         algorithm: the algorithm at each step (a schedule allows switching mid-run).
         export_dir: where exported weights go for the engines to load (same filesystem).
@@ -230,6 +231,7 @@ async def run_rl_training(
     history: list[dict[str, Any]] = []
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
+        settle = getattr(rollout_manager, "settle", None)
         for step in range(start + 1, config.max_steps + 1):
             t0 = time.perf_counter()
             batch = await rollout_manager.generate_batch()
@@ -252,9 +254,13 @@ async def run_rl_training(
                 if pending is not None:  # one push at a time (the last one is long done, as a rule)
                     await pending.done.wait()
                     metrics["time_sync_engines_s"] = pending.engines_s
+                if settle is not None:  # overlap mode: the batch being generated ends first
+                    await settle()
+                    metrics["time_wait_generation_s"] = time.perf_counter() - t_trained
+                t_push = time.perf_counter()
                 pending = await start_push(backend, engines, export_root, pushes,
                                            pause_mode=pause_mode)  # fmt: skip
-                sync_s = time.perf_counter() - t_trained
+                sync_s = time.perf_counter() - t_push
             metrics |= {
                 "algorithm": algo.name,
                 "weight_version": backend.weight_version,
