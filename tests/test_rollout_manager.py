@@ -375,7 +375,7 @@ async def test_groups_cut_short_by_a_pause_are_held_not_trained(local_engine, ti
     assert len(batch.groups) == 2
     assert all(s.status in ("completed", "truncated") for s in batch.samples)
     assert batch.metrics["groups_interrupted"] == 2  # both went out in the first request
-    assert [prompt_index(g[0]) for g in batch.groups] == [2, 3]
+    assert sorted(prompt_index(g[0]) for g in batch.groups) == [2, 3]
     assert buffer.n_held == 2  # prompts 0 and 1 come back first next time, without samples
     held = buffer.take_held(2)
     assert all(h.item["samples"] == [] for h in held)
