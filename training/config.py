@@ -99,6 +99,11 @@ class OptimConfig(Strict):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float | None = Field(1.0, gt=0)
+    fused: bool = Field(
+        False,
+        description="torch's fused AdamW (CPU/CUDA): ~3x faster step, same update up to rounding;"
+        " rounding differences can move where a long SFT run lands",
+    )
 
 
 class BackendConfig(Strict):
