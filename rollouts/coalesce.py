@@ -52,7 +52,6 @@ class CoalescingEngine:
         self.engine = engine
         self._nursery = nursery
         self._open: dict[str, tuple[Mapping[str, Any], list[_Call]]] = {}
-        self.n_requests = 0  # requests sent to `engine` (for tests and metrics)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -65,7 +64,6 @@ class CoalescingEngine:
     ) -> list[Any]:
         key = _key(sampling_params, kwargs)
         if key is None:
-            self.n_requests += 1
             return await self.engine.generate_batch(batch_input_ids, sampling_params, **kwargs)
         call = _Call(list(batch_input_ids), kwargs)
         if key not in self._open:
@@ -121,7 +119,6 @@ class CoalescingEngine:
                 nursery.start_soon(self._send, c, params)
 
     async def _send(self, call: _Call, params: Mapping[str, Any]) -> None:
-        self.n_requests += 1
         try:
             call.results = await self.engine.generate_batch(call.input_ids, params, **call.kwargs)
         except EngineError as exc:

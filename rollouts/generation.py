@@ -8,9 +8,6 @@ cut short are handed back (prompt + finished samples) so the caller can return t
 DataBuffer's holding area. Everything else here is pure: transforms, filters, conversion to a
 `RolloutBatch`, metrics.
 
-Groups' batched `/generate` calls made at the same moment are merged into one request
-(`rollouts.coalesce`): one HTTP request per step instead of one per group.
-
 What is not covered: retrying a failed engine request (the EnginePool does that once per
 failure); a group with any failed sample is rejected as a whole and counted.
 """
@@ -334,9 +331,8 @@ async def collect_groups(
         await send.send((outcome, prompt, done))
 
     async with trio.open_nursery() as nursery:
-        # groups' batched calls made at the same moment go out as one request
-        ctx_engine = (CoalescingEngine(engine, nursery) if hasattr(engine, "generate_batch")
-                      else engine)  # fmt: skip
+        ctx_engine = (CoalescingEngine(engine, nursery)  # concurrent groups: one request
+                      if hasattr(engine, "generate_batch") else engine)  # fmt: skip
 
         def launch() -> None:
             prompt, done = source.next_prompt()

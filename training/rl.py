@@ -65,10 +65,8 @@ async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], 
         Seconds for export + sync.
     """
     t0 = time.perf_counter()
-    version = backend.weight_version
-    path = await backend.export_weights(export_root / f"v{version:06d}")
-    await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode)
-    _prune_exports(export_root, keep)
+    async with open_nursery() as nursery:  # `start_push`, waiting for its background part
+        await start_push(backend, engines, export_root, nursery, pause_mode=pause_mode, keep=keep)
     return time.perf_counter() - t0
 
 
