@@ -144,9 +144,13 @@ def overlong_penalty(
 ) -> Callable[[Sample], float]:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty_factor`.
 
-    With L = len(response_ids): 0 while L <= max_response_len - cache_len, then linear down to
-    -penalty_factor at L = max_response_len, and -penalty_factor beyond. Add it to the task
-    reward (see `add_overlong_shaping`). cache_len = 0 gives a hard step at the limit.
+    L is the number of tokens the model sampled (`num_trained_tokens`; tool and environment
+    tokens of a multi-turn episode are not counted) and `max_response_len` is the generation
+    budget of the whole episode: `max_new_tokens` for one turn, the episode's
+    `max_response_tokens` for multi-turn. The penalty is 0 while L <= max_response_len -
+    cache_len, then linear down to -penalty_factor at L = max_response_len, and
+    -penalty_factor beyond. Add it to the task reward (see `add_overlong_shaping`).
+    cache_len = 0 gives a hard step at the limit.
 
     Raises:
         ConfigError: cache_len is outside [0, max_response_len].
@@ -158,7 +162,7 @@ def overlong_penalty(
     soft_start = max_response_len - cache_len
 
     def overlong(sample: Sample) -> float:
-        n = len(sample.response_ids)
+        n = sample.num_trained_tokens
         if n <= soft_start:
             return 0.0
         if n > max_response_len:

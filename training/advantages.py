@@ -6,6 +6,11 @@ Every estimator maps `rewards_GN` (float tensor, G prompts × N samples each, gr
 never look at tokens: the advantage of a sequence is broadcast over its tokens by the loss.
 Unequal group sizes are not supported (pad or drop at batch construction).
 
+A group whose rewards are all equal carries no signal and gets advantage exactly 0 from every
+estimator with a group baseline (float rounding of its mean would otherwise leave ~1e-7,
+which division by a ~0 std turns into advantages of 0.1 or more); the batch-baseline
+estimators give exactly 0 when the whole batch scored the same.
+
 `AdvantageFn` is the extension point: any `(rewards_GN) -> advantages_GN` function.
 """
 
@@ -35,6 +40,19 @@ def _check(rewards_GN: torch.Tensor, estimator: str, *, min_n: int = 1) -> torch
     return rewards_GN.float() if not rewards_GN.is_floating_point() else rewards_GN
 
 
+def _zero_equal_groups(advantages_GN: torch.Tensor, rewards_GN: torch.Tensor) -> torch.Tensor:
+    """0 (exactly) for every group whose rewards are all equal; the rest unchanged."""
+    equal_G = rewards_GN.amax(dim=1) == rewards_GN.amin(dim=1)
+    return torch.where(equal_G[:, None], 0.0, advantages_GN)
+
+
+def _zero_if_all_equal(advantages_GN: torch.Tensor, rewards_GN: torch.Tensor) -> torch.Tensor:
+    """0 (exactly) everywhere when the whole batch scored the same."""
+    if rewards_GN.numel() and rewards_GN.amax() == rewards_GN.amin():
+        return torch.zeros_like(advantages_GN)
+    return advantages_GN
+
+
 def grpo_advantages(
     rewards_GN: torch.Tensor, *, scale_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -57,9 +75,9 @@ def grpo_advantages(
     """
     rewards_GN = _check(rewards_GN, "grpo", min_n=2 if scale_by_std else 1)
     centred_GN = rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
-    if not scale_by_std:
-        return centred_GN
-    return centred_GN / (rewards_GN.std(dim=1, keepdim=True) + eps)
+    if scale_by_std:
+        centred_GN = centred_GN / (rewards_GN.std(dim=1, keepdim=True) + eps)
+    return _zero_equal_groups(centred_GN, rewards_GN)
 
 
 def dr_grpo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
@@ -70,7 +88,7 @@ def dr_grpo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
     `training.rl_losses.aggregate_loss`.
     """
     rewards_GN = _check(rewards_GN, "dr_grpo")
-    return rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
+    return _zero_equal_groups(rewards_GN - rewards_GN.mean(dim=1, keepdim=True), rewards_GN)
 
 
 def rloo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
@@ -83,7 +101,8 @@ def rloo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
     """
     rewards_GN = _check(rewards_GN, "rloo", min_n=2)
     n = rewards_GN.shape[1]
-    return (rewards_GN - rewards_GN.mean(dim=1, keepdim=True)) * (n / (n - 1))
+    advantages_GN = (rewards_GN - rewards_GN.mean(dim=1, keepdim=True)) * (n / (n - 1))
+    return _zero_equal_groups(advantages_GN, rewards_GN)
 
 
 def reinforce_pp_advantages(
@@ -107,7 +126,10 @@ def reinforce_pp_advantages(
     if rewards_GN.numel() < 2:
         raise ConfigError("reinforce_pp needs at least 2 samples per batch to normalise")
     adv_GN = rewards_GN - rewards_GN.mean(dim=1, keepdim=True) if group_baseline else rewards_GN
-    return (adv_GN - adv_GN.mean()) / (adv_GN.std() + eps)
+    whitened_GN = (adv_GN - adv_GN.mean()) / (adv_GN.std() + eps)
+    if group_baseline:  # centred groups: the batch mean is 0 up to rounding
+        return _zero_equal_groups(whitened_GN, rewards_GN)
+    return _zero_if_all_equal(whitened_GN, rewards_GN)
 
 
 def reinforce_baseline_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
@@ -117,4 +139,4 @@ def reinforce_baseline_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
     it as the simplest reference point, GRPO/RLOO in practice.
     """
     rewards_GN = _check(rewards_GN, "reinforce_baseline")
-    return rewards_GN - rewards_GN.mean()
+    return _zero_if_all_equal(rewards_GN - rewards_GN.mean(), rewards_GN)

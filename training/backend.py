@@ -39,6 +39,7 @@ from training.packing import (
     pack_balanced,
     prepare_sft_batch,
     sft_loss,
+    temper_logits,
     token_logprobs,
 )
 from training.prefix_sharing import split_rows_by_budget
@@ -257,17 +258,25 @@ class PyTorchTrainingBackend:
                 loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
         return {"loss": loss_sum, "n_samples": len(samples)}
 
-    def compute_logprobs(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:
-        """Queue per-sample logprobs of every trained target token, in sample order."""
-        samples = list(samples)
-        return self._submit(lambda: self._compute_logprobs(samples))
+    def compute_logprobs(
+        self, samples: Sequence[Any], *, temperature: float = 1.0
+    ) -> TrainFuture[list[torch.Tensor]]:
+        """Queue per-sample logprobs of every trained target token, in sample order.
 
-    def _compute_logprobs(self, samples: list[Any]) -> list[torch.Tensor]:
+        `temperature` scales the logits first (`temper_logits`): pass the sampling temperature
+        so that these logprobs (reference, old policy) are comparable with the policy's in the
+        RL loss and with the engine's.
+        """
+        samples = list(samples)
+        return self._submit(lambda: self._compute_logprobs(samples, temperature))
+
+    def _compute_logprobs(self, samples: list[Any], temperature: float) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         with torch.no_grad(), eval_mode(self.model):
             for mb in self.split_microbatches(samples):
                 batch = self._collate(mb).to(self.device)
-                lp = token_logprobs(forward_logits(self.model, batch), batch.target_ids)
+                logits = temper_logits(forward_logits(self.model, batch), temperature)
+                lp = token_logprobs(logits, batch.target_ids)
                 trained = batch.target_ids != -100
                 for i in range(len(mb)):
                     sel = (batch.segment_ids == i) & trained

@@ -293,6 +293,16 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
     return out.logits.flatten(0, 1)[batch.source_index]
 
 
+def temper_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits of the distribution an engine samples from at `temperature` (logits / T).
+
+    Engine logprobs are those of the tempered distribution, so every trainer-side logprob that
+    is compared with them or with each other (policy, old, reference) is tempered the same
+    way. T = 0 (greedy) and T = 1 leave the logits as they are.
+    """
+    return logits if temperature in (0.0, 1.0) else logits / temperature
+
+
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """Log-probability of each target token, 0 where the target is -100.
 

@@ -131,12 +131,13 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
     metrics: dict[str, float] = {}
     if algorithm.kl_as_reward and algorithm.kl_coef > 0:
         batch, metrics = await _penalise_kl_in_rewards(backend, reference, batch, algorithm, kl_fn,
-                                                       share_prompts)  # fmt: skip
+                                                       share_prompts, temperature)  # fmt: skip
     examples = build_examples(batch, algorithm, advantage_fn, share_prompts=share_prompts)
     if not examples:
         return {**metrics, "skipped_empty_batch": 1.0}
     if algorithm.needs_ref_in_loss:
-        examples = with_ref_logprobs(examples, await reference.compute_logprobs(examples).result())
+        ref_fut = reference.compute_logprobs(examples, temperature=temperature)
+        examples = with_ref_logprobs(examples, await ref_fut.result())
     loss_fn = rl_loss_fn(algorithm, temperature=temperature, old_from_rollout=old_from_rollout,
                          policy_loss_fn=policy_loss_fn, kl_fn=kl_fn)  # fmt: skip
     fb = backend.forward_backward(examples, loss_fn=loss_fn,
@@ -146,11 +147,16 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
 
 
 async def _penalise_kl_in_rewards(backend, reference, batch: RolloutBatch, algorithm, kl_fn,
-                                  share_prompts: bool) -> tuple[RolloutBatch, dict[str, float]]:  # fmt: skip
-    """The batch with KL(policy ‖ reference) of its sampled tokens subtracted from rewards."""
+                                  share_prompts: bool, temperature: float
+                                  ) -> tuple[RolloutBatch, dict[str, float]]:  # fmt: skip
+    """The batch with KL(policy ‖ reference) of its sampled tokens subtracted from rewards.
+
+    Both logprobs are of the tempered distribution the engine sampled from, as in the loss.
+    """
     trained = [s for s in batch.samples if s.num_trained_tokens]
     examples = [sample_to_example(s, 0.0, share_prompt=share_prompts) for s in trained]
-    policy_fut, ref_fut = backend.compute_logprobs(examples), reference.compute_logprobs(examples)
+    policy_fut = backend.compute_logprobs(examples, temperature=temperature)
+    ref_fut = reference.compute_logprobs(examples, temperature=temperature)
     policy_lp, ref_lp = iter(await policy_fut.result()), iter(await ref_fut.result())
     logprobs_S: list[torch.Tensor] = []
     ref_logprobs_S: list[torch.Tensor] = []

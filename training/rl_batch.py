@@ -30,7 +30,7 @@ from training.algorithms import (
     compute_policy_loss,
 )
 from training.kl import KLFn, logprob_mismatch_metrics
-from training.packing import IGNORE_INDEX, SFTBatch, token_logprobs
+from training.packing import IGNORE_INDEX, SFTBatch, temper_logits, token_logprobs
 from training.prefix_sharing import prepare_prefix_shared_batch
 
 
@@ -295,9 +295,7 @@ def rl_loss_fn(
     """
 
     def loss(logits: torch.Tensor, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        if temperature not in (0.0, 1.0):
-            logits = logits / temperature
-        logprobs_BT = token_logprobs(logits, batch.target_ids)
+        logprobs_BT = token_logprobs(temper_logits(logits, temperature), batch.target_ids)
         mask_BT = (batch.target_ids != IGNORE_INDEX).float()
         if old_from_rollout and batch.rollout_logprobs_BT is not None:
             # the engine's logprobs are the behaviour policy; mismatch is measured against the

@@ -56,7 +56,21 @@ def resolve_callable(spec: str) -> Callable[..., Any]:
         raise ConfigError(f"cannot resolve {spec!r}: {err}") from err
 
 
-def make_algorithm(preset: str, overrides: dict[str, Any], max_new_tokens: int
+def generation_budget(config: RLRunConfig) -> int:
+    """The most tokens the model may sample in one episode.
+
+    One turn: `rollout.sampling.max_new_tokens`. Multi-turn (tools): the episode's
+    `env.max_response_tokens` (all turns together), or max_turns × max_new_tokens without one.
+    Length-aware algorithms measure against this (DAPO's overlong shaping, Dr.GRPO's constant
+    normaliser), never against the per-turn limit.
+    """
+    per_turn = config.rollout.sampling.max_new_tokens
+    if config.env.kind == "single_turn":
+        return per_turn
+    return config.env.max_response_tokens or config.env.max_turns * per_turn
+
+
+def make_algorithm(preset: str, overrides: dict[str, Any], budget: int
                    ) -> algorithms.AlgorithmConfig:  # fmt: skip
     """A preset by name with overrides; length-aware presets get the generation budget."""
     factory = getattr(algorithms, preset, None)
@@ -64,21 +78,23 @@ def make_algorithm(preset: str, overrides: dict[str, Any], max_new_tokens: int
         raise ConfigError(f"unknown algorithm preset {preset!r}")
     kwargs = dict(overrides)
     if preset == "dapo":
-        kwargs.setdefault("max_response_len", max_new_tokens)
-    if preset == "dr_grpo":
-        kwargs.setdefault("max_tokens_norm", max_new_tokens)
+        kwargs.setdefault("max_response_len", budget)
+    if preset == "dr_grpo" or kwargs.get("aggregation") == "seq-mean-token-sum-norm":
+        kwargs.setdefault("max_tokens_norm", budget)
     return factory(**kwargs)
 
 
-def algorithm_schedule(section: AlgorithmSection, max_new_tokens: int
-                       ) -> algorithms.AlgorithmSchedule:  # fmt: skip
-    """The configured preset (with overrides), switching to `then` at `switch_at_step`."""
-    first = make_algorithm(section.preset, section.overrides, max_new_tokens)
+def algorithm_schedule(section: AlgorithmSection, budget: int) -> algorithms.AlgorithmSchedule:
+    """The configured preset (with overrides), switching to `then` at `switch_at_step`.
+
+    `budget` is the episode's generation budget (`generation_budget`).
+    """
+    first = make_algorithm(section.preset, section.overrides, budget)
     if section.then is None:
         return algorithms.constant_schedule(first)
     if section.switch_at_step is None:
         raise ConfigError("algorithm.then needs algorithm.switch_at_step")
-    then = make_algorithm(section.then, {}, max_new_tokens)
+    then = make_algorithm(section.then, {}, budget)
     return algorithms.switch_at(section.switch_at_step, first, then)
 
 
@@ -251,7 +267,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     log.info("resolved config:\n%s", config_to_yaml(config))
     episodes = build_episode_setup(config.env, config.reward, resolve=resolve_callable)
     reward_fn = extensions.reward_fn or episodes.reward_fn
-    schedule = algorithm_schedule(config.algorithm, config.rollout.sampling.max_new_tokens)
+    schedule = algorithm_schedule(config.algorithm, generation_budget(config))
     model_path = await resolve_start_model(config)
 
     tokenizer = load_tokenizer(model_path)
