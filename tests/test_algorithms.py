@@ -43,7 +43,10 @@ def test_dapo_preset_is_the_real_dapo():
 
 def test_presets_pick_their_estimator_loss_and_aggregation():
     assert (grpo().advantage, grpo().aggregation) == ("grpo", "seq-mean-token-mean")
-    assert (dr_grpo().advantage, dr_grpo().aggregation) == ("dr_grpo", "seq-mean-token-sum-norm")
+    assert (dr_grpo(max_tokens_norm=8).advantage, dr_grpo(max_tokens_norm=8).aggregation) == (
+        "dr_grpo",
+        "seq-mean-token-sum-norm",
+    )
     assert (gspo().loss, gspo().clip_low, gspo().clip_high) == ("gspo", 3e-4, 4e-4)
     assert (cispo().loss, cispo().clip_low) == ("cispo", 1.0)
     assert rloo().advantage == "rloo"
@@ -91,7 +94,7 @@ REWARDS_GN = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 2.0, 1.0, 1.0]])
     [
         (grpo(), adv.grpo_advantages(REWARDS_GN)),
         (grpo(scale_by_std=False), adv.dr_grpo_advantages(REWARDS_GN)),
-        (dr_grpo(), adv.dr_grpo_advantages(REWARDS_GN)),
+        (dr_grpo(max_tokens_norm=8), adv.dr_grpo_advantages(REWARDS_GN)),
         (rloo(), adv.rloo_advantages(REWARDS_GN)),
         (reinforce_pp(), adv.reinforce_pp_advantages(REWARDS_GN, group_baseline=True)),
         (
@@ -184,7 +187,7 @@ def test_kl_as_reward_penalises_rewards_and_adds_no_loss_term():
     "config",
     [
         grpo(),
-        dr_grpo(),
+        dr_grpo(max_tokens_norm=1),  # one-token responses: the generation budget is 1
         dapo(max_response_len=8),
         gspo(),
         cispo(),

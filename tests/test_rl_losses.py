@@ -43,12 +43,16 @@ def test_seq_mean_token_mean_averages_within_then_across_sequences():
 
 
 def test_seq_mean_token_sum_norm_uses_a_constant_normaliser():
-    # ((1 + 2) / 4 + 4 / 4) / 2; without max_tokens the padded length T = 3 is used.
+    # ((1 + 2) / 4 + 4 / 4) / 2; the padded length is never a fallback (issue 13, defect 4).
     value = aggregate_loss(LOSS_BT, MASK_BT, "seq-mean-token-sum-norm", max_tokens=4)
     assert value.item() == pytest.approx(0.875)
-    assert aggregate_loss(LOSS_BT, MASK_BT, "seq-mean-token-sum-norm").item() == pytest.approx(
-        7 / 6
-    )
+    with pytest.raises(ConfigError, match="max_tokens"):
+        aggregate_loss(LOSS_BT, MASK_BT, "seq-mean-token-sum-norm")
+
+
+def test_seq_mean_token_sum_sums_within_then_averages_across_sequences():
+    # ((1 + 2) + 4) / 2
+    assert aggregate_loss(LOSS_BT, MASK_BT, "seq-mean-token-sum").item() == pytest.approx(3.5)
 
 
 def test_aggregation_ignores_garbage_and_rejects_unknown_modes():

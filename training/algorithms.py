@@ -37,6 +37,7 @@ from training.kl import (
     truncated_is_weights,
 )
 from training.rl_losses import (
+    DEFAULT_IS_CAP,
     Aggregation,
     LossOutput,
     cispo_loss,
@@ -81,7 +82,7 @@ class AlgorithmConfig(Strict):
     clip_high: float = Field(0.2, ge=0, description="ratio upper bound is 1 + clip_high")
     aggregation: Aggregation = "seq-mean-token-mean"
     max_tokens_norm: int | None = Field(
-        None, ge=1, description="constant for seq-mean-token-sum-norm (None: padded length)"
+        None, ge=1, description="seq-mean-token-sum-norm's constant: the generation budget"
     )
     kl_kind: KLKind = "k3"
     kl_coef: float = Field(0.0, ge=0, description="0 disables KL (no reference model needed)")
@@ -90,8 +91,21 @@ class AlgorithmConfig(Strict):
     filter_zero_std: bool = Field(False, description="dynamic sampling: drop zero-std groups")
     overlong: OverlongShaping | None = None
     is_cap: float | None = Field(
-        None, gt=0, description="truncated IS cap for engine/trainer mismatch (None: off)"
+        None,
+        gt=0,
+        description="truncated IS cap for engine/trainer mismatch (None: off); for loss=pg also "
+        "the cap of the weight to the behaviour policy (None: 2.0)",
     )
+
+    @model_validator(mode="after")
+    def _sum_norm_has_its_constant(self) -> AlgorithmConfig:
+        if self.aggregation == "seq-mean-token-sum-norm" and self.max_tokens_norm is None:
+            raise ValueError(
+                "aggregation seq-mean-token-sum-norm needs max_tokens_norm, the generation "
+                "budget (max_new_tokens, or the episode budget for multi-turn); a width taken "
+                "from the batch would make the gradient depend on how rows were cut"
+            )
+        return self
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -128,7 +142,7 @@ def grpo(**overrides: Any) -> AlgorithmConfig:
 def dr_grpo(**overrides: Any) -> AlgorithmConfig:
     """Dr.GRPO: mean-centred advantages (no std) and a constant-normalised token sum.
 
-    Set max_tokens_norm to the generation budget, as the paper does.
+    Pass max_tokens_norm=<the generation budget>, as the paper does (required).
     """
     defaults = {"name": "dr_grpo", "advantage": "dr_grpo", "aggregation": "seq-mean-token-sum-norm"}
     return _preset(defaults, overrides)
@@ -357,7 +371,10 @@ def compute_policy_loss(
     clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
     match config.loss:
         case "pg":
-            loss, loss_metrics = policy_gradient_loss(logprobs_BT, advantages_B, mask_BT, **common)
+            loss, loss_metrics = policy_gradient_loss(
+                logprobs_BT, advantages_B, mask_BT, old_logprobs_BT=old_logprobs_BT,
+                is_cap=config.is_cap or DEFAULT_IS_CAP, **common,
+            )  # fmt: skip
         case "ppo_clip":
             loss, loss_metrics = ppo_clip_loss(
                 logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, **clip, **common

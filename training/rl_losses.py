@@ -29,7 +29,11 @@ import torch.nn.functional as F
 from rollouts.errors import ConfigError
 from training.kl import KLFn, KLKind, bool_mask, kl_estimate, kl_estimator, masked_mean
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+DEFAULT_IS_CAP = 2.0  # truncated importance weights' cap when none is configured (as verl's TIS)
+
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 LossOutput = tuple[torch.Tensor, dict[str, float]]
 
 
@@ -47,19 +51,24 @@ def aggregate_loss(
             same (DAPO's token-level loss; long answers are not down-weighted).
         "seq-mean-token-mean": mean over tokens within each sequence, then over sequences
             (the original GRPO objective; each sequence weighs the same).
+        "seq-mean-token-sum": Σ over each sequence's tokens, then mean over sequences (the
+            unbiased REINFORCE/RLOO estimator of the sequence-level objective; its scale grows
+            with the response length).
         "seq-mean-token-sum-norm": Σ over each sequence's tokens / `max_tokens`, then mean
             over sequences (Dr.GRPO: a constant normaliser, so no length bias).
-    Sequence means run over all B rows; a row with no trained tokens contributes 0.
+    Sequence means run over all B rows; a row with no trained tokens contributes 0. None of
+    the modes depends on how a batch is cut into micro-batches when each micro-batch's loss
+    is weighted by its share of tokens (token-mean) or of sequences (the others).
 
     Args:
         loss_BT: per-token loss.
         mask_BT: trained-token mask.
-        mode: one of the three modes above.
-        max_tokens: the constant for "seq-mean-token-sum-norm"; use the generation budget
-            (max response length). None falls back to T, which varies with padding.
+        mode: one of the modes above.
+        max_tokens: the constant for "seq-mean-token-sum-norm": the generation budget (the
+            most tokens an episode may sample). Required for that mode.
 
     Raises:
-        ConfigError: unknown mode.
+        ConfigError: unknown mode, or "seq-mean-token-sum-norm" without `max_tokens`.
     """
     m = bool_mask(mask_BT)
     loss_BT = torch.where(m, loss_BT, 0)
@@ -67,12 +76,17 @@ def aggregate_loss(
         return loss_BT.sum() / m.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
         return (loss_BT.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)).mean()
+    if mode == "seq-mean-token-sum":
+        return loss_BT.sum(dim=-1).mean()
     if mode == "seq-mean-token-sum-norm":
-        norm = max_tokens if max_tokens is not None else loss_BT.shape[-1]
-        return (loss_BT.sum(dim=-1) / norm).mean()
+        if max_tokens is None:  # the padded width would make it depend on micro-batching
+            raise ConfigError(
+                "seq-mean-token-sum-norm needs max_tokens (max_tokens_norm): the generation budget"
+            )
+        return (loss_BT.sum(dim=-1) / max_tokens).mean()
     raise ConfigError(
-        f"unknown loss aggregation {mode!r}; use token-mean, seq-mean-token-mean or "
-        "seq-mean-token-sum-norm"
+        f"unknown loss aggregation {mode!r}; use token-mean, seq-mean-token-mean, "
+        "seq-mean-token-sum or seq-mean-token-sum-norm"
     )
 
 
@@ -94,18 +108,45 @@ def policy_gradient_loss(
     advantages_B: torch.Tensor,
     mask_BT: torch.Tensor,
     *,
+    old_logprobs_BT: torch.Tensor | None = None,
+    is_cap: float = DEFAULT_IS_CAP,
     agg: Aggregation = "token-mean",
     max_tokens: int | None = None,
     is_weights_BT: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Vanilla policy gradient (REINFORCE): −A · log π_θ per token, aggregated.
+    """REINFORCE: −sg(w) · A · log π_θ per token, aggregated.
 
-    Exactly on-policy only; for several updates per batch use `ppo_clip_loss`.
+    w = min(π_θ / π_old, is_cap), the truncated importance weight of the current policy to the
+    behaviour policy that sampled the tokens (`old_logprobs_BT`: the engine's logprobs in the
+    off-policy modes, the trainer's before the first update with several updates per batch).
+    On-policy the weight is exactly 1 and this is vanilla policy gradient; without the weight,
+    stale samples would get the on-policy gradient. None for `old_logprobs_BT` means on-policy.
+
+    Metrics: pg_is_weight_mean, pg_is_capped_fraction (with old logprobs), kl_to_old,
+    entropy_estimate.
     """
     m = bool_mask(mask_BT)
-    loss_BT = _weighted(-advantages_B.detach()[:, None] * logprobs_BT, is_weights_BT)
-    loss = aggregate_loss(loss_BT, m, agg, max_tokens=max_tokens)
-    return loss, {"policy_loss": loss.item(), "entropy_estimate": _entropy_estimate(logprobs_BT, m)}
+    metrics: dict[str, float] = {}
+    loss_BT = -advantages_B.detach()[:, None] * logprobs_BT
+    if old_logprobs_BT is not None:
+        ratio_BT = torch.exp(_log_ratio(logprobs_BT, old_logprobs_BT, m)).detach()
+        weight_BT = ratio_BT.clamp(max=is_cap)
+        loss_BT = loss_BT * weight_BT
+        metrics |= {
+            "pg_is_weight_mean": masked_mean(weight_BT, m).item(),
+            "pg_is_capped_fraction": masked_mean((ratio_BT > is_cap).float(), m).item(),
+            "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
+        }
+    loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
+    return loss, {"policy_loss": loss.item(), **metrics,
+                  "entropy_estimate": _entropy_estimate(logprobs_BT, m)}  # fmt: skip
+
+
+def _kl_to_old(old_logprobs_BT: torch.Tensor, logprobs_BT: torch.Tensor, m: torch.Tensor) -> float:
+    """k3 estimate of KL(π_old ‖ π_θ) over trained tokens: how far the update has moved."""
+    return masked_mean(
+        kl_estimate(old_logprobs_BT, logprobs_BT.detach(), "k3", mask_BT=m), m
+    ).item()
 
 
 def _clipped_surrogate(ratio_BT, advantages_B, clip_low: float, clip_high: float):

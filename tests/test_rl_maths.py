@@ -1,0 +1,206 @@
+"""Properties the RL maths must hold in every setting a config allows (issue 13's defects).
+
+Each test pins a property, not an implementation: a KL to an identical reference is 0, a group
+of equal rewards carries no signal, a gradient does not depend on how rows were cut, ...
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollouts.errors import ConfigError
+from rollouts.rewards import TOTAL, overlong_penalty
+from rollouts.types import RolloutBatch, Sample
+from training.algorithms import (
+    AlgorithmConfig,
+    compute_advantages,
+    compute_policy_loss,
+    dr_grpo,
+    grpo,
+    online_dpo,
+    reinforce,
+    shape_reward,
+)
+from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.config import OptimConfig, load_config
+from training.reference import make_reference
+from training.rl import train_on_batch
+from training.rl_batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+from training.rl_config import RLRunConfig
+from training.rl_recipe import algorithm_schedule, generation_budget
+
+
+def rl_backend(model_dir, tmp_path, *, micro_batch_tokens: int = 8192, name: str = "p"):
+    model, tok = load_model_and_tokenizer(model_dir)
+    return PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=1e-3, schedule="constant", weight_decay=0.0),
+        max_steps=4, checkpoint_dir=tmp_path / name, pack_length=None,
+        micro_batch_tokens=micro_batch_tokens,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+
+
+def scored(g: int, i: int, reward: float, n_response: int = 4) -> Sample:
+    response = tuple(7 + (i + k + g) % 11 for k in range(n_response))
+    return Sample((5, 6, 8 + g), response, (1,) * n_response, group_id=g,
+                  index_in_group=i).with_reward(reward)  # fmt: skip
+
+
+def batch_of(rewards_GN: list[list[float]], n_response=lambda g, i: 4) -> RolloutBatch:
+    groups = tuple(
+        tuple(scored(g, i, r, n_response(g, i)) for i, r in enumerate(row))
+        for g, row in enumerate(rewards_GN)
+    )
+    return RolloutBatch(groups, 1, 0)
+
+
+async def grads_of(backend: PyTorchTrainingBackend) -> dict[str, torch.Tensor]:
+    def read():
+        return {
+            n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None
+        }
+
+    return await backend.call(read).result()
+
+
+# ----- 1. the reference is tempered exactly as the policy ---------------------------------------
+
+
+@pytest.mark.parametrize("kl_as_reward", [False, True])
+async def test_kl_to_an_identical_reference_is_zero_at_any_temperature(
+    tiny_model_dir, tmp_path, kl_as_reward
+):
+    batch = batch_of([[1.0] * 4, [0.5] * 4])  # equal rewards: every advantage is 0
+    algo = grpo(kl_coef=0.1, kl_kind="k3", kl_as_reward=kl_as_reward)
+    with rl_backend(tiny_model_dir, tmp_path) as policy, make_reference(policy) as reference:
+        metrics = await train_on_batch(policy, batch, algo, temperature=0.7,
+                                       old_from_rollout=False, reference=reference)  # fmt: skip
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(0.0, abs=1e-6)
+
+
+async def test_online_dpo_margin_is_zero_against_an_identical_reference(tiny_model_dir, tmp_path):
+    batch = batch_of([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]])
+    with rl_backend(tiny_model_dir, tmp_path) as policy, make_reference(policy) as reference:
+        metrics = await train_on_batch(policy, batch, online_dpo(), temperature=0.7,
+                                       old_from_rollout=False, reference=reference)  # fmt: skip
+    assert metrics["num_pairs"] == 2
+    assert metrics["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ----- 2. DAPO's overlong shaping counts sampled tokens against the episode budget --------------
+
+
+def tool_episode(n_sampled: int, n_tool: int) -> Sample:
+    """A multi-turn episode: a call, a tool result (not sampled), then the answer."""
+    half = n_sampled // 2
+    mask = (1,) * half + (0,) * n_tool + (1,) * (n_sampled - half)
+    return Sample((5, 6), tuple(range(10, 10 + len(mask))), mask)
+
+
+def test_overlong_penalty_counts_sampled_tokens_only():
+    penalty = overlong_penalty(max_response_len=40, cache_len=8)
+    assert penalty(tool_episode(n_sampled=30, n_tool=14)) == 0.0  # 44 tokens, 30 sampled
+    assert penalty(tool_episode(n_sampled=36, n_tool=14)) == pytest.approx(-0.5)
+    assert penalty(tool_episode(n_sampled=41, n_tool=0)) == -1.0
+
+
+def test_dapo_does_not_punish_a_correct_tool_episode_within_its_budget():
+    config = load_config(RLRunConfig, "configs/tool_tiny.yaml", ["algorithm.preset=dapo"])
+    algo = algorithm_schedule(config.algorithm, generation_budget(config))(1)
+    assert algo.overlong.max_response_len == config.env.max_response_tokens
+    episode = tool_episode(n_sampled=30, n_tool=14)  # 44 tokens; 40 is the per-turn limit
+    shaped = shape_reward(algo, lambda sample: 1.0)(episode)
+    assert shaped["overlong"] == 0.0 and shaped[TOTAL] == 1.0
+
+
+# ----- 3. a group whose rewards are all equal carries no signal ----------------------------------
+
+GROUP_BASELINE = ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]
+ALL_ESTIMATORS = [*GROUP_BASELINE, "reinforce_pp", "reinforce_baseline"]
+
+
+@pytest.mark.parametrize("estimator", ALL_ESTIMATORS)
+@pytest.mark.parametrize("value", [1.2, 0.1, -3.7, 1e6 + 0.3, 0.7 / 3])
+def test_a_batch_of_equal_rewards_has_exactly_zero_advantage(estimator, value):
+    rewards_GN = torch.full((3, 8), value)
+    advantages = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN)
+    assert torch.equal(advantages, torch.zeros_like(rewards_GN))
+
+
+@pytest.mark.parametrize("estimator", GROUP_BASELINE)
+def test_a_group_of_equal_rewards_has_exactly_zero_advantage(estimator):
+    gen = torch.Generator().manual_seed(0)
+    rewards_GN = torch.rand(64, 8, generator=gen) * 3
+    rewards_GN[::2] = rewards_GN[::2, :1]  # every other group: all its samples score the same
+    advantages = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN)
+    assert torch.equal(advantages[::2], torch.zeros_like(advantages[::2]))
+    assert (advantages[1::2].abs() > 0).any(dim=1).all()
+
+
+# ----- 4. the gradient does not depend on how rows were cut into micro-batches ------------------
+
+
+def test_sum_norm_aggregation_needs_the_generation_budget():
+    with pytest.raises(ConfigError, match="max_tokens_norm"):
+        dr_grpo()
+    with pytest.raises(ValueError, match="max_tokens_norm"):
+        AlgorithmConfig(aggregation="seq-mean-token-sum-norm")
+    assert dr_grpo(max_tokens_norm=16).max_tokens_norm == 16
+
+
+@pytest.mark.parametrize(
+    "make_algo",
+    [
+        lambda: dr_grpo(max_tokens_norm=16),
+        lambda: grpo(),
+        lambda: grpo(aggregation="token-mean"),
+        lambda: grpo(aggregation="seq-mean-token-sum"),
+    ],
+    ids=["dr_grpo", "seq-mean-token-mean", "token-mean", "seq-mean-token-sum"],
+)
+async def test_gradient_does_not_depend_on_micro_batching(tiny_model_dir, tmp_path, make_algo):
+    algo = make_algo()
+    lengths = [3, 9, 5, 12, 4, 7, 10, 6]  # unequal responses: padding differs per micro-batch
+    batch = batch_of([[1.0, 0.0, 0.3, 0.7], [0.2, 0.9, 0.0, 1.0]],
+                     n_response=lambda g, i: lengths[4 * g + i])  # fmt: skip
+    examples = build_examples(batch, algo, share_prompts=False)
+    loss_fn = rl_loss_fn(algo, temperature=1.0)
+    grads = []
+    n_microbatches = []
+    for budget in (8192, 20):  # one micro-batch, then about one row per micro-batch
+        with rl_backend(tiny_model_dir, tmp_path, micro_batch_tokens=budget) as backend:
+            m = await backend.forward_backward(
+                examples, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn(algo)
+            ).result()
+            grads.append(await grads_of(backend))
+        n_microbatches.append(m["n_microbatches"])
+    assert n_microbatches[0] == 1 and n_microbatches[1] >= 3
+    for name, g in grads[0].items():
+        err = (grads[1][name] - g).abs().max() / g.abs().max()
+        assert err < 1e-5, (name, err.item(), g.abs().max().item())
+
+
+# ----- 5. off-policy REINFORCE is importance-weighted by the behaviour policy -------------------
+
+
+def test_off_policy_reinforce_applies_the_capped_importance_weight():
+    logprobs_BT = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.8]], requires_grad=True)
+    mask_BT = torch.ones(2, 3)
+    advantages_B = torch.tensor([1.0, -0.5])
+
+    def grad(algo, behaviour_BT):
+        logprobs_BT.grad = None
+        loss, _ = compute_policy_loss(algo, logprobs_BT, behaviour_BT, advantages_B, mask_BT)
+        loss.backward()
+        return logprobs_BT.grad.clone()
+
+    on_policy = grad(reinforce(), logprobs_BT.detach())
+    stale = logprobs_BT.detach() - 2.0  # sampled by a policy 2 nats less likely: ratio e^2
+    torch.testing.assert_close(grad(reinforce(is_cap=2.0), stale), 2.0 * on_policy)
+    torch.testing.assert_close(grad(reinforce(is_cap=5.0), stale), 5.0 * on_policy)
+    fresh = logprobs_BT.detach() + 0.5  # the behaviour policy liked them more: ratio e^-0.5
+    torch.testing.assert_close(
+        grad(reinforce(is_cap=2.0), fresh), torch.exp(torch.tensor(-0.5)) * on_policy
+    )
