@@ -131,7 +131,7 @@ def test_compute_policy_loss_matches_the_loss_function_and_adds_kl():
     kl, _ = kl_loss(logprobs_BT, ref_BT, mask_BT, kind="k2", agg="token-mean")
     assert loss.item() == pytest.approx((policy + 0.1 * kl).item())
     assert metrics["loss"] == pytest.approx(loss.item())
-    assert {"clip_fraction", "approx_kl", "kl", "entropy_estimate"} <= metrics.keys()
+    assert {"clip_fraction", "kl_to_old", "kl", "entropy_estimate"} <= metrics.keys()
 
 
 def test_compute_policy_loss_applies_truncated_is_and_reports_mismatch():

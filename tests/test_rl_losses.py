@@ -145,7 +145,7 @@ def test_ppo_clip_value_gradient_and_clip_fraction():
     assert metrics["clip_fraction_low"] == pytest.approx(0.25)
     assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.7) / 4)
     r = torch.tensor([1.5, 0.5, 1.1, 0.7])
-    assert metrics["approx_kl"] == pytest.approx((r - 1 - r.log()).mean().item(), rel=1e-5)
+    assert metrics["kl_to_old"] == pytest.approx((r - 1 - r.log()).mean().item(), rel=1e-5)
     loss.backward()
     # d/dlogp of -A·r / 4 = -A·r / 4 where unclipped; 0 where the clipped branch is active.
     expected = torch.tensor([[0.0, -0.125, 0.0], [0.275, 0.0, 0.0]])

@@ -190,7 +190,7 @@ class PyTorchTrainingBackend:
 
         `loss_fn` / `loss_weight_fn` replace the backend's defaults for this call (e.g. the RL
         loss of this step's algorithm). Loss metrics are averaged over micro-batches with the
-        same weights as the loss; keys ending in `_max` take the maximum.
+        same weights as the loss; keys ending in `_max` / `_min` take the maximum / minimum.
         """
         samples = list(samples)
         fn = loss_fn or self.loss_fn
@@ -210,7 +210,7 @@ class PyTorchTrainingBackend:
             loss, metrics = loss_fn(logits, batch)
             weight = weight_fn(batch) / total_weight
             (loss * weight).backward()
-            _merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
+            merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
             n_tokens += batch.n_tokens
             n_slots += batch.n_slots
             n_trained += batch.n_trained_tokens
@@ -224,11 +224,17 @@ class PyTorchTrainingBackend:
             "time_forward_backward_s": time.perf_counter() - t0,
         }
 
-    def optim_step(self) -> TrainFuture[dict[str, float]]:
-        """Queue clip + optimizer step + LR schedule step; bumps `step` and `weight_version`."""
-        return self._submit(self._optim_step)
+    def optim_step(self, *, finish_step: bool = True) -> TrainFuture[dict[str, float]]:
+        """Queue clip + optimizer step, then (with `finish_step`) the LR schedule step and
+        the bump of `step` and `weight_version`.
 
-    def _optim_step(self) -> dict[str, float]:
+        Several updates on one RL batch (mini-batches, epochs) pass `finish_step=False` to all
+        but the last: the schedule and the versions count training steps, and the weights the
+        engines see are those after the step's last update.
+        """
+        return self._submit(lambda: self._optim_step(finish_step))
+
+    def _optim_step(self, finish_step: bool = True) -> dict[str, float]:
         if self.optimizer is None or self.scheduler is None:
             raise BackendError("this backend's model has no trainable parameters (a reference?)")
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -237,10 +243,11 @@ class PyTorchTrainingBackend:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.weight_version += 1
+        if finish_step:
+            self.scheduler.step()
+            self.step += 1
+            self.weight_version += 1
         return {"grad_norm": grad_norm, "lr": lr, "step": self.step}
 
     def forward(self, samples: Sequence[Any]) -> TrainFuture[dict[str, float]]:
@@ -376,11 +383,14 @@ def _fused_adam_ok(params: Sequence[torch.Tensor]) -> bool:
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
-def _merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
+def merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
+    """Add `weight` × each numeric metric into `into`; `_max` / `_min` keys keep the extreme."""
     for key, value in metrics.items():
         if not isinstance(value, int | float):
             continue
         if key.endswith("_max"):
             into[key] = max(into.get(key, float("-inf")), float(value))
+        elif key.endswith("_min"):
+            into[key] = min(into.get(key, float("inf")), float(value))
         else:
             into[key] = into.get(key, 0.0) + float(value) * weight

@@ -1,8 +1,8 @@
 """run_rl_training: the RL loop, a pure async function over stateful components.
 
 One step reads top to bottom: batch of groups (AsyncRolloutManager) → algorithm for this step →
-advantages (pure) → reference logprobs of the same tokens if needed → forward_backward +
-optim_step → every `sync_every` steps export weights and pause every engine; the engines load
+`train_on_batch` (advantages, reference and old logprobs of the same tokens if needed, then one
+or more forward_backward + optim_step: training/rl_step.py) → every `sync_every` steps export weights and pause every engine; the engines load
 the weights in the background (requests sent meanwhile wait and run on the new weights) →
 log → maybe eval → maybe checkpoint. All state lives in the backend (weights, optimizer, versions),
 the DataBuffer (cursor + held groups) and the engines; resume loads them.
@@ -23,7 +23,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeAlias
 
-import torch
 import trio
 
 from engines.weight_sync import pause_engines, sync_weights_to_engines
@@ -36,15 +35,8 @@ from training.data_buffer import DataBuffer
 from training.kl import KLFn
 from training.loggers import Logger
 from training.reference import ReferenceUpdateFn, frozen
-from training.rl_batch import (
-    build_examples,
-    kl_penalised_batch,
-    loss_weight_fn,
-    rl_loss_fn,
-    sample_to_example,
-    with_ref_logprobs,
-)
 from training.rl_config import RLLoopConfig
+from training.rl_step import train_on_batch as train_on_batch
 from training.sft import maybe_resume
 
 log = logging.getLogger("rollouts.rl")
@@ -111,59 +103,6 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
 def _prune_exports(export_root: Path, keep: int) -> None:
     for old in sorted(export_root.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
-                         algorithm: AlgorithmConfig, *, temperature: float,
-                         old_from_rollout: bool, reference: PyTorchTrainingBackend | None,
-                         advantage_fn: AdvantageFn | None = None,
-                         policy_loss_fn: PolicyLossFn = compute_policy_loss,
-                         kl_fn: KLFn | None = None,
-                         share_prompts: bool = True) -> dict[str, float]:  # fmt: skip
-    """(KL reward penalty) → advantages → (reference logprobs) → one optimizer step on `batch`.
-
-    `advantage_fn`, `policy_loss_fn` and `kl_fn` replace the algorithm's advantage estimator,
-    `compute_policy_loss` and its KL estimator (see `run_rl_training`); `share_prompts` scores
-    a group's samples against one copy of their prompt (policy and reference alike).
-    """
-    if algorithm.needs_ref_logprobs and reference is None:
-        raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
-    metrics: dict[str, float] = {}
-    if algorithm.kl_as_reward and algorithm.kl_coef > 0:
-        batch, metrics = await _penalise_kl_in_rewards(backend, reference, batch, algorithm, kl_fn,
-                                                       share_prompts, temperature)  # fmt: skip
-    examples = build_examples(batch, algorithm, advantage_fn, share_prompts=share_prompts)
-    if not examples:
-        return {**metrics, "skipped_empty_batch": 1.0}
-    if algorithm.needs_ref_in_loss:
-        ref_fut = reference.compute_logprobs(examples, temperature=temperature)
-        examples = with_ref_logprobs(examples, await ref_fut.result())
-    loss_fn = rl_loss_fn(algorithm, temperature=temperature, old_from_rollout=old_from_rollout,
-                         policy_loss_fn=policy_loss_fn, kl_fn=kl_fn)  # fmt: skip
-    fb = backend.forward_backward(examples, loss_fn=loss_fn,
-                                  loss_weight_fn=loss_weight_fn(algorithm))  # fmt: skip
-    opt = backend.optim_step()
-    return {**metrics, **await fb.result(), **await opt.result()}
-
-
-async def _penalise_kl_in_rewards(backend, reference, batch: RolloutBatch, algorithm, kl_fn,
-                                  share_prompts: bool, temperature: float
-                                  ) -> tuple[RolloutBatch, dict[str, float]]:  # fmt: skip
-    """The batch with KL(policy ‖ reference) of its sampled tokens subtracted from rewards.
-
-    Both logprobs are of the tempered distribution the engine sampled from, as in the loss.
-    """
-    trained = [s for s in batch.samples if s.num_trained_tokens]
-    examples = [sample_to_example(s, 0.0, share_prompt=share_prompts) for s in trained]
-    policy_fut = backend.compute_logprobs(examples, temperature=temperature)
-    ref_fut = reference.compute_logprobs(examples, temperature=temperature)
-    policy_lp, ref_lp = iter(await policy_fut.result()), iter(await ref_fut.result())
-    logprobs_S: list[torch.Tensor] = []
-    ref_logprobs_S: list[torch.Tensor] = []
-    for sample in batch.samples:  # samples with no trained token get empty rows
-        logprobs_S.append(next(policy_lp) if sample.num_trained_tokens else torch.zeros(0))
-        ref_logprobs_S.append(next(ref_lp) if sample.num_trained_tokens else torch.zeros(0))
-    return kl_penalised_batch(batch, algorithm, logprobs_S, ref_logprobs_S, kl_fn=kl_fn)
 
 
 async def run_rl_training(
@@ -248,7 +187,9 @@ async def run_rl_training(
                                             old_from_rollout=old_from_rollout,
                                             reference=reference, advantage_fn=advantage_fn,
                                             policy_loss_fn=policy_loss_fn, kl_fn=kl_fn,
-                                            share_prompts=share_prompts)  # fmt: skip
+                                            share_prompts=share_prompts,
+                                            mini_batches=config.mini_batches,
+                                            epochs=config.epochs)  # fmt: skip
             if reference is not None:
                 update = partial(reference_update, reference, backend, step, dict(metrics))
                 metrics |= await reference.call(update).result() or {}

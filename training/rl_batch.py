@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 
@@ -47,6 +48,8 @@ class RLExample:
     reward: float = 0.0
     unit: int | None = None  # examples sharing a unit stay in one micro-batch (DPO pairs)
     shared_prefix_len: int = 0  # leading tokens (the prompt) it may share a row for; 0: never
+    group: int = -1  # index of its group in the batch; a mini-batch holds whole groups
+    old_logprobs: tuple[float, ...] | None = None  # trainer's, before the first update
 
     @property
     def n_trained(self) -> int:
@@ -66,6 +69,7 @@ class RLBatch:
     rollout_logprobs_BT: torch.Tensor | None
     ref_logprobs_BT: torch.Tensor | None
     rewards_GN: torch.Tensor | None = None  # [pairs, 2] for the pairwise (online DPO) loss
+    old_logprobs_BT: torch.Tensor | None = None  # trainer's before the step's first update
 
     @property
     def n_trained_tokens(self) -> int:
@@ -113,7 +117,7 @@ class RLBatch:
 
         return RLBatch(self.base.to(device), self.advantages_B.to(device),
                        move(self.rollout_logprobs_BT), move(self.ref_logprobs_BT),
-                       move(self.rewards_GN))  # fmt: skip
+                       move(self.rewards_GN), move(self.old_logprobs_BT))  # fmt: skip
 
     @property
     def segment_ids(self) -> torch.Tensor:
@@ -121,7 +125,7 @@ class RLBatch:
 
 
 def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = None,
-                      share_prompt: bool = True) -> RLExample:  # fmt: skip
+                      share_prompt: bool = True, group: int = -1) -> RLExample:  # fmt: skip
     """The training view of one sample: prompt + response ids, mask 0 over the prompt.
 
     With `share_prompt`, neighbouring examples with the same prompt ids may be scored against
@@ -137,6 +141,7 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
         reward=sample.reward,
         unit=unit,
         shared_prefix_len=len(sample.prompt_ids) if share_prompt else 0,
+        group=group,
     )
 
 
@@ -174,7 +179,9 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
         for n, sample in enumerate(group):
             if sample.num_trained_tokens:
                 advantage = float(advantages_GN[g, n])
-                examples.append(sample_to_example(sample, advantage, share_prompt=share_prompts))
+                examples.append(
+                    sample_to_example(sample, advantage, share_prompt=share_prompts, group=g)
+                )
     return examples
 
 
@@ -188,8 +195,8 @@ def _preference_pairs(batch: RolloutBatch, share_prompts: bool) -> list[RLExampl
         worst = min(usable, key=lambda s: s.reward)
         if best.reward > worst.reward:
             examples += [
-                sample_to_example(best, 1.0, unit=g, share_prompt=share_prompts),
-                sample_to_example(worst, -1.0, unit=g, share_prompt=share_prompts),
+                sample_to_example(best, 1.0, unit=g, share_prompt=share_prompts, group=g),
+                sample_to_example(worst, -1.0, unit=g, share_prompt=share_prompts, group=g),
             ]
     return examples
 
@@ -199,6 +206,31 @@ def with_ref_logprobs(examples: Sequence[RLExample], ref_logprobs: Sequence[torc
     """Attach reference-model logprobs of the same tokens (from `compute_logprobs`)."""
     pairs = zip(examples, ref_logprobs, strict=True)
     return [replace(e, ref_logprobs=tuple(lp.tolist())) for e, lp in pairs]
+
+
+def with_old_logprobs(examples: Sequence[RLExample], old_logprobs: Sequence[torch.Tensor]
+                      ) -> list[RLExample]:  # fmt: skip
+    """Attach the trainer's logprobs before the step's first update (from `compute_logprobs`)."""
+    pairs = zip(examples, old_logprobs, strict=True)
+    return [replace(e, old_logprobs=tuple(lp.tolist())) for e, lp in pairs]
+
+
+def split_mini_batches(examples: Sequence[RLExample], n: int) -> list[list[RLExample]]:
+    """`examples` cut into at most `n` mini-batches of whole groups, in order, as even as can be.
+
+    A group never straddles two optimizer steps: its advantages are relative to each other,
+    and the pairwise loss needs both samples of a pair. Fewer groups than `n` give one
+    mini-batch per group.
+    """
+    groups: list[list[RLExample]] = []
+    for example in examples:
+        if groups and groups[-1][0].group == example.group:
+            groups[-1].append(example)
+        else:
+            groups.append([example])
+    n = max(1, min(n, len(groups)))
+    bounds = [round(k * len(groups) / n) for k in range(n + 1)]
+    return [[e for g in groups[a:b] for e in g] for a, b in pairwise(bounds)]
 
 
 def kl_penalised_batch(batch: RolloutBatch, algorithm: AlgorithmConfig,
@@ -262,6 +294,7 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
     base = prepare_prefix_shared_batch(examples, pad_id=pad_id)
     have_rollout = all(len(e.rollout_logprobs) == e.n_trained for e in examples)
     have_ref = all(e.ref_logprobs is not None for e in examples)
+    have_old = bool(examples) and all(e.old_logprobs is not None for e in examples)
     rewards_GN = None
     if examples and all(e.unit is not None for e in examples) and len(examples) % 2 == 0:
         rewards_GN = torch.tensor([e.reward for e in examples], dtype=torch.float32).view(-1, 2)
@@ -273,6 +306,7 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
         else None,
         ref_logprobs_BT=_scatter(base, [e.ref_logprobs for e in examples]) if have_ref else None,
         rewards_GN=rewards_GN,
+        old_logprobs_BT=_scatter(base, [e.old_logprobs for e in examples]) if have_old else None,
     )
 
 
@@ -287,9 +321,11 @@ def rl_loss_fn(
     """The backend loss for one RL micro-batch: logits → temperature-scaled logprobs → loss.
 
     Engine logprobs are those of the temperature-scaled distribution, so the trainer scales its
-    logits the same way before comparing or training. With `old_from_rollout`, the engine
-    logprobs serve as the behaviour policy in the ratio (off-policy samples in overlap/async
-    modes); otherwise the update is taken as on-policy (old = current, detached).
+    logits the same way before comparing or training. The behaviour policy ("old" in the
+    ratio) is, in this order: the engine's logprobs with `old_from_rollout` (off-policy samples
+    in overlap/async modes); the trainer's logprobs before the step's first update when the
+    examples carry them (several updates per batch, `RLExample.old_logprobs`); otherwise the
+    current logprobs, detached (one update on on-policy samples: the same values).
     `policy_loss_fn` (default `compute_policy_loss`) turns those tensors into the loss;
     `kl_fn` is passed to it for the KL term.
     """
@@ -297,21 +333,25 @@ def rl_loss_fn(
     def loss(logits: torch.Tensor, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs_BT = token_logprobs(temper_logits(logits, temperature), batch.target_ids)
         mask_BT = (batch.target_ids != IGNORE_INDEX).float()
+        common = {"ref_logprobs_BT": batch.ref_logprobs_BT, "rewards_GN": batch.rewards_GN,
+                  "kl_fn": kl_fn}  # fmt: skip
         if old_from_rollout and batch.rollout_logprobs_BT is not None:
             # the engine's logprobs are the behaviour policy; mismatch is measured against the
             # trainer's current logprobs (before this update) instead.
             loss_value, metrics = policy_loss_fn(
                 algorithm, logprobs_BT, batch.rollout_logprobs_BT, batch.advantages_B, mask_BT,
-                ref_logprobs_BT=batch.ref_logprobs_BT, rewards_GN=batch.rewards_GN, kl_fn=kl_fn,
+                **common,
             )  # fmt: skip
             mismatch = logprob_mismatch_metrics(
                 logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
             )
             return loss_value, {**metrics, **mismatch}
+        old_BT = (
+            batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
+        )
         return policy_loss_fn(
-            algorithm, logprobs_BT, logprobs_BT.detach(), batch.advantages_B, mask_BT,
-            ref_logprobs_BT=batch.ref_logprobs_BT, rollout_logprobs_BT=batch.rollout_logprobs_BT,
-            rewards_GN=batch.rewards_GN, kl_fn=kl_fn,
+            algorithm, logprobs_BT, old_BT, batch.advantages_B, mask_BT,
+            rollout_logprobs_BT=batch.rollout_logprobs_BT, **common,
         )  # fmt: skip
 
     return loss

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollouts.config import RolloutConfig, Strict
 from training.config import BackendConfig, ModelConfig, OptimConfig, TaskDataSource
@@ -72,6 +72,10 @@ class RLLoopConfig(Strict):
     resume: Literal["auto", "never"] = "never"
     dump_rollouts: bool = False
     share_prompts: bool = Field(True, description="score a group's responses on one prompt copy")
+    mini_batches: int = Field(
+        1, ge=1, description="optimizer steps per pass over a rollout batch (whole groups each)"
+    )
+    epochs: int = Field(1, ge=1, description="passes over each rollout batch")
 
 
 class RLRunConfig(Strict):
@@ -90,3 +94,12 @@ class RLRunConfig(Strict):
     optim: OptimConfig = OptimConfig(lr=1e-5, schedule="constant", grad_clip=1.0)
     backend: BackendConfig = BackendConfig()
     train: RLLoopConfig = RLLoopConfig()
+
+    @model_validator(mode="after")
+    def _mini_batches_fit_the_batch(self) -> RLRunConfig:
+        if self.train.mini_batches > self.rollout.batch_size:
+            raise ValueError(
+                f"train.mini_batches ({self.train.mini_batches}) exceeds rollout.batch_size "
+                f"({self.rollout.batch_size}): a mini-batch holds at least one whole group"
+            )
+        return self

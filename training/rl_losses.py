@@ -178,7 +178,7 @@ def ppo_clip_loss(
 
     Metrics: clip_fraction (trained tokens where the clipped branch is active, i.e. the
     token gets no gradient), clip_fraction_low / _high (split by the sign of A),
-    approx_kl (k3 estimate of KL(π_old ‖ π_θ)), ratio_mean, entropy_estimate.
+    kl_to_old (k3 estimate of KL(π_old ‖ π_θ)), ratio_mean / _min / _max, entropy_estimate.
     """
     m = bool_mask(mask_BT)
     log_ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT, m)
@@ -192,13 +192,23 @@ def ppo_clip_loss(
         "clip_fraction": masked_mean(clipped_BT.float(), m).item(),
         "clip_fraction_high": masked_mean((clipped_BT & positive_BT).float(), m).item(),
         "clip_fraction_low": masked_mean((clipped_BT & ~positive_BT).float(), m).item(),
-        "approx_kl": masked_mean(
-            kl_estimate(old_logprobs_BT, logprobs_BT.detach(), "k3", mask_BT=m), m
-        ).item(),
-        "ratio_mean": masked_mean(ratio_BT.detach(), m).item(),
+        "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
+        **_ratio_spread(ratio_BT, m),
         "entropy_estimate": _entropy_estimate(logprobs_BT, m),
     }
     return loss, metrics
+
+
+def _ratio_spread(ratio_BT: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
+    """Mean, min and max of π_θ / π_old over trained tokens (all 1 before the first update)."""
+    ratio_BT = ratio_BT.detach()
+    if not m.any():
+        return {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
+    return {
+        "ratio_mean": masked_mean(ratio_BT, m).item(),
+        "ratio_min": ratio_BT[m].min().item(),
+        "ratio_max": ratio_BT[m].max().item(),
+    }
 
 
 def gspo_loss(
@@ -221,8 +231,8 @@ def gspo_loss(
     sequence carries the value s_i, and with the default "seq-mean-token-mean" aggregation the
     gradient equals that of −min(s_i A_i, clip(s_i) A_i) averaged over sequences.
 
-    Metrics: clip_fraction (fraction of sequences clipped), seq_ratio_mean,
-    entropy_estimate.
+    Metrics: clip_fraction (fraction of sequences clipped), seq_ratio_mean, kl_to_old, the
+    token ratios' ratio_mean / _min / _max, entropy_estimate.
     """
     m = bool_mask(mask_BT)
     n_tokens_B = m.sum(dim=-1)
@@ -243,6 +253,8 @@ def gspo_loss(
         "policy_loss": loss.item(),
         "clip_fraction": (clipped_B.sum() / n_seqs).item(),
         "seq_ratio_mean": (torch.where(has_tokens_B, seq_ratio_B, 0).sum() / n_seqs).item(),
+        "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
+        **_ratio_spread(torch.exp(log_ratio_BT), m),
         "entropy_estimate": _entropy_estimate(logprobs_BT, m),
     }
     return loss, metrics
@@ -268,7 +280,7 @@ def cispo_loss(
     clip_high=0.28 follows common open implementations (the paper gives no value).
 
     Metrics: clip_fraction (trained tokens whose weight was truncated), cispo_weight_mean,
-    entropy_estimate.
+    kl_to_old, ratio_mean / _min / _max, entropy_estimate.
     """
     m = bool_mask(mask_BT)
     ratio_BT = torch.exp(_log_ratio(logprobs_BT, old_logprobs_BT, m)).detach()
@@ -279,6 +291,8 @@ def cispo_loss(
         "policy_loss": loss.item(),
         "clip_fraction": masked_mean((weight_BT != ratio_BT).float(), m).item(),
         "cispo_weight_mean": masked_mean(weight_BT, m).item(),
+        "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
+        **_ratio_spread(ratio_BT, m),
         "entropy_estimate": _entropy_estimate(logprobs_BT, m),
     }
     return loss, metrics
