@@ -39,6 +39,7 @@ SECTIONS = (
     "engine_throughput",
     "weight_sync",
     "rl_scaling",
+    "rl_algorithms",
 )
 
 
