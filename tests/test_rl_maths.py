@@ -24,6 +24,7 @@ from training.algorithms import (
 )
 from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig, load_config
+from training.kl import token_entropy
 from training.reference import make_reference
 from training.rl import train_on_batch
 from training.rl_batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
@@ -204,3 +205,72 @@ def test_off_policy_reinforce_applies_the_capped_importance_weight():
     torch.testing.assert_close(
         grad(reinforce(is_cap=2.0), fresh), torch.exp(torch.tensor(-0.5)) * on_policy
     )
+
+
+# ----- options the algorithms assume: dual-clip, entropy bonus, token whitening, truncation ----
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_only():
+    logprobs_BT = torch.tensor([[0.0, -3.0], [0.0, -3.0]], requires_grad=True)
+    old_BT = torch.tensor([[-3.0, -3.0], [-3.0, -3.0]])  # first token: ratio e^3 ≈ 20
+    mask_BT = torch.ones(2, 2)
+    advantages_B = torch.tensor([-1.0, 1.0])
+    algo = grpo(dual_clip=3.0, aggregation="token-mean")
+    loss, metrics = compute_policy_loss(algo, logprobs_BT, old_BT, advantages_B, mask_BT)
+    loss.backward()
+    # A < 0, ratio 20: PPO's max(20, 1.2) = 20 is capped at c = 3, with no gradient
+    # A > 0, ratio 20: the usual clip at 1.2 (no gradient either); ratio-1 tokens: −A·1 each.
+    assert loss.item() == pytest.approx((3.0 - 1.0 - 1.2 + 1.0) / 4)
+    assert logprobs_BT.grad[0, 0] == 0.0 and metrics["clip_fraction_dual"] == 0.25
+    plain, _ = compute_policy_loss(grpo(aggregation="token-mean"), logprobs_BT, old_BT,
+                                   advantages_B, mask_BT)  # fmt: skip
+    assert plain.item() == pytest.approx((torch.exp(torch.tensor(3.0)).item() - 1 - 1.2 + 1) / 4)
+
+
+def test_entropy_bonus_raises_the_policy_entropy():
+    logits_BTV = torch.tensor([[[4.0, 0.0, -1.0], [2.0, 1.0, 0.0]]], requires_grad=True)
+    targets_BT = torch.tensor([[0, 1]])
+    algo = grpo(entropy_coef=0.5)
+    entropy_before = torch.special.entr(torch.softmax(logits_BTV, -1)).sum().item()
+    for _ in range(20):
+        logprobs_BT = torch.log_softmax(logits_BTV, -1).gather(-1, targets_BT[..., None])[..., 0]
+        loss, metrics = compute_policy_loss(
+            algo, logprobs_BT, logprobs_BT.detach(), torch.zeros(1), torch.ones(1, 2),
+            entropy_BT=token_entropy(logits_BTV),
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, logits_BTV)
+        with torch.no_grad():
+            logits_BTV -= grad
+    assert torch.special.entr(torch.softmax(logits_BTV, -1)).sum().item() > entropy_before + 0.1
+    assert metrics["entropy"] > 0
+    with pytest.raises(ConfigError, match="entropy_BT"):
+        compute_policy_loss(algo, logprobs_BT, logprobs_BT, torch.zeros(1), torch.ones(1, 2))
+
+
+def test_token_whitening_weights_each_sequence_by_its_length():
+    rewards_GN = torch.tensor([[1.0, 0.0, 0.5], [0.2, 1.0, 0.0]])
+    lengths_GN = torch.tensor([[2.0, 10.0, 3.0], [7.0, 1.0, 4.0]])
+    for estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        algo = AlgorithmConfig(advantage=estimator, whiten="token")
+        adv_GN = compute_advantages(algo, rewards_GN, n_tokens_GN=lengths_GN)
+        per_token = torch.repeat_interleave(adv_GN.flatten(), lengths_GN.long().flatten())
+        assert per_token.mean().item() == pytest.approx(0.0, abs=1e-6)
+        assert per_token.std().item() == pytest.approx(1.0, abs=1e-5)
+        by_sequence = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN)
+        same_length = compute_advantages(algo, rewards_GN, n_tokens_GN=torch.full((2, 3), 5.0))
+        assert not torch.allclose(adv_GN, by_sequence)
+        # equal lengths: token whitening is sequence whitening up to the n-1 in the std
+        k = same_length[0, 0] / by_sequence[0, 0]
+        assert torch.allclose(same_length, k * by_sequence, atol=1e-5)
+
+
+def test_truncated_samples_are_masked_but_keep_their_place_in_the_baseline():
+    batch = batch_of([[1.0, 0.0, 0.0, 0.0]])
+    group = list(batch.groups[0])
+    group[3] = Sample(group[3].prompt_ids, group[3].response_ids, group[3].loss_mask,
+                      reward=0.0, status="truncated", index_in_group=3)  # fmt: skip
+    batch = RolloutBatch((tuple(group),), 1, 0)
+    kept = build_examples(batch, grpo(mask_truncated=True), share_prompts=False)
+    every = build_examples(batch, grpo(), share_prompts=False)
+    assert len(kept) == 3 and len(every) == 4
+    assert [e.advantage for e in kept] == [e.advantage for e in every[:3]]

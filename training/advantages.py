@@ -106,7 +106,11 @@ def rloo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
 
 
 def reinforce_pp_advantages(
-    rewards_GN: torch.Tensor, *, group_baseline: bool = True, eps: float = 1e-6
+    rewards_GN: torch.Tensor,
+    *,
+    group_baseline: bool = True,
+    token_weights_GN: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): optional group-mean baseline, then whitening over the batch.
 
@@ -115,18 +119,26 @@ def reinforce_pp_advantages(
     `group_baseline=False` is plain REINFORCE++. Either way the result is normalised by the
     mean and std of the whole batch, not of each group.
 
-    Departures: the paper whitens per-token returns that include a token-level KL penalty; we
-    whiten per-sequence advantages (every sequence weighs the same, whatever its length) and
-    leave KL to `training.rl_losses` (as a loss or a per-sequence reward penalty).
+    Whitening: with `token_weights_GN` (each sample's trained-token count) the mean and std
+    are taken over tokens, as in the paper and verl (every token of a sequence carries its
+    advantage, so a long sequence weighs more); without, over sequences (each weighs the same).
+
+    Departures: the paper's per-token returns include a token-level KL penalty; here KL is a
+    loss or a per-sequence reward penalty (training.rl_losses), so the return is the same on
+    every token of a sequence and token whitening is length-weighted whitening.
 
     Raises:
-        ConfigError: fewer than 2 samples in the whole batch (no batch std).
+        ConfigError: fewer than 2 samples (or trained tokens) in the batch: no batch std.
     """
     rewards_GN = _check(rewards_GN, "reinforce_pp")
-    if rewards_GN.numel() < 2:
-        raise ConfigError("reinforce_pp needs at least 2 samples per batch to normalise")
     adv_GN = rewards_GN - rewards_GN.mean(dim=1, keepdim=True) if group_baseline else rewards_GN
-    whitened_GN = (adv_GN - adv_GN.mean()) / (adv_GN.std() + eps)
+    w_GN = torch.ones_like(adv_GN) if token_weights_GN is None else token_weights_GN.to(adv_GN)
+    n = w_GN.sum()
+    if n < 2:
+        raise ConfigError("reinforce_pp needs at least 2 samples (tokens) per batch to normalise")
+    mean = (w_GN * adv_GN).sum() / n
+    std = ((w_GN * (adv_GN - mean).square()).sum() / (n - 1)).sqrt()
+    whitened_GN = (adv_GN - mean) / (std + eps)
     if group_baseline:  # centred groups: the batch mean is 0 up to rounding
         return _zero_equal_groups(whitened_GN, rewards_GN)
     return _zero_if_all_equal(whitened_GN, rewards_GN)

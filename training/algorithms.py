@@ -41,6 +41,7 @@ from training.rl_losses import (
     Aggregation,
     LossOutput,
     cispo_loss,
+    entropy_bonus,
     gspo_loss,
     kl_loss,
     pairwise_preference_loss,
@@ -49,7 +50,13 @@ from training.rl_losses import (
 )
 
 AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "reinforce_baseline"
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "reinforce_baseline",
+    "gae",
 ]
 LossKind = Literal["pg", "ppo_clip", "gspo", "cispo", "pairwise"]
 
@@ -90,6 +97,23 @@ class AlgorithmConfig(Strict):
     dpo_beta: float = Field(0.1, gt=0, description="pairwise loss temperature")
     filter_zero_std: bool = Field(False, description="dynamic sampling: drop zero-std groups")
     overlong: OverlongShaping | None = None
+    dual_clip: float | None = Field(
+        None, gt=1, description="dual-clip bound c for A < 0 (verl's clip_ratio_c = 3); None: off"
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: loss −= coef × entropy")
+    whiten: Literal["sequence", "token"] = Field(
+        "sequence",
+        description="REINFORCE++ only: whiten per-sequence advantages, or over tokens (each "
+        "sequence weighted by its length, as the paper and verl)",
+    )
+    mask_truncated: bool = Field(
+        False, description="train on no truncated sample (DAPO's overlong filtering)"
+    )
+    gae_gamma: float = Field(1.0, ge=0, le=1, description="PPO (advantage=gae): discount")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="PPO (advantage=gae): GAE lambda")
+    value_clip: float | None = Field(
+        0.2, gt=0, description="PPO: clip the critic's new values to old ± value_clip"
+    )
     is_cap: float | None = Field(
         None,
         gt=0,
@@ -116,6 +140,11 @@ class AlgorithmConfig(Strict):
     def needs_ref_in_loss(self) -> bool:
         """Whether the loss itself reads reference logprobs (a KL loss term, or pairwise)."""
         return (self.kl_coef > 0 and not self.kl_as_reward) or self.loss == "pairwise"
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether a value model is needed (GAE advantages: PPO)."""
+        return self.advantage == "gae"
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -262,8 +291,18 @@ def shape_reward(config: AlgorithmConfig, reward_fn: RewardFn) -> RewardFn:
     )
 
 
-def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor) -> torch.Tensor:
-    """Advantages [G, N] from rewards [G, N] with the configured estimator."""
+def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
+                       n_tokens_GN: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Advantages [G, N] from rewards [G, N] with the configured estimator.
+
+    `n_tokens_GN` (trained tokens of each sample) is needed only by REINFORCE++ with
+    whiten="token". GAE (PPO) advantages are per token and need a critic: see
+    `training.gae`; this returns none for them.
+
+    Raises:
+        ConfigError: advantage="gae" (not a function of rewards alone), or token whitening
+            without `n_tokens_GN`.
+    """
     match config.advantage:
         case "grpo":
             return adv.grpo_advantages(rewards_GN, scale_by_std=config.scale_by_std)
@@ -271,12 +310,23 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor) -> tor
             return adv.dr_grpo_advantages(rewards_GN)
         case "rloo":
             return adv.rloo_advantages(rewards_GN)
-        case "reinforce_pp":
-            return adv.reinforce_pp_advantages(rewards_GN, group_baseline=False)
-        case "reinforce_pp_baseline":
-            return adv.reinforce_pp_advantages(rewards_GN, group_baseline=True)
+        case "reinforce_pp" | "reinforce_pp_baseline":
+            weights_GN = None
+            if config.whiten == "token":
+                if n_tokens_GN is None:
+                    raise ConfigError("REINFORCE++ with whiten='token' needs n_tokens_GN")
+                weights_GN = n_tokens_GN
+            return adv.reinforce_pp_advantages(
+                rewards_GN, group_baseline=config.advantage == "reinforce_pp_baseline",
+                token_weights_GN=weights_GN,
+            )  # fmt: skip
         case "reinforce_baseline":
             return adv.reinforce_baseline_advantages(rewards_GN)
+        case "gae":
+            raise ConfigError(
+                f"{config.name}: GAE advantages are per token and come from a critic "
+                "(training.gae), not from rewards alone"
+            )
     raise ConfigError(f"unknown advantage estimator {config.advantage!r}")
 
 
@@ -322,21 +372,25 @@ def compute_policy_loss(
     rollout_logprobs_BT: torch.Tensor | None = None,
     rewards_GN: torch.Tensor | None = None,
     kl_fn: KLFn | None = None,
+    entropy_BT: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The training loss for one (micro-)batch under `config`: policy loss (+ KL), metrics.
+    """The training loss for one (micro-)batch under `config`: policy loss (+ KL) (− entropy
+    bonus), metrics.
 
     Args:
         config: the algorithm for this step.
         logprobs_BT: current-policy logprobs of the response tokens (with gradient).
         old_logprobs_BT: trainer logprobs before this update; may be None only for
             loss="pg" without `is_cap` (then the batch is taken as exactly on-policy).
-        advantages_B: per-sequence advantages, [B] or [G, N] (flattened here).
+        advantages_B: per-sequence advantages, [B] or [G, N] (flattened here), or per-token
+            advantages [B, T] (same shape as `mask_BT`: GAE).
         mask_BT: 1/True on trained response tokens.
         ref_logprobs_BT: reference-model logprobs; required when `config.needs_ref_logprobs`.
         rollout_logprobs_BT: engine logprobs; when given, mismatch metrics are reported and,
             with `is_cap`, truncated IS weights are applied.
         rewards_GN: rewards [G, N]; required by loss="pairwise" to pick each group's pair.
         kl_fn: per-token KL for the KL loss term; default: the `config.kl_kind` estimator.
+        entropy_BT: exact per-token entropy with gradient; required when `entropy_coef > 0`.
 
     Returns:
         (loss, metrics): "loss" is the total; the policy loss's own metrics, "kl" when a KL
@@ -345,13 +399,16 @@ def compute_policy_loss(
     Raises:
         ConfigError: a tensor the configured algorithm needs was not passed.
     """
-    advantages_B = advantages_B.reshape(-1)
+    if advantages_B.shape != mask_BT.shape:
+        advantages_B = advantages_B.reshape(-1)
     if old_logprobs_BT is None:
         if config.needs_old_logprobs:
             raise ConfigError(f"{config.name} (loss={config.loss!r}) needs old_logprobs_BT")
         old_logprobs_BT = logprobs_BT.detach()
     if config.needs_ref_in_loss and ref_logprobs_BT is None:
         raise ConfigError(f"{config.name} needs ref_logprobs_BT (KL or pairwise loss)")
+    if config.entropy_coef > 0 and entropy_BT is None:
+        raise ConfigError(f"{config.name} (entropy_coef > 0) needs entropy_BT")
     metrics: dict[str, float] = {}
     is_weights_BT = None
     if rollout_logprobs_BT is not None:
@@ -369,6 +426,7 @@ def compute_policy_loss(
         "is_weights_BT": is_weights_BT,
     }
     clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
+    ratio_clip = {**clip, "dual_clip": config.dual_clip}
     match config.loss:
         case "pg":
             loss, loss_metrics = policy_gradient_loss(
@@ -377,11 +435,11 @@ def compute_policy_loss(
             )  # fmt: skip
         case "ppo_clip":
             loss, loss_metrics = ppo_clip_loss(
-                logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, **clip, **common
+                logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, **ratio_clip, **common
             )
         case "gspo":
             loss, loss_metrics = gspo_loss(
-                logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, **clip, **common
+                logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, **ratio_clip, **common
             )
         case "cispo":
             loss, loss_metrics = cispo_loss(
@@ -408,5 +466,11 @@ def compute_policy_loss(
         )
         loss = loss + config.kl_coef * kl
         metrics |= kl_metrics
+    if config.entropy_coef > 0:
+        entropy, entropy_metrics = entropy_bonus(
+            entropy_BT, mask_BT, agg=config.aggregation, max_tokens=config.max_tokens_norm
+        )
+        loss = loss - config.entropy_coef * entropy
+        metrics |= entropy_metrics
     metrics["loss"] = loss.item()
     return loss, metrics

@@ -216,6 +216,16 @@ def logprob_mismatch_metrics(
     }
 
 
+def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each position's predicted distribution, [B, T], with gradient.
+
+    For the entropy bonus in the loss; it materialises a [B, T, V] softmax, so use
+    `entropy_from_logits` for metrics only.
+    """
+    logp_BTV = torch.log_softmax(logits_BTV.float(), dim=-1)
+    return -(logp_BTV.exp() * logp_BTV).sum(dim=-1)
+
+
 @torch.no_grad()
 def entropy_from_logits(
     logits_BTV: torch.Tensor, mask_BT: torch.Tensor, *, chunk_tokens: int = 1024

@@ -30,7 +30,7 @@ from training.algorithms import (
     compute_advantages,
     compute_policy_loss,
 )
-from training.kl import KLFn, logprob_mismatch_metrics
+from training.kl import KLFn, logprob_mismatch_metrics, token_entropy
 from training.packing import IGNORE_INDEX, SFTBatch, temper_logits, token_logprobs
 from training.prefix_sharing import prepare_prefix_shared_batch
 
@@ -50,6 +50,9 @@ class RLExample:
     shared_prefix_len: int = 0  # leading tokens (the prompt) it may share a row for; 0: never
     group: int = -1  # index of its group in the batch; a mini-batch holds whole groups
     old_logprobs: tuple[float, ...] | None = None  # trainer's, before the first update
+    token_advantages: tuple[float, ...] | None = None  # one per trained token (GAE), else None
+    returns: tuple[float, ...] | None = None  # critic targets per trained token (PPO)
+    old_values: tuple[float, ...] | None = None  # critic values before the update (PPO)
 
     @property
     def n_trained(self) -> int:
@@ -70,6 +73,9 @@ class RLBatch:
     ref_logprobs_BT: torch.Tensor | None
     rewards_GN: torch.Tensor | None = None  # [pairs, 2] for the pairwise (online DPO) loss
     old_logprobs_BT: torch.Tensor | None = None  # trainer's before the step's first update
+    token_advantages_BT: torch.Tensor | None = None  # per-token advantages (GAE), else None
+    returns_BT: torch.Tensor | None = None  # critic targets (PPO's value loss)
+    old_values_BT: torch.Tensor | None = None  # critic values before the update
 
     @property
     def n_trained_tokens(self) -> int:
@@ -117,7 +123,9 @@ class RLBatch:
 
         return RLBatch(self.base.to(device), self.advantages_B.to(device),
                        move(self.rollout_logprobs_BT), move(self.ref_logprobs_BT),
-                       move(self.rewards_GN), move(self.old_logprobs_BT))  # fmt: skip
+                       move(self.rewards_GN), move(self.old_logprobs_BT),
+                       move(self.token_advantages_BT), move(self.returns_BT),
+                       move(self.old_values_BT))  # fmt: skip
 
     @property
     def segment_ids(self) -> torch.Tensor:
@@ -155,7 +163,8 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
                    ) -> list[RLExample]:  # fmt: skip
     """Advantages for every sample of `batch` under `algorithm`, as trainer examples (pure).
 
-    Samples with no trained token (empty responses) are kept out: they carry no gradient. For
+    Samples with no trained token (empty responses) are kept out: they carry no gradient, and
+    so are truncated samples under `algorithm.mask_truncated`. For
     the pairwise loss (online DPO) each group contributes its best and worst sample as one
     unit (chosen first), and groups without a preference contribute nothing. `advantage_fn`,
     when given, replaces the algorithm's estimator (rewards [G, N] → advantages [G, N]).
@@ -165,8 +174,12 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
     if algorithm.loss == "pairwise":
         return _preference_pairs(batch, share_prompts)
     rewards_GN = batch_rewards(batch)
-    if advantage_fn is None:
-        advantages_GN = compute_advantages(algorithm, rewards_GN)
+    if advantage_fn is None and algorithm.needs_critic:  # per token, from the critic, later
+        advantages_GN = torch.zeros_like(rewards_GN)
+    elif advantage_fn is None:
+        n_tokens_GN = torch.tensor([[s.num_trained_tokens for s in g] for g in batch.groups],
+                                   dtype=torch.float32)  # fmt: skip
+        advantages_GN = compute_advantages(algorithm, rewards_GN, n_tokens_GN=n_tokens_GN)
     else:
         advantages_GN = advantage_fn(rewards_GN)
         if advantages_GN.shape != rewards_GN.shape:
@@ -177,6 +190,8 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
     examples = []
     for g, group in enumerate(batch.groups):
         for n, sample in enumerate(group):
+            if algorithm.mask_truncated and sample.status == "truncated":
+                continue  # it still counted in its group's baseline, as in DAPO
             if sample.num_trained_tokens:
                 advantage = float(advantages_GN[g, n])
                 examples.append(
@@ -294,7 +309,11 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
     base = prepare_prefix_shared_batch(examples, pad_id=pad_id)
     have_rollout = all(len(e.rollout_logprobs) == e.n_trained for e in examples)
     have_ref = all(e.ref_logprobs is not None for e in examples)
-    have_old = bool(examples) and all(e.old_logprobs is not None for e in examples)
+
+    def per_token(field: str) -> torch.Tensor | None:
+        values = [getattr(e, field) for e in examples]
+        return _scatter(base, values) if values and None not in values else None
+
     rewards_GN = None
     if examples and all(e.unit is not None for e in examples) and len(examples) % 2 == 0:
         rewards_GN = torch.tensor([e.reward for e in examples], dtype=torch.float32).view(-1, 2)
@@ -306,7 +325,10 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
         else None,
         ref_logprobs_BT=_scatter(base, [e.ref_logprobs for e in examples]) if have_ref else None,
         rewards_GN=rewards_GN,
-        old_logprobs_BT=_scatter(base, [e.old_logprobs for e in examples]) if have_old else None,
+        old_logprobs_BT=per_token("old_logprobs"),
+        token_advantages_BT=per_token("token_advantages"),
+        returns_BT=per_token("returns"),
+        old_values_BT=per_token("old_values"),
     )
 
 
@@ -331,16 +353,20 @@ def rl_loss_fn(
     """
 
     def loss(logits: torch.Tensor, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs_BT = token_logprobs(temper_logits(logits, temperature), batch.target_ids)
+        logits = temper_logits(logits, temperature)
+        logprobs_BT = token_logprobs(logits, batch.target_ids)
         mask_BT = (batch.target_ids != IGNORE_INDEX).float()
         common = {"ref_logprobs_BT": batch.ref_logprobs_BT, "rewards_GN": batch.rewards_GN,
                   "kl_fn": kl_fn}  # fmt: skip
+        if algorithm.entropy_coef > 0:
+            common["entropy_BT"] = token_entropy(logits)
+        advantages = (batch.token_advantages_BT if batch.token_advantages_BT is not None
+                      else batch.advantages_B)  # fmt: skip
         if old_from_rollout and batch.rollout_logprobs_BT is not None:
             # the engine's logprobs are the behaviour policy; mismatch is measured against the
             # trainer's current logprobs (before this update) instead.
             loss_value, metrics = policy_loss_fn(
-                algorithm, logprobs_BT, batch.rollout_logprobs_BT, batch.advantages_B, mask_BT,
-                **common,
+                algorithm, logprobs_BT, batch.rollout_logprobs_BT, advantages, mask_BT, **common
             )  # fmt: skip
             mismatch = logprob_mismatch_metrics(
                 logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
@@ -350,7 +376,7 @@ def rl_loss_fn(
             batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
         )
         return policy_loss_fn(
-            algorithm, logprobs_BT, old_BT, batch.advantages_B, mask_BT,
+            algorithm, logprobs_BT, old_BT, advantages, mask_BT,
             rollout_logprobs_BT=batch.rollout_logprobs_BT, **common,
         )  # fmt: skip
 

@@ -127,7 +127,7 @@ def policy_gradient_loss(
     """
     m = bool_mask(mask_BT)
     metrics: dict[str, float] = {}
-    loss_BT = -advantages_B.detach()[:, None] * logprobs_BT
+    loss_BT = -token_advantages(advantages_B, logprobs_BT) * logprobs_BT
     if old_logprobs_BT is not None:
         ratio_BT = torch.exp(_log_ratio(logprobs_BT, old_logprobs_BT, m)).detach()
         weight_BT = ratio_BT.clamp(max=is_cap)
@@ -149,13 +149,31 @@ def _kl_to_old(old_logprobs_BT: torch.Tensor, logprobs_BT: torch.Tensor, m: torc
     ).item()
 
 
-def _clipped_surrogate(ratio_BT, advantages_B, clip_low: float, clip_high: float):
-    """PPO's pessimistic surrogate max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)), and where the
-    clipped branch is the active one (its gradient is zero there)."""
-    adv = advantages_B.detach()[:, None]
+def token_advantages(advantages: torch.Tensor, like_BT: torch.Tensor) -> torch.Tensor:
+    """Advantages as a detached [B, T] tensor: one per sequence ([B], broadcast over its
+    tokens) or already one per token ([B, T], e.g. GAE's)."""
+    adv = advantages.detach()
+    return adv[:, None].expand_as(like_BT) if adv.dim() == 1 else adv
+
+
+def _clipped_surrogate(ratio_BT, advantages_B, clip_low: float, clip_high: float,
+                       dual_clip: float | None = None):  # fmt: skip
+    """PPO's pessimistic surrogate max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)), where the clipped
+    branch is the active one (its gradient is zero there), and where dual-clip is.
+
+    Dual-clip (Ye et al. 2020, verl's clip_ratio_c): for A < 0 the surrogate is also capped at
+    −A·c, so a token whose ratio has grown huge cannot dominate the batch with an unbounded
+    negative-advantage term."""
+    adv = token_advantages(advantages_B, ratio_BT)
     unclipped = -adv * ratio_BT
     clipped = -adv * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    loss_BT = torch.maximum(unclipped, clipped)
+    dual_BT = torch.zeros_like(loss_BT, dtype=torch.bool)
+    if dual_clip is not None:
+        cap_BT = -adv * dual_clip
+        dual_BT = (adv < 0) & (loss_BT > cap_BT)
+        loss_BT = torch.where(dual_BT, cap_BT, loss_BT)
+    return loss_BT, clipped > unclipped, dual_BT
 
 
 def ppo_clip_loss(
@@ -166,6 +184,7 @@ def ppo_clip_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    dual_clip: float | None = None,
     agg: Aggregation = "token-mean",
     max_tokens: int | None = None,
     is_weights_BT: torch.Tensor | None = None,
@@ -174,24 +193,29 @@ def ppo_clip_loss(
 
     r = π_θ / π_old per token, clipped to [1 − clip_low, 1 + clip_high]. DAPO's clip-higher
     (Yu et al. 2025) is clip_low=0.2, clip_high=0.28: low-probability tokens may grow more,
-    which keeps entropy from collapsing.
+    which keeps entropy from collapsing. `dual_clip` = c > 1 also caps the loss of
+    negative-advantage tokens at −A·c (dual-clip PPO; verl uses c = 3).
+    `advantages_B` is one per sequence [B] or one per token [B, T] (GAE).
 
-    Metrics: clip_fraction (trained tokens where the clipped branch is active, i.e. the
+    Metrics: clip_fraction_dual (tokens where the dual clip is active), clip_fraction (trained tokens where the clipped branch is active, i.e. the
     token gets no gradient), clip_fraction_low / _high (split by the sign of A),
     kl_to_old (k3 estimate of KL(π_old ‖ π_θ)), ratio_mean / _min / _max, entropy_estimate.
     """
     m = bool_mask(mask_BT)
     log_ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT, m)
     ratio_BT = torch.exp(log_ratio_BT)
-    loss_BT, clipped_BT = _clipped_surrogate(ratio_BT, advantages_B, clip_low, clip_high)
+    loss_BT, clipped_BT, dual_BT = _clipped_surrogate(
+        ratio_BT, advantages_B, clip_low, clip_high, dual_clip
+    )
     loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
     clipped_BT = clipped_BT & m
-    positive_BT = (advantages_B > 0)[:, None].expand_as(m)
+    positive_BT = token_advantages(advantages_B, m) > 0
     metrics = {
         "policy_loss": loss.item(),
         "clip_fraction": masked_mean(clipped_BT.float(), m).item(),
         "clip_fraction_high": masked_mean((clipped_BT & positive_BT).float(), m).item(),
         "clip_fraction_low": masked_mean((clipped_BT & ~positive_BT).float(), m).item(),
+        "clip_fraction_dual": masked_mean((dual_BT & m).float(), m).item(),
         "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
         **_ratio_spread(ratio_BT, m),
         "entropy_estimate": _entropy_estimate(logprobs_BT, m),
@@ -219,6 +243,7 @@ def gspo_loss(
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
+    dual_clip: float | None = None,
     agg: Aggregation = "seq-mean-token-mean",
     max_tokens: int | None = None,
     is_weights_BT: torch.Tensor | None = None,
@@ -243,7 +268,9 @@ def gspo_loss(
         seq_log_ratio_B.detach().clamp(max=20.0)[:, None] + logprobs_BT - logprobs_BT.detach()
     )
     ratio_BT = torch.exp(torch.where(m, token_log_ratio_BT, 0))
-    loss_BT, clipped_BT = _clipped_surrogate(ratio_BT, advantages_B, clip_low, clip_high)
+    loss_BT, clipped_BT, _ = _clipped_surrogate(
+        ratio_BT, advantages_B, clip_low, clip_high, dual_clip
+    )
     loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
     has_tokens_B = n_tokens_B > 0
     seq_ratio_B = torch.exp(seq_log_ratio_B.detach())
@@ -285,7 +312,7 @@ def cispo_loss(
     m = bool_mask(mask_BT)
     ratio_BT = torch.exp(_log_ratio(logprobs_BT, old_logprobs_BT, m)).detach()
     weight_BT = ratio_BT.clamp(max(0.0, 1 - clip_low), 1 + clip_high)
-    loss_BT = -weight_BT * advantages_B.detach()[:, None] * logprobs_BT
+    loss_BT = -weight_BT * token_advantages(advantages_B, logprobs_BT) * logprobs_BT
     loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
     metrics = {
         "policy_loss": loss.item(),
@@ -387,3 +414,19 @@ def kl_loss(
     kl_BT = (kl_fn or kl_estimator(kind))(logprobs_BT, ref_logprobs_BT, m)
     loss = aggregate_loss(kl_BT, m, agg, max_tokens=max_tokens)
     return loss, {"kl": loss.item()}
+
+
+def entropy_bonus(
+    entropy_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation = "token-mean",
+    max_tokens: int | None = None,
+) -> LossOutput:
+    """The policy's entropy, aggregated like the policy loss; subtract coef × it from the loss.
+
+    `entropy_BT` is the exact entropy of each predicted distribution (from the tempered logits,
+    with gradient), e.g. `training.kl.token_entropy`. Returns (entropy, {"entropy": value}).
+    """
+    entropy = aggregate_loss(entropy_BT, bool_mask(mask_BT), agg, max_tokens=max_tokens)
+    return entropy, {"entropy": entropy.item()}
