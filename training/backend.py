@@ -326,18 +326,32 @@ class PyTorchTrainingBackend:
     # -- checkpoints ----------------------------------------------------------------------------
 
     async def save_checkpoint(
-        self, step: int, metrics: dict[str, Any], *, extra_state: dict[str, Any] | None = None
+        self,
+        step: int,
+        metrics: dict[str, Any],
+        *,
+        extra_state: dict[str, Any] | None = None,
+        extra_tensors: dict[str, Any] | None = None,
     ) -> Path:
-        """Write a checkpoint after all queued work; returns its directory."""
-        return await self._submit(lambda: self._save(step, metrics, extra_state or {})).result()
+        """Write a checkpoint after all queued work; returns its directory.
 
-    def _save(self, step: int, metrics: dict[str, Any], extra: dict[str, Any]) -> Path:
+        `extra_state` (JSON) and `extra_tensors` (tensors and plain values, e.g. a reference
+        model's weights) are written into the same atomic checkpoint; `read_extra_tensors`
+        gives the latter back.
+        """
+        return await self._submit(
+            lambda: self._save(step, metrics, extra_state or {}, extra_tensors or {})
+        ).result()
+
+    def _save(self, step: int, metrics: dict[str, Any], extra: dict[str, Any],
+              extra_tensors: dict[str, Any]) -> Path:  # fmt: skip
         if self.optimizer is None or self.scheduler is None:
             raise BackendError("a frozen backend (no optimizer) is not checkpointed")
         torch_state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt.rng_state(),
+            "extra": extra_tensors,
         }
         json_state = {
             "step": self.step,
@@ -354,6 +368,12 @@ class PyTorchTrainingBackend:
             json_state=json_state,
             keep_last=self.keep_last,
         )
+
+    @staticmethod
+    def read_extra_tensors(path: str | Path) -> dict[str, Any]:
+        """The `extra_tensors` saved with the checkpoint at `path` ({} if none were)."""
+        _, torch_state = ckpt.read_checkpoint_state(ckpt.resolve_checkpoint(path))
+        return dict(torch_state.get("extra", {}))
 
     async def export_weights(self, out_dir: str | Path) -> Path:
         """Write the current weights in HF layout (what engines load) after queued work."""

@@ -10,8 +10,10 @@ rule can read the measured "kl"), on the reference's worker thread. Shipped: kee
 toward the policy, periodic hard reset, and a hard reset once the KL since the last reset
 exceeds a budget.
 
-Not covered: the reference's weights and a rule's own counters are not checkpointed; after a
-resume the reference starts again from the policy's starting weights (`make_reference`).
+Checkpoints: `reference_state` (the reference's weights, and the rule's own state when the
+rule has `state_dict`, like `kl_triggered_reset`'s KL accumulator) goes into every RL
+checkpoint, and `load_reference_state` restores it on resume, so an EMA or reset reference
+continues where it was instead of restarting from the initial policy.
 """
 
 from __future__ import annotations
@@ -45,6 +47,24 @@ def make_reference(policy: PyTorchTrainingBackend) -> PyTorchTrainingBackend:
         checkpoint_dir=policy.checkpoint_dir / "reference", collate_fn=policy._collate,
         micro_batch_tokens=policy.micro_batch_tokens, pack_length=policy.pack_length,
     )  # fmt: skip
+
+
+def reference_state(reference: PyTorchTrainingBackend, rule: ReferenceUpdateFn) -> dict[str, Any]:
+    """What a checkpoint keeps of the reference: weights (copied) and the rule's state.
+
+    Call on the reference's worker (`reference.call`), after the step's update.
+    """
+    weights = {k: v.detach().clone() for k, v in reference.model.state_dict().items()}
+    rule_state = rule.state_dict() if hasattr(rule, "state_dict") else {}
+    return {"weights": weights, "rule": rule_state}
+
+
+def load_reference_state(reference: PyTorchTrainingBackend, rule: ReferenceUpdateFn,
+                         state: dict[str, Any]) -> None:  # fmt: skip
+    """Inverse of `reference_state` (on the reference's worker)."""
+    reference.model.load_state_dict(state["weights"])
+    if hasattr(rule, "load_state_dict"):
+        rule.load_state_dict(state["rule"])
 
 
 def reset_to_policy(reference: PyTorchTrainingBackend, policy: PyTorchTrainingBackend) -> None:
@@ -113,30 +133,42 @@ def kl_triggered_reset(
         raise ConfigError(f"kl_triggered_reset: max_kl must be > 0, got {max_kl}")
     if mode not in ("accumulated", "step"):
         raise ConfigError(f"kl_triggered_reset: mode {mode!r}; use 'accumulated' or 'step'")
-    accumulated = 0.0  # since the last reset; lives in this closure (see the module docstring)
+    return _KLTriggeredReset(max_kl, key, mode)
 
-    def update(
+
+class _KLTriggeredReset:
+    """`kl_triggered_reset`'s rule: the KL accumulated since the last reset is its state."""
+
+    def __init__(self, max_kl: float, key: str, mode: str):
+        self.max_kl, self.key, self.mode = max_kl, key, mode
+        self.accumulated = 0.0  # since the last reset; checkpointed through state_dict
+
+    def state_dict(self) -> dict[str, float]:
+        return {"accumulated": self.accumulated}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        self.accumulated = float(state["accumulated"])
+
+    def __call__(
+        self,
         reference: PyTorchTrainingBackend,
         policy: PyTorchTrainingBackend,
         step: int,
         metrics: Mapping[str, Any],
     ) -> dict[str, float]:
-        nonlocal accumulated
-        if key not in metrics:
+        if self.key not in metrics:
             if metrics.get("skipped_empty_batch"):
-                return {"reference_reset": 0.0, "reference_kl_accumulated": accumulated}
+                return {"reference_reset": 0.0, "reference_kl_accumulated": self.accumulated}
             raise ConfigError(
-                f"kl_triggered_reset reads metrics[{key!r}], which step {step} did not log; "
-                "use an algorithm with kl_coef > 0 so the KL to the reference is measured"
+                f"kl_triggered_reset reads metrics[{self.key!r}], which step {step} did not "
+                "log; use an algorithm with kl_coef > 0 so the KL to the reference is measured"
             )
-        kl = float(metrics[key])
-        accumulated += kl
-        measured = accumulated if mode == "accumulated" else kl
-        out = {"reference_reset": 0.0, "reference_kl_accumulated": accumulated}
-        if measured > max_kl:
+        kl = float(metrics[self.key])
+        self.accumulated += kl
+        measured = self.accumulated if self.mode == "accumulated" else kl
+        out = {"reference_reset": 0.0, "reference_kl_accumulated": self.accumulated}
+        if measured > self.max_kl:
             reset_to_policy(reference, policy)
-            accumulated = 0.0
+            self.accumulated = 0.0
             out["reference_reset"] = 1.0
         return out
-
-    return update

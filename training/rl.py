@@ -26,15 +26,22 @@ from typing import Any, TypeAlias
 import trio
 
 from engines.weight_sync import pause_engines, sync_weights_to_engines
+from rollouts.errors import CheckpointError
 from rollouts.nursery import open_nursery
 from rollouts.types import RolloutBatch
 from training.advantages import AdvantageFn
 from training.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
 from training.backend import PyTorchTrainingBackend
+from training.checkpoint import find_latest_checkpoint
 from training.data_buffer import DataBuffer
 from training.kl import KLFn
 from training.loggers import Logger
-from training.reference import ReferenceUpdateFn, frozen
+from training.reference import (
+    ReferenceUpdateFn,
+    frozen,
+    load_reference_state,
+    reference_state,
+)
 from training.rl_config import RLLoopConfig
 from training.rl_step import train_on_batch as train_on_batch
 from training.sft import maybe_resume
@@ -169,6 +176,8 @@ async def run_rl_training(
     """
     export_root = Path(export_dir)
     start = await maybe_resume(backend, data_buffer, config)
+    if start > 0 and reference is not None:  # the reference continues where it was too
+        await _restore_reference(backend, reference, reference_update)
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
         await push_weights(backend, engines, export_root, pause_mode=pause_mode)
     history: list[dict[str, Any]] = []
@@ -226,7 +235,7 @@ async def run_rl_training(
             stop = stop_fn is not None and stop_fn(step, metrics)
             if step % config.checkpoint_every == 0 or step == config.max_steps or stop:
                 await _checkpoint(backend, step, metrics, data_buffer, resolved_config,
-                                  checkpoint_hook)  # fmt: skip
+                                  checkpoint_hook, reference, reference_update)  # fmt: skip
             if stop:
                 log.info("stop_fn ended the run after step %d", step)
                 break
@@ -235,8 +244,27 @@ async def run_rl_training(
 
 async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
                       data_buffer: DataBuffer, resolved_config: dict[str, Any] | None,
-                      hook: CheckpointHook | None) -> None:  # fmt: skip
+                      hook: CheckpointHook | None, reference: PyTorchTrainingBackend | None,
+                      reference_update: ReferenceUpdateFn) -> None:  # fmt: skip
     extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
-    path = await backend.save_checkpoint(step, metrics, extra_state=extra)
+    tensors = {}
+    if reference is not None:
+        state = partial(reference_state, reference, reference_update)
+        tensors["reference"] = await reference.call(state).result()
+    path = await backend.save_checkpoint(step, metrics, extra_state=extra, extra_tensors=tensors)
     if hook is not None:
         hook(step, path, metrics)
+
+
+async def _restore_reference(backend: PyTorchTrainingBackend, reference: PyTorchTrainingBackend,
+                             rule: ReferenceUpdateFn) -> None:  # fmt: skip
+    """Load the reference saved with the checkpoint the policy resumed from."""
+    latest = find_latest_checkpoint(backend.checkpoint_dir)
+    state = (await trio.to_thread.run_sync(backend.read_extra_tensors, latest)).get("reference")
+    if state is None:
+        raise CheckpointError(
+            f"{latest} has no reference model state (written before references were "
+            "checkpointed); resume with a fresh reference by starting a new run"
+        )
+    await reference.call(partial(load_reference_state, reference, rule, state)).result()
+    log.info("reference model restored from %s", latest)
