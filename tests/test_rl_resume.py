@@ -1,4 +1,4 @@
-"""RL resume restores everything a step depends on: here the reference model and its rule."""
+"""RL resume restores everything a step depends on: the reference model, its rule, the critic."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.tasks.arithmetic import digit_share_reward, write_arithmetic_datasets
-from training.algorithms import constant_schedule, grpo
+from training.algorithms import constant_schedule, ppo
 from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
+from training.critic import make_critic
 from training.data_buffer import DataBuffer
 from training.reference import ema_update, kl_triggered_reset, make_reference
 from training.rl import run_rl_training
@@ -48,10 +49,12 @@ async def run_steps(model_dir, tmp_path, rule, *, resume: bool):
         collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
     )  # fmt: skip
     reference = make_reference(backend)
+    critic = make_critic(model_dir, tok, optim=OptimConfig(lr=3e-3), max_steps=2,
+                         checkpoint_dir=tmp_path / "out" / "critic")  # fmt: skip
     rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=4, filter_groups="none",
                             sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
     loop = RLLoopConfig(max_steps=2, checkpoint_every=2, resume="auto" if resume else "never")
-    with backend, reference:
+    with backend, reference, critic:
         async with (
             open_local_engine(model_dir, num_threads=1) as server,
             SGLangEngine(server.url) as engine,
@@ -61,21 +64,25 @@ async def run_steps(model_dir, tmp_path, rule, *, resume: bool):
                                           current_version=lambda: backend.weight_version)  # fmt: skip
             history = await run_rl_training(
                 backend, buffer, manager, [engine], loop,
-                algorithm=constant_schedule(grpo(kl_coef=0.05)),
+                algorithm=constant_schedule(ppo(kl_coef=0.05)),
                 export_dir=tmp_path / "out" / "weights", reference=reference,
-                reference_update=rule,
+                reference_update=rule, critic=critic,
             )  # fmt: skip
         weights = {k: v.clone() for k, v in reference.model.state_dict().items()}
+        weights |= {f"critic.{k}": v.clone() for k, v in critic.model.state_dict().items()}
     return history, weights
 
 
-async def test_resume_restores_the_reference_weights_and_its_update_rule(tiny_model_dir, tmp_path):
+async def test_resume_restores_the_reference_its_update_rule_and_the_critic(
+    tiny_model_dir, tmp_path
+):
     trained_rule = EmaCountingKL()
     history, saved = await run_steps(tiny_model_dir, tmp_path, trained_rule, resume=False)
     assert len(history) == 2 and trained_rule.kl_seen > 0
     initial, _ = load_model_and_tokenizer(tiny_model_dir)
     initial_weights = initial.state_dict()
-    assert any(not torch.equal(saved[k], initial_weights[k]) for k in saved)  # the EMA moved it
+    assert any(not torch.equal(saved[k], initial_weights[k]) for k in initial_weights)  # EMA
+    assert saved["critic.score.weight"].abs().sum() > 0  # the critic's head was trained
 
     resumed_rule = EmaCountingKL()
     history, resumed = await run_steps(tiny_model_dir, tmp_path, resumed_rule, resume=True)

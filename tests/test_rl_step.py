@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollouts.errors import ConfigError
-from tests.test_rl_maths import batch_of, rl_backend
+from tests.rl_helpers import batch_of, rl_backend
 from training.algorithms import dapo, grpo, reinforce
 from training.config import load_config
 from training.rl_batch import RLExample, split_mini_batches

@@ -250,6 +250,17 @@ def reinforce(**overrides: Any) -> AlgorithmConfig:
     return _preset(defaults, overrides)
 
 
+def ppo(**overrides: Any) -> AlgorithmConfig:
+    """PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022 for language models).
+
+    Per-token GAE advantages (γ = 1, λ = 0.95, whitened over the batch's tokens) from a value
+    model trained beside the policy (training/critic.py, value loss clipped at 0.2), the
+    clipped ratio at 0.2 and a token-mean loss. PPO is made for several updates per batch:
+    pair it with train.mini_batches / train.epochs.
+    """
+    return _preset({"name": "ppo", "advantage": "gae", "aggregation": "token-mean"}, overrides)
+
+
 def online_dpo(**overrides: Any) -> AlgorithmConfig:
     """Online DPO: pairwise loss on each group's best vs worst sample (needs ref logprobs)."""
     return _preset({"name": "online_dpo", "loss": "pairwise"}, overrides)

@@ -275,19 +275,29 @@ class PyTorchTrainingBackend:
         RL loss and with the engine's.
         """
         samples = list(samples)
-        return self._submit(lambda: self._compute_logprobs(samples, temperature))
 
-    def _compute_logprobs(self, samples: list[Any], temperature: float) -> list[torch.Tensor]:
+        def logprobs(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+            return token_logprobs(temper_logits(logits, temperature), batch.target_ids)
+
+        return self._submit(lambda: self._per_trained_token(samples, logprobs))
+
+    def compute_values(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:
+        """Queue per-sample outputs of a one-output-per-token model (a critic, see
+        training/critic.py) at every trained target position, in sample order."""
+        samples = list(samples)
+        return self._submit(lambda: self._per_trained_token(samples, lambda lg, _: lg[..., 0]))
+
+    def _per_trained_token(self, samples: list[Any], fn) -> list[torch.Tensor]:
+        """`fn(logits, batch)` → [B, T], read at each sample's trained positions (no grad)."""
         out: list[torch.Tensor] = []
         with torch.no_grad(), eval_mode(self.model):
             for mb in self.split_microbatches(samples):
                 batch = self._collate(mb).to(self.device)
-                logits = temper_logits(forward_logits(self.model, batch), temperature)
-                lp = token_logprobs(logits, batch.target_ids)
+                values_BT = fn(forward_logits(self.model, batch), batch)
                 trained = batch.target_ids != -100
                 for i in range(len(mb)):
                     sel = (batch.segment_ids == i) & trained
-                    out.append(lp[sel].float().cpu())
+                    out.append(values_BT[sel].float().cpu())
         return out
 
     def generate_greedy(

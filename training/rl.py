@@ -32,7 +32,7 @@ from rollouts.types import RolloutBatch
 from training.advantages import AdvantageFn
 from training.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
 from training.backend import PyTorchTrainingBackend
-from training.checkpoint import find_latest_checkpoint
+from training.checkpoint import checkpoint_name, find_latest_checkpoint
 from training.data_buffer import DataBuffer
 from training.kl import KLFn
 from training.loggers import Logger
@@ -125,6 +125,7 @@ async def run_rl_training(
     old_from_rollout: bool = False,
     reference: PyTorchTrainingBackend | None = None,
     reference_update: ReferenceUpdateFn = frozen,
+    critic: PyTorchTrainingBackend | None = None,
     advantage_fn: AdvantageFn | None = None,
     policy_loss_fn: PolicyLossFn = compute_policy_loss,
     kl_fn: KLFn | None = None,
@@ -155,6 +156,9 @@ async def run_rl_training(
         reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
         reference_update: how the reference follows the policy (frozen, EMA, periodic or
             KL-triggered reset); sees each step's metrics, its own are merged into them.
+        critic: PPO's value model (`training.critic.make_critic`), trained beside the policy
+            and checkpointed with it (its checkpoint is written first, so a policy checkpoint
+            always has its critic's); needed only by algorithms with advantage="gae".
         advantage_fn: rewards [G, N] → advantages [G, N]; None: the algorithm's estimator.
         policy_loss_fn: replaces `compute_policy_loss` (same signature; may wrap it).
         kl_fn: per-token KL (`training.kl.KLFn`) for the KL loss term and the KL reward
@@ -178,6 +182,8 @@ async def run_rl_training(
     start = await maybe_resume(backend, data_buffer, config)
     if start > 0 and reference is not None:  # the reference continues where it was too
         await _restore_reference(backend, reference, reference_update)
+    if start > 0 and critic is not None:
+        await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
         await push_weights(backend, engines, export_root, pause_mode=pause_mode)
     history: list[dict[str, Any]] = []
@@ -198,7 +204,7 @@ async def run_rl_training(
                                             policy_loss_fn=policy_loss_fn, kl_fn=kl_fn,
                                             share_prompts=share_prompts,
                                             mini_batches=config.mini_batches,
-                                            epochs=config.epochs)  # fmt: skip
+                                            epochs=config.epochs, critic=critic)  # fmt: skip
             if reference is not None:
                 update = partial(reference_update, reference, backend, step, dict(metrics))
                 metrics |= await reference.call(update).result() or {}
@@ -234,6 +240,8 @@ async def run_rl_training(
                 on_algorithm_switch(upcoming)
             stop = stop_fn is not None and stop_fn(step, metrics)
             if step % config.checkpoint_every == 0 or step == config.max_steps or stop:
+                if critic is not None:  # first: `latest` of the policy implies its critic's
+                    await critic.save_checkpoint(step, metrics)
                 await _checkpoint(backend, step, metrics, data_buffer, resolved_config,
                                   checkpoint_hook, reference, reference_update)  # fmt: skip
             if stop:

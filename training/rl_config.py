@@ -53,7 +53,7 @@ class AlgorithmSection(Strict):
     """The algorithm preset and overrides; `then`/`switch_at_step` switch presets mid-run."""
 
     preset: Literal[
-        "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "online_dpo"
+        "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "online_dpo", "ppo"
     ] = "grpo"
     overrides: dict[str, float | int | str | bool | None] = {}
     then: str | None = None
@@ -92,6 +92,11 @@ class RLRunConfig(Strict):
     reward: RewardConfig = RewardConfig()
     env: EnvSection = EnvSection()
     optim: OptimConfig = OptimConfig(lr=1e-5, schedule="constant", grad_clip=1.0)
+    critic_optim: OptimConfig | None = Field(
+        None,
+        description="PPO's critic; None: the policy's optim with 10x its lr (a value head "
+        "starts from scratch and must keep up with the policy, as verl's defaults assume)",
+    )
     backend: BackendConfig = BackendConfig()
     train: RLLoopConfig = RLLoopConfig()
 

@@ -31,6 +31,7 @@ from training.algorithms import PolicyLossFn
 from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.checkpoint import find_latest_checkpoint
 from training.config import SFTRunConfig, config_to_yaml, load_config
+from training.critic import make_critic
 from training.data_buffer import DataBuffer
 from training.kl import KLFn
 from training.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
@@ -282,8 +283,20 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
         seed=config.backend.seed,
     )  # fmt: skip
-    needs_ref = any(schedule(s).needs_ref_logprobs for s in range(1, config.train.max_steps + 1))
+    steps = range(1, config.train.max_steps + 1)
+    needs_ref = any(schedule(s).needs_ref_logprobs for s in steps)
     reference = make_reference(backend) if needs_ref else None
+    critic = None
+    if any(schedule(s).needs_critic for s in steps):
+        critic_optim = config.critic_optim or config.optim.model_copy(
+            update={"lr": config.optim.lr * 10}
+        )
+        critic = make_critic(model_path, tokenizer, optim=critic_optim,
+                             max_steps=config.train.max_steps, checkpoint_dir=out / "critic",
+                             micro_batch_tokens=config.backend.micro_batch_tokens,
+                             keep_last=config.train.keep_last,
+                             num_threads=config.backend.num_threads, dtype=config.model.dtype,
+                             device=config.backend.device)  # fmt: skip
     if config.train.resume == "never":
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "rollouts.jsonl").unlink(missing_ok=True)
@@ -292,7 +305,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
                             keys=("reward_mean", "accuracy", "eval_accuracy", "loss",
                                   "time_step_s", "weight_version"))  # fmt: skip
-    with backend, contextlib.closing(jsonl), contextlib.closing(console), _closing(dump):
+    with backend, _closing(critic), _closing(reference), contextlib.closing(jsonl), \
+            contextlib.closing(console), _closing(dump):  # fmt: skip
         async with open_engines(config, model_path, out) as clients, EnginePool(clients) as pool:
             if config.engines.urls:  # live servers: make them serve exactly our start weights
                 await push_weights(
@@ -326,7 +340,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     backend, buffer, manager, clients, config.train, algorithm=schedule,
                     export_dir=out / "weights", temperature=config.rollout.sampling.temperature,
                     old_from_rollout=config.rollout.mode != "sync", reference=reference,
-                    reference_update=extensions.reference_update,
+                    reference_update=extensions.reference_update, critic=critic,
                     advantage_fn=extensions.advantage_fn, policy_loss_fn=extensions.policy_loss_fn,
                     kl_fn=extensions.kl_fn, stop_fn=extensions.stop_fn,
                     checkpoint_hook=extensions.checkpoint_hook,

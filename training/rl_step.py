@@ -9,12 +9,17 @@ modes, otherwise the trainer's before the first update (one extra forward pass, 
 there is a single update, where they equal the current logprobs). The LR schedule and the
 weight version advance once per batch, after the last update.
 
+PPO (`algorithm.needs_critic`): the critic's values of the batch give per-token GAE advantages
+and returns (training/gae.py), and the critic makes the same k·e updates on the same
+mini-batches, queued on its own worker thread so that they run beside the policy's.
+
 Departures: mini-batches are visited in batch order, not reshuffled per epoch (verl shuffles
 when asked; the groups of a batch are already in random prompt order).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,8 +28,11 @@ from rollouts.types import RolloutBatch
 from training.advantages import AdvantageFn
 from training.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
 from training.backend import PyTorchTrainingBackend, merge_metrics
+from training.critic import value_loss_fn
+from training.gae import explained_variance, gae, whiten
 from training.kl import KLFn
 from training.rl_batch import (
+    RLExample,
     build_examples,
     kl_penalised_batch,
     loss_weight_fn,
@@ -42,12 +50,14 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
                          advantage_fn: AdvantageFn | None = None,
                          policy_loss_fn: PolicyLossFn = compute_policy_loss,
                          kl_fn: KLFn | None = None, share_prompts: bool = True,
-                         mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:  # fmt: skip
+                         mini_batches: int = 1, epochs: int = 1,
+                         critic: PyTorchTrainingBackend | None = None) -> dict[str, float]:  # fmt: skip
     """(KL reward penalty) → advantages → (reference / old logprobs) → k·e optimizer steps.
 
     `advantage_fn`, `policy_loss_fn` and `kl_fn` replace the algorithm's advantage estimator,
     `compute_policy_loss` and its KL estimator (see `run_rl_training`); `share_prompts` scores
-    a group's samples against one copy of their prompt (policy and reference alike).
+    a group's samples against one copy of their prompt (policy and reference alike). `critic`
+    is the value model PPO needs (training/critic.py); its metrics are prefixed "critic_".
 
     Returns:
         The step's metrics: each update's loss metrics averaged over the updates (`_max` /
@@ -57,6 +67,8 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
     """
     if algorithm.needs_ref_logprobs and reference is None:
         raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
+    if algorithm.needs_critic and critic is None:
+        raise ValueError(f"{algorithm.name} (advantage=gae) needs a critic (training.critic)")
     metrics: dict[str, float] = {}
     if algorithm.kl_as_reward and algorithm.kl_coef > 0:
         batch, metrics = await _penalise_kl_in_rewards(backend, reference, batch, algorithm, kl_fn,
@@ -67,6 +79,10 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
     if algorithm.needs_ref_in_loss:
         ref_fut = reference.compute_logprobs(examples, temperature=temperature)
         examples = with_ref_logprobs(examples, await ref_fut.result())
+    if algorithm.needs_critic:
+        values_S = await critic.compute_values(examples).result()
+        examples, gae_metrics = with_gae(examples, values_S, algorithm)
+        metrics |= gae_metrics
     chunks = split_mini_batches(examples, mini_batches)
     n_updates = len(chunks) * epochs
     if n_updates > 1 and not old_from_rollout:  # the policy moves between updates
@@ -75,13 +91,54 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
         chunks = split_mini_batches(examples, mini_batches)
     loss_fn = rl_loss_fn(algorithm, temperature=temperature, old_from_rollout=old_from_rollout,
                          policy_loss_fn=policy_loss_fn, kl_fn=kl_fn)  # fmt: skip
-    futures = []
-    for k in range(n_updates):  # all queued at once: the worker runs them back to back
-        fb = backend.forward_backward(chunks[k % len(chunks)], loss_fn=loss_fn,
-                                      loss_weight_fn=loss_weight_fn(algorithm))  # fmt: skip
-        futures.append((fb, backend.optim_step(finish_step=k == n_updates - 1)))
+    critic_futures = []
+    if algorithm.needs_critic:  # queued first: the critic's thread works beside the policy's
+        value_loss = value_loss_fn(algorithm.value_clip)
+        critic_futures = _queue_updates(critic, chunks, n_updates, value_loss,
+                                        lambda batch: batch.n_trained_tokens)  # fmt: skip
+    futures = _queue_updates(backend, chunks, n_updates, loss_fn, loss_weight_fn(algorithm))
     updates = [{**await fb.result(), **await opt.result()} for fb, opt in futures]
-    return {**metrics, **_merge_updates(updates)}
+    metrics |= _merge_updates(updates)
+    if critic_futures:
+        critic_updates = [{**await fb.result(), **await opt.result()} for fb, opt in critic_futures]
+        metrics |= {f"critic_{k}": v for k, v in _merge_updates(critic_updates).items()}
+    return metrics
+
+
+def _queue_updates(backend: PyTorchTrainingBackend, chunks: list[list[RLExample]],
+                   n_updates: int, loss_fn, weight_fn) -> list:  # fmt: skip
+    """Queue n_updates forward_backward + optim_step pairs over `chunks` (all at once: the
+    worker runs them back to back); the last one finishes the training step."""
+    futures = []
+    for k in range(n_updates):
+        fb = backend.forward_backward(chunks[k % len(chunks)], loss_fn=loss_fn,
+                                      loss_weight_fn=weight_fn)  # fmt: skip
+        futures.append((fb, backend.optim_step(finish_step=k == n_updates - 1)))
+    return futures
+
+
+def with_gae(examples: list[RLExample], values_S: list[torch.Tensor],
+             algorithm: AlgorithmConfig) -> tuple[list[RLExample], dict[str, float]]:  # fmt: skip
+    """Examples with per-token GAE advantages (whitened over the batch), returns and the
+    critic's values attached; metrics of the critic's fit before this step's update."""
+    advantages_S, returns_S = [], []
+    for example, values_T in zip(examples, values_S, strict=True):
+        adv_T, ret_T = gae(example.reward, values_T, gamma=algorithm.gae_gamma,
+                           lam=algorithm.gae_lambda)  # fmt: skip
+        advantages_S.append(adv_T)
+        returns_S.append(ret_T)
+    whitened_S = whiten(advantages_S)
+    examples = [
+        replace(e, token_advantages=tuple(a.tolist()), returns=tuple(r.tolist()),
+                old_values=tuple(v.tolist()))
+        for e, a, r, v in zip(examples, whitened_S, returns_S, values_S, strict=True)
+    ]  # fmt: skip
+    values, returns = torch.cat(values_S), torch.cat(returns_S)
+    return examples, {
+        "value_mean_before": values.mean().item(),
+        "returns_mean": returns.mean().item(),
+        "explained_variance": explained_variance(values, returns),
+    }
 
 
 def _merge_updates(updates: list[dict[str, Any]]) -> dict[str, float]:
