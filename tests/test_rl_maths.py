@@ -23,6 +23,7 @@ from training.algorithms import (
     reinforce,
     shape_reward,
 )
+from training.backend import load_model_and_tokenizer
 from training.config import load_config
 from training.kl import token_entropy
 from training.reference import make_reference
@@ -45,6 +46,38 @@ async def test_kl_to_an_identical_reference_is_zero_at_any_temperature(
                                        old_from_rollout=False, reference=reference)  # fmt: skip
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(0.0, abs=1e-6)
+
+
+def tempered_k1(model_dir, ref_dir, batch, temperature):
+    """Mean per-token k1 KL of the tempered distributions, straight from the two HF models."""
+    models = [load_model_and_tokenizer(d)[0].eval() for d in (model_dir, ref_dir)]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in batch.samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            lp = [torch.log_softmax(m(input_ids=ids).logits[0] / temperature, -1) for m in models]
+            for k, token in enumerate(s.response_ids):
+                pos = len(s.prompt_ids) + k - 1
+                total += (lp[0][pos, token] - lp[1][pos, token]).item()
+                count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("kl_as_reward", [False, True])
+async def test_both_kl_paths_measure_the_kl_of_the_tempered_distributions(
+    tiny_model_dir, tiny_model_dir_seed1, tmp_path, kl_as_reward
+):
+    batch = batch_of([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]])
+    algo = grpo(kl_coef=0.1, kl_kind="k1", kl_as_reward=kl_as_reward, aggregation="token-mean")
+    with (
+        rl_backend(tiny_model_dir, tmp_path) as policy,
+        rl_backend(tiny_model_dir_seed1, tmp_path, name="r") as reference,
+    ):
+        metrics = await train_on_batch(policy, batch, algo, temperature=0.7,
+                                       old_from_rollout=False, reference=reference)  # fmt: skip
+    expected = tempered_k1(tiny_model_dir, tiny_model_dir_seed1, batch, 0.7)
+    assert abs(expected) > 0.05  # different models: a real KL
+    assert metrics["kl"] == pytest.approx(expected, rel=1e-4)
 
 
 async def test_online_dpo_margin_is_zero_against_an_identical_reference(tiny_model_dir, tmp_path):
