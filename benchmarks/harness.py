@@ -40,6 +40,7 @@ SECTIONS = (
     "weight_sync",
     "rl_scaling",
     "rl_algorithms",
+    "rl_ppo",
 )
 
 

@@ -7,6 +7,7 @@ greedy accuracy before/after, the mean clip fraction and KL to the behaviour pol
 steps, and the wall time of the RL part.
 
     .venv/bin/python benchmarks/rl_algorithms.py [--steps 200] [--repeats 3] [--arms grpo,grpo_mb4]
+    .venv/bin/python benchmarks/rl_algorithms.py --arms grpo,ppo_mb4 --section rl_ppo
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ARMS = {
     "dapo": ["algorithm.preset=dapo"],
     "dapo_mb4": ["algorithm.preset=dapo", "train.mini_batches=4"],
     "ppo": ["algorithm.preset=ppo"],
+    "ppo_mb4": ["algorithm.preset=ppo", "train.mini_batches=4"],
 }
 SUMMARY = re.compile(
     r"RL done: heldout_accuracy before=([\d.]+)% after=([\d.]+)%.*wall_time=([\d.]+)s"
@@ -59,8 +61,29 @@ def run_arm(arm: str, repeat: int, steps: int, out_root: Path) -> dict:
         "rl_wall_s": float(match.group(3)), "process_s": time.perf_counter() - t0,
         "clip_fraction": mean("clip_fraction"), "kl_to_old_last": mean("kl_to_old_last"),
         "s_per_step": mean("time_step_s"),
-        "curve": [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r],
+        "curve": _curve(rows),
     }  # fmt: skip
+
+
+def _curve(rows: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, seconds of RL steps so far, held-out accuracy) at each evaluation."""
+    out, elapsed = [], 0.0
+    for r in rows:
+        elapsed += r.get("time_step_s", 0.0)
+        if "eval_accuracy" in r:
+            out.append((r["step"], elapsed, 100 * r["eval_accuracy"]))
+    return out
+
+
+def curve_table(results: dict[str, list[dict]]) -> str:
+    """Held-out accuracy against the time spent in RL steps (medians over repeats)."""
+    rows = []
+    for arm, rs in results.items():
+        for k, (step, _, _) in enumerate(rs[0]["curve"]):
+            points = [r["curve"][k] for r in rs if len(r["curve"]) > k]
+            rows.append([arm, step, f"{median(p[1] for p in points):.0f}",
+                         f"{median(p[2] for p in points):.1f} %"])  # fmt: skip
+    return md_table(["arm", "step", "RL step time so far (s)", "held-out accuracy"], rows)
 
 
 def main() -> None:
@@ -68,6 +91,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arms", default="grpo,grpo_mb4,dapo,dapo_mb4")
+    parser.add_argument("--section", default="rl_algorithms", choices=["rl_algorithms", "rl_ppo"],
+                        help="RESULTS.md section to write (one per comparison)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 steps, 1 repeat")
     args = parser.parse_args()
     apply_quick(args, parser, steps=10, repeats=1) if args.quick else None
@@ -101,8 +126,10 @@ def main() -> None:
     notes = [f"- {args.repeats} repeats (RL prompt order `data.shuffle_seed` = repeat), arms "
              "alternating; the same SFT checkpoint for all; held-out greedy accuracy on 500 "
              "problems."]  # fmt: skip
-    publish("rl_algorithms", "RL variants on the tiny task (mini-batches, DAPO, PPO)",
-            "rl_algorithms", [table], notes, quick=args.quick, started=started)  # fmt: skip
+    title = {"rl_algorithms": "RL variants on the tiny task: mini-batches and DAPO",
+             "rl_ppo": "PPO with a critic next to GRPO on the tiny task"}[args.section]  # fmt: skip
+    publish(args.section, title, args.section, [table, curve_table(results)], notes,
+            quick=args.quick, started=started)  # fmt: skip
 
 
 if __name__ == "__main__":
