@@ -9,7 +9,8 @@ BENCH_STAMP := $(VENV)/.installed-bench
 # Benchmarks, in the order `make bench` runs them; BENCH_ARGS=--quick gives a smoke run.
 BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/grpo_update.py \
 	benchmarks/rollout_throughput.py \
-	benchmarks/engine_throughput.py benchmarks/weight_sync.py benchmarks/rl_scaling.py
+	benchmarks/engine_throughput.py benchmarks/weight_sync.py benchmarks/rl_scaling.py \
+	benchmarks/rl_algorithms.py
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
