@@ -9,7 +9,11 @@ Layout of one checkpoint directory (`<checkpoint_dir>/step_000010/`):
 
 Guarantees: a checkpoint is written into a temporary sibling directory and renamed into place
 only when complete, and `latest` is replaced atomically after that, so a crash at any point
-leaves the previous checkpoint and pointer intact. Not covered: concurrent writers to one dir.
+leaves the previous checkpoint and pointer intact. A write that fails removes its temporary
+directory; one killed mid-write leaves it behind, and `reclaim_temp_dirs` (called when a loop
+starts and before each write) removes those of writers that are gone. Before writing, the free
+space is checked against the size of what will be written. Not covered: concurrent writers to
+one dir.
 """
 
 from __future__ import annotations
@@ -54,14 +58,29 @@ def write_checkpoint(
     json_state: dict[str, Any],
     keep_last: int | None,
 ) -> Path:
-    """Write one checkpoint atomically, point `latest` at it and prune old ones."""
+    """Write one checkpoint atomically, point `latest` at it and prune old ones.
+
+    Raises:
+        CheckpointError: not enough free space for it (says how much is needed), or the write
+            failed (its temporary directory is removed; the previous checkpoint stays).
+    """
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    reclaim_temp_dirs(checkpoint_dir)
     final = checkpoint_dir / checkpoint_name(step)
-    tmp = checkpoint_dir / f".{final.name}.tmp-{os.getpid()}"
+    tmp = checkpoint_dir / f".{final.name}{TMP_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    export_hf(model, tokenizer, tmp)
-    torch.save(torch_state, tmp / STATE_PT)
-    (tmp / STATE_JSON).write_text(json.dumps(json_state, indent=1, default=str), encoding="utf-8")
+    needed = _tensor_bytes(model.state_dict()) + _tensor_bytes(torch_state) + _MARGIN_BYTES
+    check_free_space(checkpoint_dir, needed, what=f"checkpoint {final.name}")
+    try:
+        export_hf(model, tokenizer, tmp)
+        torch.save(torch_state, tmp / STATE_PT)
+        state_json = json.dumps(json_state, indent=1, default=str)
+        (tmp / STATE_JSON).write_text(state_json, encoding="utf-8")
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError | RuntimeError):  # torch reports a full disk as RuntimeError
+            raise CheckpointError(f"writing {final} failed: {err}") from err
+        raise
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -69,6 +88,66 @@ def write_checkpoint(
     if keep_last is not None:
         prune_checkpoints(checkpoint_dir, keep_last)
     return final
+
+
+TMP_MARK = ".tmp-"  # `.<name>.tmp-<pid>`: a checkpoint or pointer being written by process pid
+_MARGIN_BYTES = 64 << 20  # tokenizer files, configs and filesystem overhead
+
+
+def reclaim_temp_dirs(checkpoint_dir: Path) -> list[Path]:
+    """Remove temporary checkpoint directories and pointer files whose writer is gone.
+
+    A writer killed mid-checkpoint (SIGKILL, OOM, power) leaves `.<name>.tmp-<pid>` behind;
+    it is never a checkpoint (only complete ones are renamed into place), so it is safe to
+    delete once process <pid> no longer runs (or is this process, which has not started
+    writing it).
+
+    Returns:
+        What was removed.
+    """
+    removed = []
+    for path in checkpoint_dir.glob(f".*{TMP_MARK}*") if checkpoint_dir.is_dir() else ():
+        pid = path.name.rsplit(TMP_MARK, 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and _process_alive(int(pid)):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def check_free_space(directory: Path, needed_bytes: int, *, what: str) -> None:
+    """Raise CheckpointError, naming both sizes, when `directory`'s disk has less free space."""
+    free = shutil.disk_usage(directory).free
+    if free < needed_bytes:
+        raise CheckpointError(
+            f"not enough free space to write {what} in {directory}: about "
+            f"{needed_bytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free; free some space "
+            "or point output_dir at a larger disk"
+        )
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested dict/list structure (e.g. an optimizer state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
@@ -81,7 +160,7 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
 
 
 def _write_pointer(checkpoint_dir: Path, name: str) -> None:
-    tmp = checkpoint_dir / f".{LATEST}.tmp-{os.getpid()}"
+    tmp = checkpoint_dir / f".{LATEST}{TMP_MARK}{os.getpid()}"
     tmp.write_text(name + "\n", encoding="utf-8")
     tmp.replace(checkpoint_dir / LATEST)
 

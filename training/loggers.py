@@ -30,20 +30,47 @@ def _jsonable(value: Any) -> Any:
 
 
 class JsonlLogger:
-    """Append each step's metrics as one JSON line to `path` (flushed every line)."""
+    """Append each step's metrics as one JSON line to `path` (flushed every line).
+
+    A resumed run logs again the steps after its checkpoint: the first row it logs drops the
+    file's rows of that step and later ones (a run killed after logging step 130 but
+    checkpointed at 100 resumes at 101, and rows 101-130 are replaced, not repeated).
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file: Any = None
 
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._file is None:
+            self._drop_rows_from(step)
+            self._file = self.path.open("a", encoding="utf-8")
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def _drop_rows_from(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) < step]
+        if len(kept) < len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            tmp.replace(self.path)
+
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _step_of(line: str) -> float:
+    """The step a metrics row was logged at (-inf for a line that is not one: kept)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("-inf")
 
 
 def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:

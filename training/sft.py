@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.backend import PyTorchTrainingBackend
-from training.checkpoint import find_latest_checkpoint
+from training.checkpoint import find_latest_checkpoint, reclaim_temp_dirs
 from training.config import SFTLoopConfig
 from training.data_buffer import DataBuffer
 from training.loggers import Logger
@@ -41,6 +41,8 @@ async def maybe_resume(backend: PyTorchTrainingBackend, buffer: DataBuffer, conf
     Returns:
         The number of steps already done (0 for a fresh run).
     """
+    for stale in reclaim_temp_dirs(backend.checkpoint_dir):
+        log.warning("removed %s, left by a checkpoint write that did not finish", stale)
     if config.resume != "auto":
         return 0
     latest = find_latest_checkpoint(backend.checkpoint_dir)

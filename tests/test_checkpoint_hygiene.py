@@ -1,0 +1,89 @@
+"""A trainer that cleans up after itself: interrupted checkpoint writes, full disks, resumed logs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollouts.errors import CheckpointError
+from training.checkpoint import (
+    check_free_space,
+    find_latest_checkpoint,
+    reclaim_temp_dirs,
+    write_checkpoint,
+)
+from training.loggers import JsonlLogger
+from training.model_io import load_model
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def write(tmp_path, step: int, model, tokenizer):
+    return write_checkpoint(tmp_path, step, model=model, tokenizer=tokenizer,
+                            torch_state={"rng": torch.zeros(3)}, json_state={"step": step},
+                            keep_last=2)  # fmt: skip
+
+
+def test_temp_dirs_of_writers_that_died_are_reclaimed(tmp_path, model, tiny_tokenizer):
+    write(tmp_path, 1, model, tiny_tokenizer)
+    orphan = tmp_path / f".step_000002.tmp-{dead_pid()}"
+    orphan.mkdir()
+    (orphan / "model.safetensors").write_bytes(b"half")
+    pointer = tmp_path / f".latest.tmp-{dead_pid()}"
+    pointer.write_text("step_000002\n")
+    live = tmp_path / ".step_000003.tmp-1"  # pid 1 is alive: another writer, left alone
+    live.mkdir()
+    assert sorted(reclaim_temp_dirs(tmp_path)) == sorted([orphan, pointer])
+    assert not orphan.exists() and not pointer.exists() and live.exists()
+    assert find_latest_checkpoint(tmp_path).name == "step_000001"
+
+
+class FullDiskTokenizer:
+    """Fails like a full disk when saved (the failure must not leave a temporary dir)."""
+
+    def save_pretrained(self, out):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_write_removes_its_temp_dir_and_keeps_the_last_checkpoint(
+    tmp_path, model, tiny_tokenizer
+):
+    write(tmp_path, 1, model, tiny_tokenizer)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        write(tmp_path, 2, model, FullDiskTokenizer())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert find_latest_checkpoint(tmp_path).name == "step_000001"
+
+
+def test_not_enough_free_space_says_how_much_is_needed(tmp_path):
+    check_free_space(tmp_path, 1, what="checkpoint step_000001")
+    with pytest.raises(CheckpointError, match=r"GiB needed, .* GiB free"):
+        check_free_space(tmp_path, 1 << 60, what="checkpoint step_000001")
+
+
+def test_a_resumed_run_replaces_the_rows_after_its_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlLogger(path)
+    for step in range(1, 6):  # killed after logging step 5, last checkpoint at step 3
+        first(step, {"loss": float(step)})
+    first.close()
+    resumed = JsonlLogger(path)
+    for step in (4, 5, 6):
+        resumed(step, {"loss": 10.0 * step})
+    resumed.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == [1.0, 2.0, 3.0, 40.0, 50.0, 60.0]
