@@ -117,7 +117,9 @@ async def launch_engine(
     terminate_timeout_s: float = 10.0,
     poll_interval_s: float = 0.5,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[LaunchedEngine]:
     """Start an engine server process, wait until it is healthy, stop it on exit.
 
@@ -129,6 +131,9 @@ async def launch_engine(
         extra_args: more server flags, e.g. `["--weight-version", "v0"]`.
         log_path: where the server's output goes (default: a new temp file).
         api_key: passed as `--api-key` and used for the health check.
+        admin_api_key: passed as `--admin-api-key` (the key of the control routes).
+        cwd: the server's working directory (default: ours); relative paths sent to it are
+            resolved there, which is why the client sends absolute ones.
 
     Raises:
         EngineLaunchError: the process exited or was not healthy within `startup_timeout_s`.
@@ -136,7 +141,10 @@ async def launch_engine(
     port = port or find_free_port(host)
     if api_key:
         extra_args = [*extra_args, "--api-key", api_key]
-    argv = build_command(kind, str(model_path), host, port, extra_args, command)
+    if admin_api_key:
+        extra_args = [*extra_args, "--admin-api-key", admin_api_key]
+    model = os.path.abspath(model_path) if os.path.exists(model_path) else str(model_path)
+    argv = build_command(kind, model, host, port, extra_args, command)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
         os.close(fd)
@@ -161,6 +169,7 @@ async def launch_engine(
                     stderr=subprocess.STDOUT,
                     check=False,
                     env=child_env,
+                    cwd=None if cwd is None else str(cwd),
                     deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s),
                 )
             )

@@ -1,7 +1,11 @@
 """`sync_weights_to_engines`: push a checkpoint to every engine, concurrently, and verify it.
 
-Contract (per engine, all engines at once): pause → `update_weights_from_disk(dir, version)` →
-read `/get_model_info` and check it reports `version` → continue.
+Contract (per engine, all engines at once): pause → flush the cache (pause mode "abort" only:
+the engine is then idle; retried while it still answers 400, at most `flush_retries` times, as
+slime does) → `update_weights_from_disk(dir, version, flush_cache=False)` → read `/model_info`
+and check it reports `version` → continue. The update never asks for its own flush: with
+requests kept in the engine (pause "in_place"/"retract") SGLang 0.5.23 refuses that flush with a
+400 and does not set the version (0.5.1–0.5.14 crash on an assert).
 - Every engine that was paused is resumed, whatever happened: a failure, another engine's
   failure, or cancellation (the resume runs shielded, bounded by `resume_timeout_s`).
 - Engines do not cancel each other: each finishes its own sequence, then one `WeightSyncError`
@@ -41,6 +45,8 @@ async def sync_weights_to_engines(
     pause_mode: PauseMode = "abort",
     paused: bool = False,
     resume_timeout_s: float = 30.0,
+    flush_retries: int = 5,
+    flush_retry_s: float = 0.2,
 ) -> float:
     """Update every engine's weights from `checkpoint_dir` and label them `weight_version`.
 
@@ -51,6 +57,7 @@ async def sync_weights_to_engines(
         pause_mode: how in-flight requests are paused ("abort" aborts them, as SGLang's RL
             recipe does; "retract"/"in_place" keep them, finishing under the new weights).
         paused: every engine is already paused (`pause_engines`); skip the pause.
+        flush_retries, flush_retry_s: bound on the flush before the update (pause "abort").
 
     Returns:
         Seconds the sync took.
@@ -68,7 +75,9 @@ async def sync_weights_to_engines(
             if not is_paused:
                 await engine.pause(pause_mode)
                 is_paused = True
-            await engine.update_weights_from_disk(path, weight_version)
+            if pause_mode == "abort":
+                await _flush(engine, flush_retries, flush_retry_s)
+            await engine.update_weights_from_disk(path, weight_version, flush_cache=False)
             info = await engine.model_info()
             if info.weight_version != weight_version:
                 failures.setdefault(engine.url, []).append(
@@ -105,6 +114,23 @@ async def sync_weights_to_engines(
         "synced weights %s to %d engine(s) in %.3f s", weight_version, len(engines), duration
     )
     return duration
+
+
+async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
+    """Flush an idle (paused, aborted) engine's cache; it answers 400 until aborts settle."""
+    for attempt in range(retries + 1):
+        try:
+            await engine.flush_cache()
+            return
+        except EngineError as exc:
+            if exc.status != 400 or attempt == retries:
+                raise EngineError(
+                    f"cache flush before the weight update failed after {attempt + 1} "
+                    f"attempt(s): {exc}",
+                    url=engine.url,
+                ) from exc
+            logger.warning("%s: cache not flushed yet (%s); retrying", engine.url, exc)
+            await trio.sleep(retry_s * 2**attempt)
 
 
 async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMode = "abort", *,

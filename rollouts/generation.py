@@ -28,6 +28,7 @@ import trio
 from rollouts.coalesce import CoalescingEngine
 from rollouts.errors import EngineError, RolloutsError
 from rollouts.prompts import PromptItem
+from rollouts.request_ids import oldest_version, request_rid
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_samples
 from rollouts.tools.rewards import tool_metrics
@@ -71,11 +72,6 @@ is cut short; samples it returns without reporting are scored after it returns. 
 reported with no await in between are scored as one batch (`rollouts.scoring`)."""
 
 
-def version_number(version: str | None, default: int) -> int:
-    """Engines report weight versions as strings; ours are integers ("12")."""
-    return int(version) if version is not None and version.isdigit() else default
-
-
 _STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 
@@ -89,7 +85,7 @@ def _sample_from(prompt: PromptItem, r: Any, i: int, ctx: GenerateContext) -> Sa
         status=_STATUS.get(r.finish_reason.type, "completed"),
         group_id=ctx.group_id,
         index_in_group=i,
-        weight_version=version_number(r.weight_version, 0),
+        weight_version=oldest_version(r),
         metadata=prompt.metadata,
         finish_reason=r.finish_reason.type,
     )
@@ -130,7 +126,7 @@ async def single_turn_generate(prompt: PromptItem, n: int, ctx: GenerateContext)
     batch = getattr(ctx.engine, "generate_batch", None)
 
     async def chunk(start: int, stop: int) -> None:
-        rids = [f"{ctx.rid_prefix}-{i}" for i in range(start, stop)]
+        rids = [request_rid(ctx.rid_prefix, i) for i in range(start, stop)]
         async with hold_slots(ctx.limiter, len(rids), ctx.slot_lock):
             ctx.in_flight.update(rids)
             try:

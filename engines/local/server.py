@@ -37,7 +37,7 @@ class LocalEngineServer:
 
 
 def build_app(state: EngineState) -> App:
-    app = App(api_key=state.config.api_key)
+    app = App(api_key=state.config.api_key, admin_api_key=state.config.admin_api_key)
     register_native_routes(app, state)
     register_openai_routes(app, state)
     return app
