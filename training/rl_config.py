@@ -16,7 +16,11 @@ class RLDataConfig(TaskDataSource):
 
 class EnginesConfig(Strict):
     urls: list[str] = Field([], description="live SGLang servers; empty: launch local engines")
+    router_url: str | None = Field(
+        None, description="sgl-model-gateway for generation; `urls` (or its GET /workers) = workers"
+    )
     api_key: str | None = None
+    admin_api_key: str | None = Field(None, description="SGLang --admin-api-key (control routes)")
     n_local: int = Field(1, ge=1)
     local_threads: int | None = Field(1, ge=1, description="torch threads per local engine")
     max_running_requests: int = Field(64, ge=1)
