@@ -12,14 +12,11 @@ Contract:
   `weight_version` appear there); `check_server()` reads `/server_info` and refuses older ones.
   Info routes are the 0.5.23 names (`/model_info`, `/server_info`) with a fallback to the
   deprecated `get_` forms on a 404.
-- Control routes (pause, continue, update, flush, abort) carry `admin_api_key` when given
-  (SGLang's `--admin-api-key`), else `api_key`.
-- Weight paths are sent absolute: SGLang resolves a relative one in its own working directory.
-- `no_stop_trim: true` is sent unless the caller sets it, so `text` is the decoded `output_ids`
-  (rewards read the text of exactly the tokens that are trained).
-- While this client has the engine paused, `is_healthy()` asks `/model_info` instead of
-  `/health_generate`: SGLang's generation probe waits behind the pause and answers 503 after
-  20 s, which would mark a healthy paused engine down.
+- Control routes (pause, continue, update, flush, abort) carry `admin_api_key` if given.
+- Weight paths are sent absolute (SGLang resolves relative ones in its own cwd);
+  `no_stop_trim: true` unless the caller sets it, so `text` decodes all of `output_ids`.
+- While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
+  `/health_generate` waits behind the pause and answers 503 after 20 s.
 
 Not covered: streaming (`stream: true`) — RL rollouts use whole responses; the router's worker
 management API.
@@ -80,6 +77,8 @@ class SGLangEngine:
         self.timeouts = timeouts
         self._url = self._http.url
         self.paused = False  # this client paused the engine and has not resumed it yet
+        # (path, version) the last weight sync gave this engine; EnginePool checks it
+        self.expected_weights: tuple[str, str] | None = None
         self._info_paths: dict[str, str] = {}  # "/model_info" -> the form this server answers
 
     @property
@@ -154,25 +153,17 @@ class SGLangEngine:
             if isinstance(sampling_params, Mapping | None)
             else [dict(p) for p in sampling_params]
         )
-        body = generate_body(
-            prompts,
-            params,
-            list(rids) if rids else None,
-            return_logprob,
-            top_logprobs_num,
-            logprob_start_len,
-        )
+        rid_list = list(rids) if rids else None
+        body = generate_body(prompts, params, rid_list, return_logprob, top_logprobs_num,
+                             logprob_start_len)  # fmt: skip
         started = time.perf_counter()
         response = await self._http.request(
             "POST", "/generate", body=body, timeout=self.timeouts.generate_s
         )
         objs = decode_json(response, "POST /generate", self._url)
         if not isinstance(objs, list):
-            raise EngineError(
-                "POST /generate: expected a JSON list for a batch",
-                url=self._url,
-                body=response.text,
-            )
+            raise EngineError("POST /generate: expected a JSON list for a batch", url=self._url,
+                              body=response.text)  # fmt: skip
         n = len(objs) // max(1, len(prompts))
         latency = time.perf_counter() - started
         try:
@@ -286,10 +277,18 @@ class SGLangEngine:
     async def pause(self, mode: PauseMode = "abort") -> None:
         """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes."""
         self.paused = True  # before the call: it may reach the server even if it fails
-        await self._http.json("POST", "/pause_generation", body={"mode": mode}, admin=True)
+        try:
+            await self._http.json("POST", "/pause_generation", body={"mode": mode}, admin=True)
+        except EngineUnavailableError:
+            self.paused = False  # not reached, or the server is gone: nothing is paused
+            raise
 
     async def resume(self) -> None:
-        await self._http.json("POST", "/continue_generation", body={}, admin=True)
+        try:
+            await self._http.json("POST", "/continue_generation", body={}, admin=True)
+        except EngineUnavailableError:
+            self.paused = False  # gone: a restarted server is not paused
+            raise
         self.paused = False
 
     async def flush_cache(self) -> None:

@@ -6,6 +6,12 @@ Contract:
   unless `port` is given; the process's stdout and stderr go to `log_path`.
 - Yields a `LaunchedEngine` only after `GET /health_generate` answered 200. If the process exits
   first or the deadline passes, raises `EngineLaunchError` with the tail of its log.
+- The engine watches its parent (`ROLLOUTS_PARENT_PID`, read by `python -m engines.local`) and
+  exits when it is gone, so a SIGKILLed trainer leaves no local engine behind.
+  (`PR_SET_PDEATHSIG` cannot be used: trio starts the process from a worker thread, and the
+  signal fires when that thread exits.)
+- `LaunchedEngine.exited` is set when the process ends on its own (`engines.supervisor`
+  relaunches it).
 - When the block exits — normally, by an exception, or by cancellation (also mid-start) — the
   process gets SIGTERM, then SIGKILL after `terminate_timeout_s`; the block does not exit
   before the process is gone.
@@ -25,7 +31,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -52,6 +58,7 @@ class LaunchedEngine:
     pid: int
     log_path: Path
     command: tuple[str, ...]
+    exited: trio.Event = field(default_factory=trio.Event, compare=False)  # the process ended
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -151,7 +158,7 @@ async def launch_engine(
         log_path = name
     log = Path(log_path)
     url = f"http://{host}:{port}"
-    child_env = {**os.environ, **(env or {})}
+    child_env = {**os.environ, "ROLLOUTS_PARENT_PID": str(os.getpid()), **(env or {})}
     if kind == "local" and not command:  # make `engines` importable from wherever we run
         root = str(Path(__file__).resolve().parent.parent)
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
@@ -173,13 +180,20 @@ async def launch_engine(
                     deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s),
                 )
             )
+            launched = LaunchedEngine(
+                url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
+            )
+
+            async def watch() -> None:
+                await process.wait()
+                launched.exited.set()
+
+            nursery.start_soon(watch)
             try:
                 await _wait_until_healthy(
                     process, url, log, startup_timeout_s, poll_interval_s, api_key
                 )
-                yield LaunchedEngine(
-                    url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
-                )
+                yield launched
             finally:
                 nursery.cancel_scope.cancel()
     logger.info("engine %s stopped (exit code %s)", url, process.returncode)

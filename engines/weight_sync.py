@@ -8,6 +8,10 @@ requests kept in the engine (pause "in_place"/"retract") SGLang 0.5.23 refuses t
 400 and does not set the version (0.5.1–0.5.14 crash on an assert).
 - Every engine that was paused is resumed, whatever happened: a failure, another engine's
   failure, or cancellation (the resume runs shielded, bounded by `resume_timeout_s`).
+- An engine that cannot be reached (`EngineUnavailableError`: dead, restarting) is skipped and
+  logged, and the sync goes on with the live ones; it fails only if no engine took the weights.
+  Each engine's `expected_weights` (path, version) is set first, so an `EnginePool` gives a
+  skipped or restarted engine these weights before it serves again.
 - Engines do not cancel each other: each finishes its own sequence, then one `WeightSyncError`
   names every engine that failed with the server's message. Engines that succeeded keep the new
   weights (SGLang keeps the old ones on a failed load), so after an error the fleet may be
@@ -32,7 +36,7 @@ import trio
 
 from rollouts.errors import EngineError
 
-from .types import InferenceEngine, PauseMode, WeightSyncError
+from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +69,15 @@ async def sync_weights_to_engines(
     Raises:
         WeightSyncError: one or more engines failed; the message names each with its reason.
     """
-    path = str(checkpoint_dir)
+    path = os.path.abspath(checkpoint_dir)
     failures: dict[str, list[str]] = {}
+    down: dict[str, str] = {}
     started = time.perf_counter()
 
     async def sync_one(engine: InferenceEngine) -> None:
         is_paused = paused
+        if hasattr(engine, "expected_weights"):
+            engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
         try:
             if not is_paused:
                 await engine.pause(pause_mode)
@@ -84,6 +91,8 @@ async def sync_weights_to_engines(
                     f"reports weight_version {info.weight_version!r} after the update, "
                     f"expected {weight_version!r}"
                 )
+        except EngineUnavailableError as exc:
+            down[engine.url] = str(exc)
         except EngineError as exc:
             failures.setdefault(engine.url, []).append(str(exc))
         finally:
@@ -91,6 +100,8 @@ async def sync_weights_to_engines(
             with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
                 try:
                     await engine.resume()
+                except EngineUnavailableError as exc:
+                    down.setdefault(engine.url, str(exc))
                 except EngineError as exc:
                     failures.setdefault(engine.url, []).append(
                         f"could not be resumed, it may still be paused: {exc}"
@@ -104,15 +115,18 @@ async def sync_weights_to_engines(
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
+    for url, reason in down.items():
+        logger.warning("weight sync %s skipped %s, which is down: %s", weight_version, url, reason)
+    if len(down) == len(engines) and not failures:
+        failures = {url: [f"down: {reason}"] for url, reason in down.items()}
     if failures:
         lines = [f"{url}: {'; '.join(reasons)}" for url, reasons in failures.items()]
         raise WeightSyncError(
             f"weight sync to {weight_version!r} from {path} failed on {len(failures)} of "
             f"{len(engines)} engine(s):\n  " + "\n  ".join(lines)
         )
-    logger.info(
-        "synced weights %s to %d engine(s) in %.3f s", weight_version, len(engines), duration
-    )
+    logger.info("synced weights %s to %d engine(s) in %.3f s", weight_version,
+                len(engines) - len(down), duration)  # fmt: skip
     return duration
 
 
@@ -139,21 +153,30 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
 
     Requests sent after this returns wait in the engines until they are resumed.
 
+    An engine that cannot be reached is skipped (logged): the sync that follows skips it too.
+
     Raises:
-        WeightSyncError: an engine could not be paused; every engine is resumed first (the
-            message names each failure).
+        WeightSyncError: an engine answered the pause with an error, or none could be reached;
+            every engine is resumed first (the message names each failure).
     """
     failures: dict[str, str] = {}
+    down: dict[str, str] = {}
 
     async def pause_one(engine: InferenceEngine) -> None:
         try:
             await engine.pause(pause_mode)
+        except EngineUnavailableError as exc:
+            down[engine.url] = str(exc)
         except EngineError as exc:
             failures[engine.url] = str(exc)
 
     async with trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(pause_one, engine)
+    for url, reason in down.items():
+        logger.warning("not pausing %s for a weight sync: it is down (%s)", url, reason)
+    if len(down) == len(engines):
+        failures.update(down)
     if not failures:
         return
     with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s):

@@ -52,6 +52,23 @@ class EngineError(RolloutsError, RuntimeError):
         self.body = body
 
 
+def describe_engine_failure(exc: BaseException) -> str:
+    """ "<engine url>: <kind>" for failure counts: unreachable, timeout, stale weights, HTTP n."""
+    url = getattr(exc, "url", "") or "engine"
+    name = type(exc).__name__
+    if name == "StaleWeightsError":
+        kind = "stale weights"
+    elif isinstance(exc, TimeoutError):
+        kind = "timeout"
+    elif name == "EngineUnavailableError":
+        kind = "unreachable"
+    elif getattr(exc, "status", None) is not None:
+        kind = f"HTTP {exc.status}"  # type: ignore[attr-defined]
+    else:
+        kind = name
+    return f"{url}: {kind}"
+
+
 class RewardError(RolloutsError, RuntimeError):
     """A reward function raised or timed out under a fail-fast policy."""
 

@@ -266,7 +266,7 @@ async def test_engine_error_without_fail_fast_drops_only_that_group(local_engine
     _, engine = local_engine
     prompts = make_prompts(tiny_tokenizer, 8)
     cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
-                 engine_fail_fast=False)  # fmt: skip
+                 engine_fail_fast=False, max_failed_group_rate=0.5)  # fmt: skip
     failing = FailingForPromptZero(engine, prompts[0].prompt_ids)
     manager = AsyncRolloutManager(failing, DataBuffer(prompts, shuffle=False), cfg,
                                   reward_fn=lambda s: 0.0)  # fmt: skip

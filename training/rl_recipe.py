@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines import EnginePool, SGLangEngine, launch_engine
+from engines import EnginePool, SGLangEngine
 from engines.client import EngineTimeouts
 from engines.router import RouterEngine
+from engines.supervisor import supervise_engine
 from rollouts.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform, keep_all, keep_if_reward_varies
@@ -158,7 +159,7 @@ def group_filter_for(algo: algorithms.AlgorithmConfig, setting: str):
 @contextlib.asynccontextmanager
 async def open_engines(config: RLRunConfig, model_path: str, out: Path):
     """(generation engine, worker clients) for live URLs, a router, or local engines launched
-    here (and stopped).
+    here (relaunched when they die, up to `engines.max_relaunches`; stopped at the end).
 
     Generation goes through an `EnginePool` of the workers, or through the gateway at
     `engines.router_url` (`RouterEngine`); weight syncs always go to each worker. Every worker
@@ -182,9 +183,10 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                         str(ec.max_running_requests)]  # fmt: skip
                 if ec.local_threads:
                     args += ["--num-threads", str(ec.local_threads)]
-                launched = await stack.enter_async_context(launch_engine(
+                launched = await stack.enter_async_context(supervise_engine(
                     kind="local", model_path=model_path, extra_args=args,
                     log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
+                    max_relaunches=ec.max_relaunches,
                 ))  # fmt: skip
                 urls.append(launched.url)
         clients = [
