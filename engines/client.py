@@ -62,6 +62,7 @@ class SGLangEngine:
         max_connections: int = 1024,
         max_keepalive_connections: int = 20,
         transport: httpx.AsyncBaseTransport | None = None,
+        retry_generate: bool = True,
     ) -> None:
         self._http = EngineHTTP(
             url.rstrip("/"),
@@ -76,6 +77,9 @@ class SGLangEngine:
         )
         self.timeouts = timeouts
         self._url = self._http.url
+        # False under an EnginePool: a retry on this URL may reach a restarted server still on
+        # its initial weights; the pool retries elsewhere, or here once it has the weights.
+        self._generate_retries = None if retry_generate else 0
         self.paused = False  # this client paused the engine and has not resumed it yet
         # (path, version) the last weight sync gave this engine; EnginePool checks it
         self.expected_weights: tuple[str, str] | None = None
@@ -131,9 +135,7 @@ class SGLangEngine:
             list(input_ids), params, rid, return_logprob, top_logprobs_num, logprob_start_len
         )
         started = time.perf_counter()
-        response = await self._http.request(
-            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
-        )
+        response = await self._post_generate(body)
         return self._parse(response, started, len(body["input_ids"]))
 
     async def generate_batch(
@@ -157,9 +159,7 @@ class SGLangEngine:
         body = generate_body(prompts, params, rid_list, return_logprob, top_logprobs_num,
                              logprob_start_len)  # fmt: skip
         started = time.perf_counter()
-        response = await self._http.request(
-            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
-        )
+        response = await self._post_generate(body)
         objs = decode_json(response, "POST /generate", self._url)
         if not isinstance(objs, list):
             raise EngineError("POST /generate: expected a JSON list for a batch", url=self._url,
@@ -177,6 +177,11 @@ class SGLangEngine:
             raise EngineError(
                 f"POST /generate: malformed answer ({exc})", url=self._url, body=response.text
             ) from exc
+
+    async def _post_generate(self, body: dict[str, Any]) -> httpx.Response:
+        timeout, retries = self.timeouts.generate_s, self._generate_retries
+        return await self._http.request("POST", "/generate", body=body, timeout=timeout,
+                                        retries=retries)  # fmt: skip
 
     def _parse(self, response: httpx.Response, started: float, prompt_len: int) -> GenerateResult:
         latency = time.perf_counter() - started
@@ -205,9 +210,7 @@ class SGLangEngine:
             "logprob_start_len": start - 1,  # entry 0 (position start-1) is always null
         }
         started = time.perf_counter()
-        response = await self._http.request(
-            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
-        )
+        response = await self._post_generate(body)
         result = self._parse(response, started, len(ids))
         logprobs = result.input_logprobs or ()
         if len(logprobs) != len(ids) - start + 1:
@@ -264,15 +267,10 @@ class SGLangEngine:
             )
         return str(result.get("message", "")) if isinstance(result, Mapping) else ""
 
-    async def update_weight_version(
-        self, new_version: str, *, abort_all_requests: bool = True
-    ) -> None:
-        await self._http.json(
-            "POST",
-            "/update_weight_version",
-            body={"new_version": new_version, "abort_all_requests": abort_all_requests},
-            admin=True,
-        )
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True
+                                    ) -> None:  # fmt: skip
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        await self._http.json("POST", "/update_weight_version", body=body, admin=True)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes."""
@@ -310,13 +308,9 @@ class SGLangEngine:
         )
 
     async def abort_all(self) -> None:
-        await self._http.request(
-            "POST",
-            "/abort_request",
-            body={"abort_all": True},
-            timeout=self.timeouts.control_s,
-            admin=True,
-        )
+        body = {"abort_all": True}
+        timeout = self.timeouts.control_s
+        await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True)
 
     async def _info(self, name: str) -> Any:
         """GET `/{name}` (0.5.23), falling back to the deprecated `/get_{name}` on a 404."""

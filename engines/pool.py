@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from rollouts.errors import EngineError
+from rollouts.errors import EngineError, engine_failure_kind
 
 from .types import (
     EngineTimeoutError,
@@ -59,6 +59,8 @@ class EngineStats:
     failed: int
     failures: Mapping[str, int] = dataclass_field(default_factory=dict)  # kind -> count
     rejoined: int = 0  # times it came back and was given the current weights
+    samples_sent: int = 0  # items of the requests sent to it (a batch counts its items)
+    samples_received: int = 0  # items of the answers it returned
 
 
 @dataclass(frozen=True)
@@ -88,23 +90,13 @@ class _Slot:
         self.failures: Counter[str] = Counter()
         self.rejoined = 0
         self.rejoining = False
+        self.samples_sent = 0
+        self.samples_received = 0
         self.last_pick = 0
 
     def fail(self, exc: EngineError) -> None:
         self.failed += 1
-        self.failures[failure_kind(exc)] += 1
-
-
-def failure_kind(exc: BaseException) -> str:
-    """ "unreachable", "timeout", "stale weights" or "HTTP <status>"."""
-    if isinstance(exc, StaleWeightsError):
-        return "stale weights"
-    if isinstance(exc, EngineTimeoutError):
-        return "timeout"
-    if isinstance(exc, EngineUnavailableError):
-        return "unreachable"
-    status = getattr(exc, "status", None)
-    return f"HTTP {status}" if status is not None else type(exc).__name__
+        self.failures[engine_failure_kind(exc)] += 1
 
 
 class StaleWeightsError(EngineUnavailableError):
@@ -180,6 +172,8 @@ class EnginePool:
                     s.failed,
                     dict(s.failures),
                     s.rejoined,
+                    s.samples_sent,
+                    s.samples_received,
                 )
                 for s in self._slots
             )
@@ -286,6 +280,7 @@ class EnginePool:
             slot = await self._acquire(failed_on)
             weight = max(1, len(rids))  # a batch weighs as many requests as it has items
             slot.in_flight += weight
+            slot.samples_sent += weight
             for r in rids:
                 self._rid_slot[r] = slot
             try:
@@ -305,11 +300,19 @@ class EnginePool:
                     for r in rids:
                         with contextlib.suppress(EngineError):
                             await slot.engine.abort(r)
-                logger.warning("request %s failed on %s (%s); trying another engine",
-                               ",".join(rids), slot.engine.url, failure_kind(exc))  # fmt: skip
+                what = (
+                    f"{rids[0]} (+{len(rids) - 1} more)"
+                    if len(rids) > 1
+                    else rids[0]
+                    if rids
+                    else "a request"
+                )
+                logger.warning("request %s failed on %s (%s); trying another engine", what,
+                               slot.engine.url, engine_failure_kind(exc))  # fmt: skip
                 continue
             else:
                 slot.done += 1
+                slot.samples_received += weight
                 return result
             finally:
                 slot.in_flight -= weight

@@ -302,6 +302,8 @@ def _engine_metrics(engine: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for i, e in enumerate(getattr(statistics(), "engines", ())):
         out |= {f"engine{i}/done": float(e.done), f"engine{i}/failed": float(e.failed),
+                f"engine{i}/samples_sent": float(getattr(e, "samples_sent", 0)),
+                f"engine{i}/samples_received": float(getattr(e, "samples_received", 0)),
                 f"engine{i}/rejoined": float(e.rejoined), f"engine{i}/healthy": float(e.healthy)}  # fmt: skip
         out |= {f"engine{i}/failed/{kind}": float(n) for kind, n in e.failures.items()}
     return out

@@ -227,3 +227,24 @@ async def test_a_200_answer_that_is_not_json_is_an_engine_error():
             await engine.generate([1, 2], {"max_new_tokens": 2})
         with pytest.raises(EngineError, match="not JSON"):
             await engine.generate_batch([[1, 2]], {"max_new_tokens": 2}, rids=["a."])
+
+
+async def test_pool_never_marks_a_paused_engine_down(tiny_model_dir, monkeypatch):
+    from engines import EnginePool
+
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "0.2")
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+        EnginePool([engine], probe_interval_s=0.05) as pool,
+    ):
+        await engine.pause("in_place")  # a weight sync in progress, as far as probes go
+        engine.expected_weights = ("/elsewhere", "next")  # what the sync will give it
+        await trio.sleep(0.5)  # ten probe rounds
+        assert pool.statistics().engines[0].healthy
+        await engine.resume()  # the sync "ended" without the weights: now it is stale
+        await wait_for(lambda: _unhealthy(pool), 10)
+
+
+async def _unhealthy(pool) -> bool:
+    return not pool.statistics().engines[0].healthy

@@ -1,8 +1,9 @@
 """RL recipe glue: config → model, prompts, engines (launched or live), manager, loop, summary.
 
-`examples/run_rl.py` calls `run_rl_recipe`. With `engines.urls` empty it launches local engines
-on the starting checkpoint; with URLs it uses those live SGLang servers and pushes weights to
-each of them by `/update_weights_from_disk`.
+`examples/run_rl.py` calls `run_rl_recipe`. With `engines.urls` empty it launches (and
+supervises) local engines on the starting checkpoint; with URLs it uses those live SGLang
+servers, with `engines.router_url` it generates through sgl-model-gateway; weights go to each
+worker by `/update_weights_from_disk`.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                 urls.append(launched.url)
         clients = [
             await stack.enter_async_context(SGLangEngine(
-                u, api_key=ec.api_key, admin_api_key=ec.admin_api_key, timeouts=timeouts))
+                u, api_key=ec.api_key, admin_api_key=ec.admin_api_key, timeouts=timeouts,
+                retry_generate=router is not None))  # the pool retries (see SGLangEngine)
             for u in urls
         ]  # fmt: skip
         for client in clients:
