@@ -6,10 +6,11 @@ Contract:
   unless `port` is given; the process's stdout and stderr go to `log_path`.
 - Yields a `LaunchedEngine` only after `GET /health_generate` answered 200. If the process exits
   first or the deadline passes, raises `EngineLaunchError` with the tail of its log.
-- The engine watches its parent (`ROLLOUTS_PARENT_PID`, read by `python -m engines.local`) and
-  exits when it is gone, so a SIGKILLed trainer leaves no local engine behind.
-  (`PR_SET_PDEATHSIG` cannot be used: trio starts the process from a worker thread, and the
-  signal fires when that thread exits.)
+- Engines die with this process, even when it is SIGKILLed: the local engine watches its parent
+  (`ROLLOUTS_PARENT_PID`) and exits when it is gone; kind="sglang" runs under
+  `engines.orphan_guard`, which kills the server's whole process group then. (`PR_SET_PDEATHSIG`
+  cannot be used: trio starts the process from a worker thread, and the signal fires when that
+  thread exits.)
 - `LaunchedEngine.exited` is set when the process ends on its own (`engines.supervisor`
   relaunches it).
 - When the block exits — normally, by an exception, or by cancellation (also mid-start) — the
@@ -22,6 +23,7 @@ as SGLang does), restarting a crashed server.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -98,8 +100,8 @@ def build_command(
     ]
 
 
-async def _terminate(process: trio.Process, timeout_s: float) -> None:
-    """trio.run_process's deliver_cancel: SIGTERM, then SIGKILL if it lingers."""
+async def _terminate(process: trio.Process, timeout_s: float, group: bool = False) -> None:
+    """trio.run_process's deliver_cancel: SIGTERM, then SIGKILL (to the group) if it lingers."""
     process.send_signal(signal.SIGTERM)
     with trio.move_on_after(timeout_s) as scope:
         await process.wait()
@@ -107,6 +109,9 @@ async def _terminate(process: trio.Process, timeout_s: float) -> None:
         logger.warning(
             "engine pid %d ignored SIGTERM for %.0f s; killing it", process.pid, timeout_s
         )
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         process.kill()
 
 
@@ -152,6 +157,9 @@ async def launch_engine(
         extra_args = [*extra_args, "--admin-api-key", admin_api_key]
     model = os.path.abspath(model_path) if os.path.exists(model_path) else str(model_path)
     argv = build_command(kind, model, host, port, extra_args, command)
+    guarded = kind == "sglang"  # a server without our parent watchdog: kill its group with us
+    if guarded:
+        argv = [sys.executable, "-m", "engines.orphan_guard", str(os.getpid()), "--", *argv]
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
         os.close(fd)
@@ -159,7 +167,7 @@ async def launch_engine(
     log = Path(log_path)
     url = f"http://{host}:{port}"
     child_env = {**os.environ, "ROLLOUTS_PARENT_PID": str(os.getpid()), **(env or {})}
-    if kind == "local" and not command:  # make `engines` importable from wherever we run
+    if (kind == "local" and not command) or guarded:  # `engines` importable wherever we run
         root = str(Path(__file__).resolve().parent.parent)
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
     logger.info("launching engine: %s (log: %s)", " ".join(argv), log)
@@ -177,7 +185,10 @@ async def launch_engine(
                     check=False,
                     env=child_env,
                     cwd=None if cwd is None else str(cwd),
-                    deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s),
+                    start_new_session=guarded,
+                    deliver_cancel=partial(
+                        _terminate, timeout_s=terminate_timeout_s, group=guarded
+                    ),
                 )
             )
             launched = LaunchedEngine(

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import trio
-from test_engine_launch import alive
+from test_engine_launch import alive, pids_with_port
 from test_engine_pool import run_engine, wait_for
 
 from engines import EngineError, EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
@@ -158,30 +158,48 @@ async def test_a_supervised_engine_killed_with_sigkill_is_relaunched_on_its_port
     assert supervised.pids == [first, supervised.current.pid] and not alive(supervised.pids[1])
 
 
-def test_launched_engines_die_with_their_parent(tiny_model_dir, tmp_path):
+# A server that knows nothing of us (as SGLang): answers 200 to everything on --port.
+STAND_IN_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Ok).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("kind", ["local", "sglang"])
+def test_launched_engines_die_with_their_parent(kind, tiny_model_dir, tmp_path):
+    command = None if kind == "local" else [sys.executable, "-c", STAND_IN_SERVER]
     script = textwrap.dedent(f"""
         import sys, trio
         sys.path.insert(0, {os.getcwd()!r})
         from engines import launch_engine
         async def main():
-            async with launch_engine(kind="local", model_path={str(tiny_model_dir)!r},
+            async with launch_engine({command!r}, kind={kind!r},
+                                     model_path={str(tiny_model_dir)!r},
                                      log_path={str(tmp_path / "e.log")!r}) as e:
-                print(e.pid, flush=True)
+                print(e.port, flush=True)
                 await trio.sleep(600)
         trio.run(main)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        engine_pid = int(parent.stdout.readline())  # type: ignore[union-attr]
-        assert alive(engine_pid)
+        port = int(parent.stdout.readline())  # type: ignore[union-attr]
+        pids = pids_with_port(port)  # the server (and the guard around an SGLang kind)
+        assert len(pids) == (1 if kind == "local" else 2) and all(alive(p) for p in pids)
         parent.kill()  # SIGKILL: no cleanup runs in the parent
         parent.wait(10)
-        deadline = time.monotonic() + 10  # the engine polls its parent every 0.5 s
-        while alive(engine_pid) and not _zombie(engine_pid) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10  # the watchdogs poll every 0.5 s
+        while any(alive(p) and not _zombie(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         parent.kill()
-    assert not alive(engine_pid) or _zombie(engine_pid), "the engine outlived its parent"
+    assert all(not alive(p) or _zombie(p) for p in pids), "an engine outlived its parent"
 
 
 def _zombie(pid: int) -> bool:
