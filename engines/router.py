@@ -7,8 +7,13 @@ per request: a batch or a list of rids is refused. It has no `/pause_generation`
   item, concurrently, each with its own rid (`n` must be 1);
 - `abort(rid)` and `abort_all()` go to every worker (the driver does not know which worker got
   a request; rids are unique, so aborting one elsewhere is a no-op);
-- health goes to the gateway (`/health`); weight syncs use `workers` (plain `SGLangEngine`s),
-  given or read from the gateway's `GET /workers` (legacy `GET /list_workers`).
+- health and loads go to the gateway (`/health_generate`, `/get_loads`); weight syncs use
+  `workers` (plain `SGLangEngine`s), given or read from the gateway's `GET /workers` (legacy
+  `GET /list_workers`);
+- an answer from other weights than the last sync gave the workers (a worker restarted on its
+  initial weights) is re-sent through the gateway, at most `max_stale_retries` times, then
+  raised as `StaleWeightsError`; an `EnginePool` over the workers (the recipe opens one) gives
+  such a worker the current weights.
 
 Not covered: registering workers with the gateway; prefill/decode disaggregation.
 """
@@ -23,15 +28,18 @@ import trio
 from rollouts.errors import EngineError
 
 from .client import SGLangEngine
+from .pool import StaleWeightsError
 from .types import GenerateResult, ModelInfo, ScoreResult
 
 
 class RouterEngine:
     """See the module docstring. `async with RouterEngine(url, workers) as router:`."""
 
-    def __init__(self, gateway: SGLangEngine, workers: Sequence[SGLangEngine] = ()) -> None:
+    def __init__(self, gateway: SGLangEngine, workers: Sequence[SGLangEngine] = (), *,
+                 max_stale_retries: int = 2) -> None:  # fmt: skip
         self.gateway = gateway
         self.workers = list(workers)
+        self.max_stale_retries = max_stale_retries
 
     @property
     def url(self) -> str:
@@ -68,7 +76,27 @@ class RouterEngine:
 
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
                        **kwargs: Any) -> GenerateResult:  # fmt: skip
-        return await self.gateway.generate(input_ids, sampling_params, **kwargs)
+        for _ in range(self.max_stale_retries + 1):
+            result = await self.gateway.generate(input_ids, sampling_params, **kwargs)
+            expected = self._expected_version()
+            if result.aborted or expected is None or result.weight_version == expected:
+                return result
+        raise StaleWeightsError(
+            f"{self.max_stale_retries + 1} answers through the gateway came from weight_version "
+            f"{result.weight_version!r}, the workers were given {expected!r}: a worker restarted",
+            url=self.url,
+        )
+
+    def _expected_version(self) -> str | None:
+        """The version the last sync gave every worker; None if unknown, mixed or in progress."""
+        if any(w.paused for w in self.workers):
+            return None
+        versions = {w.expected_weights[1] if w.expected_weights else None for w in self.workers}
+        return versions.pop() if len(versions) == 1 else None
+
+    async def loads(self) -> Any:
+        """The gateway's `GET /get_loads` (requests in flight per worker)."""
+        return await self.gateway._http.json("GET", "/get_loads")
 
     async def generate_batch(
         self,
@@ -89,7 +117,7 @@ class RouterEngine:
 
         async def one(i: int) -> None:
             rid = rids[i] if rids else None
-            results[i] = await self.gateway.generate(prompts[i], params[i], rid=rid, **kwargs)
+            results[i] = await self.generate(prompts[i], params[i], rid=rid, **kwargs)
 
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):

@@ -98,3 +98,38 @@ async def test_run_rl_with_router_url_trains_and_pushes_weights_to_each_worker(
     assert stats.refused == 0 and len(forwarded) == 2 and sum(forwarded.values()) >= 8
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["weight_version"] for r in rows] == [1, 2]
+
+
+async def test_a_worker_restarted_behind_the_gateway_never_serves_old_weights(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    from test_engine_pool import wait_for
+
+    from engines import EnginePool
+
+    ports = [find_free_port(), find_free_port()]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_engine, tiny_model_dir, ports[0])
+        doomed = trio.CancelScope()
+
+        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with doomed:
+                await run_engine(tiny_model_dir, ports[1], task_status=task_status)
+
+        await nursery.start(run_doomed)
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        async with (
+            open_gateway(urls) as (url, _),
+            SGLangEngine(urls[0], max_retries=0) as a,
+            SGLangEngine(urls[1], max_retries=0) as b,
+            RouterEngine(SGLangEngine(url, max_retries=0), [a, b]) as router,
+        ):
+            await sync_weights_to_engines([a, b], tiny_model_dir_seed1, "1")
+            doomed.cancel()
+            restarted = await nursery.start(run_engine, tiny_model_dir, ports[1])  # on "0"
+            results = [await router.generate([3, 4], {"max_new_tokens": 2}) for _ in range(6)]
+            assert {r.weight_version for r in results} == {"1"}  # stale answers re-sent
+            async with EnginePool([a, b], probe_interval_s=0.1) as pool:  # gives it "1"
+                await wait_for(lambda: pool.statistics().engines[1].rejoined == 1, 30)
+            assert restarted.state.weight_version == "1"
+        nursery.cancel_scope.cancel()

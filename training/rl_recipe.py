@@ -198,11 +198,12 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
         ]  # fmt: skip
         for client in clients:
             log.info("%s runs SGLang %s", client.url, await client.check_server())
-        if router is not None:
-            router.workers = clients
+        pool = await stack.enter_async_context(EnginePool(clients))
+        if router is not None:  # the pool only watches the workers and gives returning ones
+            router.workers = clients  # the current weights; generation goes via the gateway
             yield router, clients
         else:
-            yield await stack.enter_async_context(EnginePool(clients)), clients
+            yield pool, clients
 
 
 def _closing(resource: Any) -> contextlib.AbstractContextManager:
