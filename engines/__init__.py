@@ -2,8 +2,10 @@
 
 Layers: `types` (records, `InferenceEngine`, errors) → `http` (timeouts, retries) →
 `client.SGLangEngine` (the protocol) →
-`pool.EnginePool` (routing, failover) and `weight_sync` (fan-out refit); `launch` runs server
-processes; `engines.local` is the CPU server itself (imports torch only when it runs).
+`pool.EnginePool` (routing, failover, rejoin) and `weight_sync` (fan-out refit) →
+`router.RouterEngine` (sgl-model-gateway); `launch` runs server processes and `supervisor`
+relaunches them; `engines.local` is the CPU server itself (imports torch only when it runs);
+`engines.testing` holds stand-ins for tests (a gateway imitation, a fault proxy).
 Nothing here imports torch.
 """
 
@@ -18,6 +20,11 @@ from .launch import launch_engine as launch_engine
 from .pool import EnginePool as EnginePool
 from .pool import EngineStats as EngineStats
 from .pool import PoolStatistics as PoolStatistics
+from .pool import StaleWeightsError as StaleWeightsError
+from .router import RouterEngine as RouterEngine
+from .supervisor import Supervision as Supervision
+from .supervisor import supervise_engine as supervise_engine
+from .types import MIN_SGLANG_VERSION as MIN_SGLANG_VERSION
 from .types import EngineTimeoutError as EngineTimeoutError
 from .types import EngineUnavailableError as EngineUnavailableError
 from .types import FinishReason as FinishReason

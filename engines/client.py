@@ -8,7 +8,15 @@ Contract:
   that `EngineUnavailableError`. A timeout raises `EngineTimeoutError` at once (the request may
   still be running on the server, so it is never silently repeated). Any other HTTP error
   raises `EngineError` at once, carrying the status and the server's body.
-- Works against the local engine and SGLang 0.4.x–0.5.x servers (older/newer response shapes).
+- Works against the local engine and SGLang >= 0.5.6 (`MIN_SGLANG_VERSION`: pause modes and
+  `weight_version` appear there); `check_server()` reads `/server_info` and refuses older ones.
+  Info routes are the 0.5.23 names (`/model_info`, `/server_info`) with a fallback to the
+  deprecated `get_` forms on a 404.
+- Control routes (pause, continue, update, flush, abort) carry `admin_api_key` if given.
+- Weight paths are sent absolute (SGLang resolves relative ones in its own cwd);
+  `no_stop_trim: true` unless the caller sets it, so `text` decodes all of `output_ids`.
+- While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
+  `/health_generate` waits behind the pause and answers 503 after 20 s.
 
 Not covered: streaming (`stream: true`) — RL rollouts use whole responses; the router's worker
 management API.
@@ -16,6 +24,7 @@ management API.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,13 +34,15 @@ import trio
 
 from rollouts.errors import EngineError
 
-from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts
+from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts, decode_json
 from .types import (
     EngineUnavailableError,
     GenerateResult,
     ModelInfo,
     PauseMode,
     ScoreResult,
+    check_version,
+    generate_body,
     parse_generate_response,
 )
 
@@ -44,16 +55,19 @@ class SGLangEngine:
         url: str,
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         timeouts: EngineTimeouts = DEFAULT_TIMEOUTS,
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
         max_connections: int = 1024,
         max_keepalive_connections: int = 20,
         transport: httpx.AsyncBaseTransport | None = None,
+        retry_generate: bool = True,
     ) -> None:
         self._http = EngineHTTP(
             url.rstrip("/"),
             api_key=api_key,
+            admin_api_key=admin_api_key,
             timeouts=timeouts,
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
@@ -63,6 +77,13 @@ class SGLangEngine:
         )
         self.timeouts = timeouts
         self._url = self._http.url
+        # False under an EnginePool: a retry on this URL may reach a restarted server still on
+        # its initial weights; the pool retries elsewhere, or here once it has the weights.
+        self._generate_retries = None if retry_generate else 0
+        self.paused = False  # this client paused the engine and has not resumed it yet
+        # (path, version) the last weight sync gave this engine; EnginePool checks it
+        self.expected_weights: tuple[str, str] | None = None
+        self._info_paths: dict[str, str] = {}  # "/model_info" -> the form this server answers
 
     @property
     def url(self) -> str:
@@ -110,13 +131,11 @@ class SGLangEngine:
         params = dict(sampling_params or {})
         if params.get("n", 1) != 1:
             raise ValueError("generate() returns one sample; use generate_batch() for n > 1")
-        body = self._generate_body(
+        body = generate_body(
             list(input_ids), params, rid, return_logprob, top_logprobs_num, logprob_start_len
         )
         started = time.perf_counter()
-        response = await self._http.request(
-            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
-        )
+        response = await self._post_generate(body)
         return self._parse(response, started, len(body["input_ids"]))
 
     async def generate_batch(
@@ -136,25 +155,15 @@ class SGLangEngine:
             if isinstance(sampling_params, Mapping | None)
             else [dict(p) for p in sampling_params]
         )
-        body = self._generate_body(
-            prompts,
-            params,
-            list(rids) if rids else None,
-            return_logprob,
-            top_logprobs_num,
-            logprob_start_len,
-        )
+        rid_list = list(rids) if rids else None
+        body = generate_body(prompts, params, rid_list, return_logprob, top_logprobs_num,
+                             logprob_start_len)  # fmt: skip
         started = time.perf_counter()
-        response = await self._http.request(
-            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
-        )
-        objs = response.json()
+        response = await self._post_generate(body)
+        objs = decode_json(response, "POST /generate", self._url)
         if not isinstance(objs, list):
-            raise EngineError(
-                "POST /generate: expected a JSON list for a batch",
-                url=self._url,
-                body=response.text,
-            )
+            raise EngineError("POST /generate: expected a JSON list for a batch", url=self._url,
+                              body=response.text)  # fmt: skip
         n = len(objs) // max(1, len(prompts))
         latency = time.perf_counter() - started
         try:
@@ -169,28 +178,16 @@ class SGLangEngine:
                 f"POST /generate: malformed answer ({exc})", url=self._url, body=response.text
             ) from exc
 
-    def _generate_body(
-        self, input_ids, params, rid, return_logprob, top_logprobs_num, logprob_start_len
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": params,
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            body["rid"] = rid
-        if top_logprobs_num:
-            body["top_logprobs_num"] = top_logprobs_num
-        if logprob_start_len is not None:
-            body["logprob_start_len"] = logprob_start_len
-        return body
+    async def _post_generate(self, body: dict[str, Any]) -> httpx.Response:
+        timeout, retries = self.timeouts.generate_s, self._generate_retries
+        return await self._http.request("POST", "/generate", body=body, timeout=timeout,
+                                        retries=retries)  # fmt: skip
 
     def _parse(self, response: httpx.Response, started: float, prompt_len: int) -> GenerateResult:
         latency = time.perf_counter() - started
+        obj = decode_json(response, "POST /generate", self._url)
         try:
-            return parse_generate_response(
-                response.json(), latency_s=latency, prompt_len=prompt_len
-            )
+            return parse_generate_response(obj, latency_s=latency, prompt_len=prompt_len)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise EngineError(
                 f"POST /generate: malformed answer ({exc})", url=self._url, body=response.text
@@ -213,9 +210,7 @@ class SGLangEngine:
             "logprob_start_len": start - 1,  # entry 0 (position start-1) is always null
         }
         started = time.perf_counter()
-        response = await self._http.request(
-            "POST", "/generate", body=body, timeout=self.timeouts.generate_s
-        )
+        response = await self._post_generate(body)
         result = self._parse(response, started, len(ids))
         logprobs = result.input_logprobs or ()
         if len(logprobs) != len(ids) - start + 1:
@@ -235,27 +230,34 @@ class SGLangEngine:
 
     async def update_weights_from_disk(
         self,
-        path: str,
+        path: str | os.PathLike[str],
         weight_version: str | None = None,
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
     ) -> str:
-        """Load new weights from `path` (HF layout). Returns the server's message.
+        """Load weights from `path` (HF layout, sent absolute); returns the server's message.
+
+        SGLang 0.5.23 refuses `flush_cache=True` (400, version not set) while requests are kept
+        in the engine (pause "in_place"/"retract"); flush when idle instead.
 
         Raises:
             EngineError: the server refused (it then keeps its old weights); the message is
                 the server's.
         """
         body: dict[str, Any] = {
-            "model_path": str(path),
+            "model_path": os.path.abspath(path),
             "abort_all_requests": abort_all_requests,
             "flush_cache": flush_cache,
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
         result = await self._http.json(
-            "POST", "/update_weights_from_disk", body=body, timeout=self.timeouts.weight_update_s
+            "POST",
+            "/update_weights_from_disk",
+            body=body,
+            timeout=self.timeouts.weight_update_s,
+            admin=True,
         )
         if isinstance(result, Mapping) and result.get("success") is False:
             raise EngineError(
@@ -265,42 +267,66 @@ class SGLangEngine:
             )
         return str(result.get("message", "")) if isinstance(result, Mapping) else ""
 
-    async def update_weight_version(
-        self, new_version: str, *, abort_all_requests: bool = True
-    ) -> None:
-        await self._http.json(
-            "POST",
-            "/update_weight_version",
-            body={"new_version": new_version, "abort_all_requests": abort_all_requests},
-        )
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True
+                                    ) -> None:  # fmt: skip
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        await self._http.json("POST", "/update_weight_version", body=body, admin=True)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes."""
-        await self._http.json("POST", "/pause_generation", body={"mode": mode})
+        self.paused = True  # before the call: it may reach the server even if it fails
+        try:
+            await self._http.json("POST", "/pause_generation", body={"mode": mode}, admin=True)
+        except EngineUnavailableError:
+            self.paused = False  # not reached, or the server is gone: nothing is paused
+            raise
 
     async def resume(self) -> None:
-        await self._http.json("POST", "/continue_generation", body={})
+        try:
+            await self._http.json("POST", "/continue_generation", body={}, admin=True)
+        except EngineUnavailableError:
+            self.paused = False  # gone: a restarted server is not paused
+            raise
+        self.paused = False
 
     async def flush_cache(self) -> None:
-        await self._http.request("POST", "/flush_cache", timeout=self.timeouts.control_s)
+        """`/flush_cache`; SGLang refuses (400) while requests are running or queued."""
+        await self._http.request(
+            "POST", "/flush_cache", timeout=self.timeouts.control_s, admin=True
+        )
 
     async def abort(self, rid: str) -> None:
-        """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are ignored."""
+        """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are
+        ignored. SGLang aborts every rid that starts with `rid`: use rids that are never
+        prefixes of each other."""
         await self._http.request(
-            "POST", "/abort_request", body={"rid": rid}, timeout=self.timeouts.control_s
+            "POST",
+            "/abort_request",
+            body={"rid": rid},
+            timeout=self.timeouts.control_s,
+            admin=True,
         )
 
     async def abort_all(self) -> None:
-        await self._http.request(
-            "POST", "/abort_request", body={"abort_all": True}, timeout=self.timeouts.control_s
-        )
+        body = {"abort_all": True}
+        timeout = self.timeouts.control_s
+        await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True)
+
+    async def _info(self, name: str) -> Any:
+        """GET `/{name}` (0.5.23), falling back to the deprecated `/get_{name}` on a 404."""
+        path = self._info_paths.get(name, f"/{name}")
+        try:
+            return await self._http.json("GET", path)
+        except EngineError as exc:
+            if exc.status != 404 or path != f"/{name}":
+                raise
+        self._info_paths[name] = f"/get_{name}"
+        return await self._http.json("GET", f"/get_{name}")
 
     async def model_info(self) -> ModelInfo:
-        info = await self._http.json("GET", "/get_model_info")
+        info = await self._info("model_info")
         if not isinstance(info, Mapping):
-            raise EngineError(
-                "GET /get_model_info: expected an object", url=self._url, body=str(info)
-            )
+            raise EngineError("GET /model_info: expected an object", url=self._url, body=str(info))
         version = info.get("weight_version")
         return ModelInfo(
             model_path=str(info.get("model_path", "")),
@@ -309,14 +335,38 @@ class SGLangEngine:
         )
 
     async def server_info(self) -> dict[str, Any]:
-        return dict(await self._http.json("GET", "/get_server_info"))
+        info = await self._info("server_info")
+        if not isinstance(info, Mapping):
+            raise EngineError("GET /server_info: expected an object", url=self._url, body=str(info))
+        return dict(info)
+
+    async def check_server(self) -> str:
+        """Read `/server_info` and refuse servers older than `MIN_SGLANG_VERSION`.
+
+        Returns:
+            The server's version string.
+
+        Raises:
+            EngineError: the version is missing, unreadable or too old (the message says why
+                and what to install).
+        """
+        return check_version(await self.server_info(), self._url)
 
     async def is_healthy(self) -> bool:
-        """One `/health_generate` probe, no retries: True on 200."""
+        """One probe, no retries: True on 200.
+
+        `/health_generate` normally; `/model_info` while this client has the engine paused
+        (SGLang's generation probe waits behind the pause and answers 503 after 20 s).
+        """
         try:
-            await self._http.request(
-                "GET", "/health_generate", timeout=self.timeouts.health_s, retries=0
-            )
+            if self.paused:
+                await self._http.request(
+                    "GET", "/model_info", timeout=self.timeouts.health_s, retries=0
+                )
+            else:
+                await self._http.request(
+                    "GET", "/health_generate", timeout=self.timeouts.health_s, retries=0
+                )
         except EngineError:
             return False
         return True

@@ -67,6 +67,7 @@ class EngineHTTP:
         url: str,
         *,
         api_key: str | None,
+        admin_api_key: str | None = None,
         timeouts: EngineTimeouts,
         max_retries: int,
         retry_backoff_s: float,
@@ -79,6 +80,10 @@ class EngineHTTP:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self._api_key = api_key
+        # Control routes (SGLang's ADMIN_OPTIONAL level) take the admin key when there is one.
+        self._admin_headers = (
+            {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else None
+        )
         self._max_connections = max_connections
         self._max_keepalive = max_keepalive_connections
         self._transport = transport
@@ -116,6 +121,7 @@ class EngineHTTP:
         body: Any = None,
         timeout: float | None,
         retries: int | None = None,
+        admin: bool = False,
     ) -> httpx.Response:
         if self._client is None:
             raise RuntimeError("use `async with SGLangEngine(url) as engine:` before calling it")
@@ -127,7 +133,11 @@ class EngineHTTP:
         for attempt in range(retries + 1):
             try:
                 response = await self._client.request(
-                    method, path, json=body, timeout=request_timeout
+                    method,
+                    path,
+                    json=body,
+                    timeout=request_timeout,
+                    headers=self._admin_headers if admin else None,
                 )
             except _RETRYABLE as exc:
                 what = f"{method} {path}"
@@ -163,17 +173,35 @@ class EngineHTTP:
         raise AssertionError("unreachable")
 
     async def json(
-        self, method: str, path: str, *, body: Any = None, timeout: float | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        timeout: float | None = None,
+        admin: bool = False,
+        retries: int | None = None,
     ) -> Any:
         response = await self.request(
-            method, path, body=body, timeout=self.timeouts.control_s if timeout is None else timeout
+            method,
+            path,
+            body=body,
+            timeout=self.timeouts.control_s if timeout is None else timeout,
+            admin=admin,
+            retries=retries,
         )
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise EngineError(
-                f"{method} {path}: answer is not JSON",
-                url=self.url,
-                status=response.status_code,
-                body=response.text,
-            ) from exc
+        return decode_json(response, f"{method} {path}", self.url)
+
+
+def decode_json(response: httpx.Response, what: str, url: str) -> Any:
+    """The body as JSON, or an `EngineError` naming the call (a 200 that is not JSON: a proxy's
+    page, a truncated body) instead of a bare `JSONDecodeError` that skips error handling."""
+    try:
+        return response.json()
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise EngineError(
+            f"{what}: the answer is not JSON ({exc})",
+            url=url,
+            status=response.status_code,
+            body=response.text[:2000],
+        ) from exc

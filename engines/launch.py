@@ -6,6 +6,13 @@ Contract:
   unless `port` is given; the process's stdout and stderr go to `log_path`.
 - Yields a `LaunchedEngine` only after `GET /health_generate` answered 200. If the process exits
   first or the deadline passes, raises `EngineLaunchError` with the tail of its log.
+- Engines die with this process, even when it is SIGKILLed: the local engine watches its parent
+  (`ROLLOUTS_PARENT_PID`) and exits when it is gone; kind="sglang" runs under
+  `engines.orphan_guard`, which kills the server's whole process group then. (`PR_SET_PDEATHSIG`
+  cannot be used: trio starts the process from a worker thread, and the signal fires when that
+  thread exits.)
+- `LaunchedEngine.exited` is set when the process ends on its own (`engines.supervisor`
+  relaunches it).
 - When the block exits — normally, by an exception, or by cancellation (also mid-start) — the
   process gets SIGTERM, then SIGKILL after `terminate_timeout_s`; the block does not exit
   before the process is gone.
@@ -16,6 +23,7 @@ as SGLang does), restarting a crashed server.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,7 +33,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -52,6 +60,7 @@ class LaunchedEngine:
     pid: int
     log_path: Path
     command: tuple[str, ...]
+    exited: trio.Event = field(default_factory=trio.Event, compare=False)  # the process ended
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -91,8 +100,8 @@ def build_command(
     ]
 
 
-async def _terminate(process: trio.Process, timeout_s: float) -> None:
-    """trio.run_process's deliver_cancel: SIGTERM, then SIGKILL if it lingers."""
+async def _terminate(process: trio.Process, timeout_s: float, group: bool = False) -> None:
+    """trio.run_process's deliver_cancel: SIGTERM, then SIGKILL (to the group) if it lingers."""
     process.send_signal(signal.SIGTERM)
     with trio.move_on_after(timeout_s) as scope:
         await process.wait()
@@ -100,6 +109,9 @@ async def _terminate(process: trio.Process, timeout_s: float) -> None:
         logger.warning(
             "engine pid %d ignored SIGTERM for %.0f s; killing it", process.pid, timeout_s
         )
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         process.kill()
 
 
@@ -117,7 +129,9 @@ async def launch_engine(
     terminate_timeout_s: float = 10.0,
     poll_interval_s: float = 0.5,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[LaunchedEngine]:
     """Start an engine server process, wait until it is healthy, stop it on exit.
 
@@ -129,6 +143,9 @@ async def launch_engine(
         extra_args: more server flags, e.g. `["--weight-version", "v0"]`.
         log_path: where the server's output goes (default: a new temp file).
         api_key: passed as `--api-key` and used for the health check.
+        admin_api_key: passed as `--admin-api-key` (the key of the control routes).
+        cwd: the server's working directory (default: ours); relative paths sent to it are
+            resolved there, which is why the client sends absolute ones.
 
     Raises:
         EngineLaunchError: the process exited or was not healthy within `startup_timeout_s`.
@@ -136,15 +153,21 @@ async def launch_engine(
     port = port or find_free_port(host)
     if api_key:
         extra_args = [*extra_args, "--api-key", api_key]
-    argv = build_command(kind, str(model_path), host, port, extra_args, command)
+    if admin_api_key:
+        extra_args = [*extra_args, "--admin-api-key", admin_api_key]
+    model = os.path.abspath(model_path) if os.path.exists(model_path) else str(model_path)
+    argv = build_command(kind, model, host, port, extra_args, command)
+    guarded = kind == "sglang"  # a server without our parent watchdog: kill its group with us
+    if guarded:
+        argv = [sys.executable, "-m", "engines.orphan_guard", str(os.getpid()), "--", *argv]
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
         os.close(fd)
         log_path = name
     log = Path(log_path)
     url = f"http://{host}:{port}"
-    child_env = {**os.environ, **(env or {})}
-    if kind == "local" and not command:  # make `engines` importable from wherever we run
+    child_env = {**os.environ, "ROLLOUTS_PARENT_PID": str(os.getpid()), **(env or {})}
+    if (kind == "local" and not command) or guarded:  # `engines` importable wherever we run
         root = str(Path(__file__).resolve().parent.parent)
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
     logger.info("launching engine: %s (log: %s)", " ".join(argv), log)
@@ -161,16 +184,27 @@ async def launch_engine(
                     stderr=subprocess.STDOUT,
                     check=False,
                     env=child_env,
-                    deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s),
+                    cwd=None if cwd is None else str(cwd),
+                    start_new_session=guarded,
+                    deliver_cancel=partial(
+                        _terminate, timeout_s=terminate_timeout_s, group=guarded
+                    ),
                 )
             )
+            launched = LaunchedEngine(
+                url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
+            )
+
+            async def watch() -> None:
+                await process.wait()
+                launched.exited.set()
+
+            nursery.start_soon(watch)
             try:
                 await _wait_until_healthy(
                     process, url, log, startup_timeout_s, poll_interval_s, api_key
                 )
-                yield LaunchedEngine(
-                    url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
-                )
+                yield launched
             finally:
                 nursery.cancel_scope.cancel()
     logger.info("engine %s stopped (exit code %s)", url, process.returncode)

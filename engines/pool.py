@@ -4,13 +4,18 @@ Contract:
 - Each request goes to the healthy engine with the fewest outstanding requests (ties: the one
   picked least recently).
 - An engine that fails with `EngineUnavailableError` (connection refused or dropped, 503 after
-  its own retries) is marked down; a background task probes `/health_generate` every
-  `probe_interval_s` and marks it up again. The pool's tasks live in the nursery opened by
-  `async with pool:`.
-- A request whose engine fails that way is retried on another engine, once per failure and
-  never on an engine that already failed it; it returns exactly one result or raises, so a
-  sample is never lost silently nor duplicated. When no other engine is left it raises
-  `EngineUnavailableError`. Every other error (400, 500, timeout) is raised at once.
+  its own retries) is marked down. A background task (in the nursery of `async with pool:`)
+  probes every engine each `probe_interval_s`: a healthy one must still answer `/model_info`
+  with the weight version the last sync gave it (`expected_weights`), else it is marked down (it
+  died, or restarted on its initial weights); a down one that answers again is first given
+  the current weights by a full sync (pause → flush → update → version check → continue) and
+  only then marked up. Engines this client has paused (a weight sync in progress) are never
+  marked down by a probe.
+- A request whose engine fails with `EngineUnavailableError`, a 5xx or a timeout, or answers
+  from weights other than `expected_weights`, is retried on another engine that has not failed
+  it, at most `max_failovers` times (the failing engine is asked to abort it first); it returns
+  exactly one result or raises, so a sample is never lost silently nor duplicated. A 4xx is
+  raised at once. Each failure is counted per engine and kind (`EngineStats.failures`).
 - The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
 
 Not covered: prefix-affinity routing (sglang-router's cache_aware policy), weighted engines.
@@ -21,15 +26,24 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, TypeVar
 
 import trio
 
-from rollouts.errors import EngineError
+from rollouts.errors import EngineError, engine_failure_kind
 
-from .types import EngineUnavailableError, GenerateResult, InferenceEngine, ScoreResult
+from .types import (
+    EngineTimeoutError,
+    EngineUnavailableError,
+    GenerateResult,
+    InferenceEngine,
+    ScoreResult,
+)
+from .weight_sync import sync_weights_to_engines
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +57,10 @@ class EngineStats:
     in_flight: int
     done: int
     failed: int
+    failures: Mapping[str, int] = dataclass_field(default_factory=dict)  # kind -> count
+    rejoined: int = 0  # times it came back and was given the current weights
+    samples_sent: int = 0  # items of the requests sent to it (a batch counts its items)
+    samples_received: int = 0  # items of the answers it returned
 
 
 @dataclass(frozen=True)
@@ -69,7 +87,32 @@ class _Slot:
         self.in_flight = 0
         self.done = 0
         self.failed = 0
+        self.failures: Counter[str] = Counter()
+        self.rejoined = 0
+        self.rejoining = False
+        self.samples_sent = 0
+        self.samples_received = 0
         self.last_pick = 0
+
+    def fail(self, exc: EngineError) -> None:
+        self.failed += 1
+        self.failures[engine_failure_kind(exc)] += 1
+
+
+class StaleWeightsError(EngineUnavailableError):
+    """The engine answered from other weights than the last sync gave it (it restarted)."""
+
+
+def _failover(exc: EngineError) -> bool:
+    """Worth trying on another engine: no answer, a server error, a timeout, stale weights."""
+    return isinstance(exc, EngineUnavailableError | EngineTimeoutError) or (
+        exc.status is not None and exc.status >= 500
+    )
+
+
+def _versions(result: Any) -> list[str | None]:
+    items = result if isinstance(result, list) else [result]
+    return [getattr(r, "weight_version", None) for r in items if not getattr(r, "aborted", False)]
 
 
 class EnginePool:
@@ -79,12 +122,16 @@ class EnginePool:
         *,
         probe_interval_s: float = 2.0,
         wait_for_engine_s: float = 60.0,
+        max_failovers: int = 2,
+        rejoin_timeout_s: float = 300.0,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self._slots = [_Slot(e) for e in engines]
         self.probe_interval_s = probe_interval_s
         self.wait_for_engine_s = wait_for_engine_s
+        self.max_failovers = max_failovers
+        self.rejoin_timeout_s = rejoin_timeout_s
         self._picks = itertools.count(1)
         self._changed = trio.Event()  # set and replaced whenever an engine goes down or up
         self._rid_slot: dict[str, _Slot] = {}
@@ -117,7 +164,17 @@ class EnginePool:
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
             tuple(
-                EngineStats(s.engine.url, s.healthy, s.in_flight, s.done, s.failed)
+                EngineStats(
+                    s.engine.url,
+                    s.healthy,
+                    s.in_flight,
+                    s.done,
+                    s.failed,
+                    dict(s.failures),
+                    s.rejoined,
+                    s.samples_sent,
+                    s.samples_received,
+                )
                 for s in self._slots
             )
         )
@@ -136,16 +193,54 @@ class EnginePool:
 
     async def _probe_loop(self) -> None:
         while True:
-            down = [s for s in self._slots if not s.healthy]
-            if not down:
-                await self._changed.wait()
-                continue
-            for slot in down:
-                if await _probe(slot.engine, self.probe_interval_s):
-                    logger.info("engine %s is healthy again", slot.engine.url)
-                    slot.healthy = True
-                    self._notify()
+            with trio.move_on_after(self.probe_interval_s):
+                async with trio.open_nursery() as nursery:
+                    for slot in self._slots:
+                        nursery.start_soon(self._probe_one, slot)
             await trio.sleep(self.probe_interval_s)
+
+    async def _probe_one(self, slot: _Slot) -> None:
+        engine = slot.engine
+        if getattr(engine, "paused", False):
+            return  # a weight sync is in progress: its own steps say whether it failed
+        if not slot.healthy:
+            if await _probe(engine, self.probe_interval_s):
+                self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
+            return
+        expected = getattr(engine, "expected_weights", None)
+        if expected is None:
+            return
+        try:  # a probe still unanswered when its round ends is cancelled, not counted
+            version = (await engine.model_info()).weight_version
+        except EngineError as exc:
+            if not getattr(engine, "paused", False):
+                self._mark_down(slot, EngineUnavailableError(f"probe failed: {exc}"))
+            return
+        if version != expected[1] and not getattr(engine, "paused", False):
+            self._mark_down(slot, StaleWeightsError(
+                f"serves weight_version {version!r}, the last sync gave it {expected[1]!r}"))  # fmt: skip
+
+    async def _rejoin(self, slot: _Slot) -> None:
+        """A down engine answers again: give it the current weights, then let it serve."""
+        if slot.rejoining:
+            return
+        slot.rejoining = True
+        engine = slot.engine
+        try:
+            expected = getattr(engine, "expected_weights", None)
+            if expected is not None:
+                with trio.fail_after(self.rejoin_timeout_s):
+                    await sync_weights_to_engines([engine], expected[0], expected[1])
+            logger.info("engine %s is back%s", engine.url,
+                        f" and serves weights {expected[1]}" if expected else "")  # fmt: skip
+            slot.healthy = True
+            slot.rejoined += 1
+            self._notify()
+        except (EngineError, trio.TooSlowError) as exc:
+            logger.warning("engine %s answers but could not be given the weights: %s",
+                           engine.url, exc)  # fmt: skip
+        finally:
+            slot.rejoining = False
 
     def _pick(self, exclude: set[_Slot]) -> _Slot | None:
         candidates = [s for s in self._slots if s.healthy and s not in exclude]
@@ -184,35 +279,59 @@ class EnginePool:
             slot = await self._acquire(failed_on)
             weight = max(1, len(rids))  # a batch weighs as many requests as it has items
             slot.in_flight += weight
+            slot.samples_sent += weight
             for r in rids:
                 self._rid_slot[r] = slot
             try:
                 result = await fn(slot.engine)
-            except EngineUnavailableError as exc:
-                slot.failed += 1
+                self._check_weights(slot, result)
+            except EngineError as exc:
+                slot.fail(exc)
+                if isinstance(exc, EngineUnavailableError):
+                    self._mark_down(slot, exc)
+                if not _failover(exc) or len(failed_on) >= self.max_failovers:
+                    raise
+                no_other = all(s in failed_on or s is slot for s in self._slots)
+                if no_other and not isinstance(exc, EngineUnavailableError):
+                    raise  # a 5xx or timeout with nowhere else to go: the caller drops it
                 failed_on.add(slot)
-                self._mark_down(slot, exc)
                 with trio.move_on_after(1.0):  # the old engine may still run it: best effort
                     for r in rids:
                         with contextlib.suppress(EngineError):
                             await slot.engine.abort(r)
-                logger.warning(
-                    "request %s failed on %s; retrying on another engine",
-                    ",".join(rids),
-                    slot.engine.url,
+                what = (
+                    f"{rids[0]} (+{len(rids) - 1} more)"
+                    if len(rids) > 1
+                    else rids[0]
+                    if rids
+                    else "a request"
                 )
+                logger.warning("request %s failed on %s (%s); trying another engine", what,
+                               slot.engine.url, engine_failure_kind(exc))  # fmt: skip
                 continue
-            except EngineError:
-                slot.failed += 1
-                raise
             else:
                 slot.done += 1
+                slot.samples_received += weight
                 return result
             finally:
                 slot.in_flight -= weight
                 for r in rids:
                     if self._rid_slot.get(r) is slot:
                         del self._rid_slot[r]
+
+    def _check_weights(self, slot: _Slot, result: Any) -> None:
+        """An answer from other weights than the last sync gave (the engine restarted since)."""
+        engine = slot.engine
+        expected = getattr(engine, "expected_weights", None)
+        if expected is None or getattr(engine, "paused", False):
+            return
+        wrong = [v for v in _versions(result) if v is not None and v != expected[1]]
+        if wrong:
+            raise StaleWeightsError(
+                f"answered from weight_version {wrong[0]!r}, the last sync gave it "
+                f"{expected[1]!r}: it restarted; it gets the weights before serving again",
+                url=engine.url,
+            )
 
     async def generate(
         self,

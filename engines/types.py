@@ -15,6 +15,27 @@ from rollouts.errors import EngineError
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
+# Pause modes (`/pause_generation` with "retract"/"in_place") and `weight_version` in answers
+# exist from SGLang 0.5.6 on; older servers cannot be refitted the way this project does.
+MIN_SGLANG_VERSION = (0, 5, 6)
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """The leading release numbers of a version string ("0.5.23+x" → (0, 5, 23)); None if none."""
+    numbers: list[int] = []
+    for part in text.strip().lstrip("v").split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(numbers) or None
+
 
 class EngineUnavailableError(EngineError):
     """The engine could not be reached, dropped the connection, or kept answering 503."""
@@ -158,6 +179,43 @@ def parse_generate_response(obj: Any, *, latency_s: float, prompt_len: int) -> G
     )
 
 
+def generate_body(
+    input_ids, params, rid, return_logprob, top_logprobs_num, logprob_start_len
+) -> dict[str, Any]:
+    """A `/generate` body; `no_stop_trim: true` unless given, so `text` is all of `output_ids`."""
+    if isinstance(params, list):
+        params = [{"no_stop_trim": True, **p} for p in params]
+    else:
+        params = {"no_stop_trim": True, **params}
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": params,
+        "return_logprob": return_logprob,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if top_logprobs_num:
+        body["top_logprobs_num"] = top_logprobs_num
+    if logprob_start_len is not None:
+        body["logprob_start_len"] = logprob_start_len
+    return body
+
+
+def check_version(info: Mapping[str, Any], url: str) -> str:
+    """The `version` of a `/server_info` answer; EngineError if older than MIN_SGLANG_VERSION."""
+    version = str(info.get("version", ""))
+    number = parse_version(version)
+    minimum = ".".join(map(str, MIN_SGLANG_VERSION))
+    if number is None or number < MIN_SGLANG_VERSION:
+        raise EngineError(
+            f"the server reports SGLang version {version or '(none)'!r}; rollouts needs "
+            f"SGLang >= {minimum} (pause modes and weight_version appeared there): "
+            f"pip install 'sglang>={minimum}'",
+            url=url,
+        )
+    return version
+
+
 class InferenceEngine(Protocol):
     """What the rollout side needs from an inference server (SGLang's protocol, §4 DESIGN.md)."""
 
@@ -180,7 +238,12 @@ class InferenceEngine(Protocol):
     ) -> ScoreResult: ...
 
     async def update_weights_from_disk(
-        self, path: str, weight_version: str | None = None, *, abort_all_requests: bool = False
+        self,
+        path: str,
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> str: ...
 
     async def pause(self, mode: PauseMode = "abort") -> None: ...

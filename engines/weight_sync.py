@@ -1,9 +1,17 @@
 """`sync_weights_to_engines`: push a checkpoint to every engine, concurrently, and verify it.
 
-Contract (per engine, all engines at once): pause → `update_weights_from_disk(dir, version)` →
-read `/get_model_info` and check it reports `version` → continue.
+Contract (per engine, all engines at once): pause → flush the cache (pause mode "abort" only:
+the engine is then idle; retried while it still answers 400, at most `flush_retries` times, as
+slime does) → `update_weights_from_disk(dir, version, flush_cache=False)` → read `/model_info`
+and check it reports `version` → continue. The update never asks for its own flush: with
+requests kept in the engine (pause "in_place"/"retract") SGLang 0.5.23 refuses that flush with a
+400 and does not set the version (0.5.1–0.5.14 crash on an assert).
 - Every engine that was paused is resumed, whatever happened: a failure, another engine's
   failure, or cancellation (the resume runs shielded, bounded by `resume_timeout_s`).
+- An engine that cannot be reached (`EngineUnavailableError`: dead, restarting) is skipped and
+  logged, and the sync goes on with the live ones; it fails only if no engine took the weights.
+  Each engine's `expected_weights` (path, version) is set first, so an `EnginePool` gives a
+  skipped or restarted engine these weights before it serves again.
 - Engines do not cancel each other: each finishes its own sequence, then one `WeightSyncError`
   names every engine that failed with the server's message. Engines that succeeded keep the new
   weights (SGLang keeps the old ones on a failed load), so after an error the fleet may be
@@ -28,7 +36,7 @@ import trio
 
 from rollouts.errors import EngineError
 
-from .types import InferenceEngine, PauseMode, WeightSyncError
+from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +49,8 @@ async def sync_weights_to_engines(
     pause_mode: PauseMode = "abort",
     paused: bool = False,
     resume_timeout_s: float = 30.0,
+    flush_retries: int = 5,
+    flush_retry_s: float = 0.2,
 ) -> float:
     """Update every engine's weights from `checkpoint_dir` and label them `weight_version`.
 
@@ -51,6 +61,7 @@ async def sync_weights_to_engines(
         pause_mode: how in-flight requests are paused ("abort" aborts them, as SGLang's RL
             recipe does; "retract"/"in_place" keep them, finishing under the new weights).
         paused: every engine is already paused (`pause_engines`); skip the pause.
+        flush_retries, flush_retry_s: bound on the flush before the update (pause "abort").
 
     Returns:
         Seconds the sync took.
@@ -58,23 +69,30 @@ async def sync_weights_to_engines(
     Raises:
         WeightSyncError: one or more engines failed; the message names each with its reason.
     """
-    path = str(checkpoint_dir)
+    path = os.path.abspath(checkpoint_dir)
     failures: dict[str, list[str]] = {}
+    down: dict[str, str] = {}
     started = time.perf_counter()
 
     async def sync_one(engine: InferenceEngine) -> None:
         is_paused = paused
+        if hasattr(engine, "expected_weights"):
+            engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
         try:
             if not is_paused:
                 await engine.pause(pause_mode)
                 is_paused = True
-            await engine.update_weights_from_disk(path, weight_version)
+            if pause_mode == "abort":
+                await _flush(engine, flush_retries, flush_retry_s)
+            await engine.update_weights_from_disk(path, weight_version, flush_cache=False)
             info = await engine.model_info()
             if info.weight_version != weight_version:
                 failures.setdefault(engine.url, []).append(
                     f"reports weight_version {info.weight_version!r} after the update, "
                     f"expected {weight_version!r}"
                 )
+        except EngineUnavailableError as exc:
+            down[engine.url] = str(exc)
         except EngineError as exc:
             failures.setdefault(engine.url, []).append(str(exc))
         finally:
@@ -82,6 +100,8 @@ async def sync_weights_to_engines(
             with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
                 try:
                     await engine.resume()
+                except EngineUnavailableError as exc:
+                    down.setdefault(engine.url, str(exc))
                 except EngineError as exc:
                     failures.setdefault(engine.url, []).append(
                         f"could not be resumed, it may still be paused: {exc}"
@@ -95,16 +115,36 @@ async def sync_weights_to_engines(
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
+    for url, reason in down.items():
+        logger.warning("weight sync %s skipped %s, which is down: %s", weight_version, url, reason)
+    if len(down) == len(engines) and not failures:
+        failures = {url: [f"down: {reason}"] for url, reason in down.items()}
     if failures:
         lines = [f"{url}: {'; '.join(reasons)}" for url, reasons in failures.items()]
         raise WeightSyncError(
             f"weight sync to {weight_version!r} from {path} failed on {len(failures)} of "
             f"{len(engines)} engine(s):\n  " + "\n  ".join(lines)
         )
-    logger.info(
-        "synced weights %s to %d engine(s) in %.3f s", weight_version, len(engines), duration
-    )
+    logger.info("synced weights %s to %d engine(s) in %.3f s", weight_version,
+                len(engines) - len(down), duration)  # fmt: skip
     return duration
+
+
+async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
+    """Flush an idle (paused, aborted) engine's cache; it answers 400 until aborts settle."""
+    for attempt in range(retries + 1):
+        try:
+            await engine.flush_cache()
+            return
+        except EngineError as exc:
+            if exc.status != 400 or attempt == retries:
+                raise EngineError(
+                    f"cache flush before the weight update failed after {attempt + 1} "
+                    f"attempt(s): {exc}",
+                    url=engine.url,
+                ) from exc
+            logger.warning("%s: cache not flushed yet (%s); retrying", engine.url, exc)
+            await trio.sleep(retry_s * 2**attempt)
 
 
 async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMode = "abort", *,
@@ -113,21 +153,30 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
 
     Requests sent after this returns wait in the engines until they are resumed.
 
+    An engine that cannot be reached is skipped (logged): the sync that follows skips it too.
+
     Raises:
-        WeightSyncError: an engine could not be paused; every engine is resumed first (the
-            message names each failure).
+        WeightSyncError: an engine answered the pause with an error, or none could be reached;
+            every engine is resumed first (the message names each failure).
     """
     failures: dict[str, str] = {}
+    down: dict[str, str] = {}
 
     async def pause_one(engine: InferenceEngine) -> None:
         try:
             await engine.pause(pause_mode)
+        except EngineUnavailableError as exc:
+            down[engine.url] = str(exc)
         except EngineError as exc:
             failures[engine.url] = str(exc)
 
     async with trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(pause_one, engine)
+    for url, reason in down.items():
+        logger.warning("not pausing %s for a weight sync: it is down (%s)", url, reason)
+    if len(down) == len(engines):
+        failures.update(down)
     if not failures:
         return
     with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s):

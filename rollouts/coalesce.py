@@ -15,8 +15,11 @@ Contract:
 - Merged items keep their rids, so `abort(rid)` still reaches each item.
 - A caller cancelled before the request leaves is dropped from it; after, its results are
   discarded (abort its rids to stop them early, as `collect_groups` does).
-- When a merged request fails with an `EngineError`, each caller's part is re-sent on its own,
-  so one bad group (a prompt too long, say) fails only its own caller, as without merging.
+- When a merged request is refused with a 400 (the server validated and ran nothing), each
+  caller's part is re-sent on its own, so one bad group (a prompt too long, say) fails only its
+  own caller, as without merging. Any other failure (500, timeout, dropped connection) may have
+  run some items already: it is never re-sent, every caller gets the error (and the pool's
+  failover, below this wrapper, has had its bounded try), so no rid is sent twice from here.
 - Calls with per-item sampling parameters, and every other method, pass through unchanged.
 """
 
@@ -106,6 +109,11 @@ class CoalescingEngine:
         merged = _Call([ids for c in calls for ids in c.input_ids],
                        {**calls[0].kwargs, "rids": [r for c in calls for r in c.kwargs["rids"]]})  # fmt: skip
         await self._send(merged, params)
+        if merged.error is not None and getattr(merged.error, "status", None) != 400:
+            for c in calls:
+                c.error = merged.error
+                c.done.set()
+            return
         if merged.error is None:
             assert merged.results is not None
             start = 0

@@ -51,4 +51,10 @@ class RolloutConfig(Strict):
     max_launch_factor: float = Field(4.0, ge=1, description="cap on groups launched per batch")
     reward_timeout_s: float = Field(30.0, gt=0)
     reward_fail_fast: bool = False
-    engine_fail_fast: bool = True
+    engine_fail_fast: bool = Field(
+        False, description="an engine error ends the run at once instead of dropping the group"
+    )
+    max_failed_group_rate: float = Field(
+        0.25, ge=0, le=1,
+        description="end the run when more than this share of a batch's groups failed",
+    )  # fmt: skip

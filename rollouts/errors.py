@@ -52,6 +52,25 @@ class EngineError(RolloutsError, RuntimeError):
         self.body = body
 
 
+def engine_failure_kind(exc: BaseException) -> str:
+    """ "unreachable", "timeout", "stale weights" or "HTTP <status>" (engines' error classes are
+    matched by name: this module is below `engines`)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "StaleWeightsError" in names:
+        return "stale weights"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if "EngineUnavailableError" in names:
+        return "unreachable"
+    status = getattr(exc, "status", None)
+    return f"HTTP {status}" if status is not None else type(exc).__name__
+
+
+def describe_engine_failure(exc: BaseException) -> str:
+    """ "<engine url>: <kind>", as failure counts name them."""
+    return f"{getattr(exc, 'url', '') or 'engine'}: {engine_failure_kind(exc)}"
+
+
 class RewardError(RolloutsError, RuntimeError):
     """A reward function raised or timed out under a fail-fast policy."""
 

@@ -18,6 +18,7 @@ import logging
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -26,8 +27,9 @@ from typing import Any, Protocol
 import trio
 
 from rollouts.coalesce import CoalescingEngine
-from rollouts.errors import EngineError, RolloutsError
+from rollouts.errors import EngineError, RolloutsError, describe_engine_failure
 from rollouts.prompts import PromptItem
+from rollouts.request_ids import oldest_version, request_rid
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_samples
 from rollouts.tools.rewards import tool_metrics
@@ -71,11 +73,6 @@ is cut short; samples it returns without reporting are scored after it returns. 
 reported with no await in between are scored as one batch (`rollouts.scoring`)."""
 
 
-def version_number(version: str | None, default: int) -> int:
-    """Engines report weight versions as strings; ours are integers ("12")."""
-    return int(version) if version is not None and version.isdigit() else default
-
-
 _STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 
@@ -89,7 +86,7 @@ def _sample_from(prompt: PromptItem, r: Any, i: int, ctx: GenerateContext) -> Sa
         status=_STATUS.get(r.finish_reason.type, "completed"),
         group_id=ctx.group_id,
         index_in_group=i,
-        weight_version=version_number(r.weight_version, 0),
+        weight_version=oldest_version(r),
         metadata=prompt.metadata,
         finish_reason=r.finish_reason.type,
     )
@@ -130,7 +127,7 @@ async def single_turn_generate(prompt: PromptItem, n: int, ctx: GenerateContext)
     batch = getattr(ctx.engine, "generate_batch", None)
 
     async def chunk(start: int, stop: int) -> None:
-        rids = [f"{ctx.rid_prefix}-{i}" for i in range(start, stop)]
+        rids = [request_rid(ctx.rid_prefix, i) for i in range(start, stop)]
         async with hold_slots(ctx.limiter, len(rids), ctx.slot_lock):
             ctx.in_flight.update(rids)
             try:
@@ -228,6 +225,7 @@ class CollectResult:
     n_interrupted: int = 0  # groups with samples aborted by someone else, held for later
     completion_tokens: int = 0
     wall_time_s: float = 0.0
+    failures: Counter[str] = field(default_factory=Counter)  # "url: kind" of dropped groups
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -264,7 +262,7 @@ async def collect_groups(
     max_launches: int | None = None,
     reward_timeout_s: float = 30.0,
     reward_fail_fast: bool = False,
-    engine_fail_fast: bool = True,
+    engine_fail_fast: bool = False,
     rid_prefix: str = "r",
     tokenizer: Any = None,
 ) -> CollectResult:
@@ -275,7 +273,8 @@ async def collect_groups(
         extra_groups: groups launched beyond `n_groups` up front to hide filtering latency.
         max_launches: cap on groups launched in total (default 4 × n_groups + extra); when it is
             reached and nothing is in flight, fewer than `n_groups` groups are returned.
-        engine_fail_fast: an engine error raises (default) instead of dropping the group.
+        engine_fail_fast: an engine error raises instead of dropping the group (counted in
+            `n_failed_groups` and `failures`).
 
     Raises:
         EngineError: an engine request failed and `engine_fail_fast` is set.
@@ -325,6 +324,7 @@ async def collect_groups(
             if engine_fail_fast:
                 raise
             log.warning("group %d dropped after an engine error: %s", gid, group.exceptions[0])
+            result.failures[describe_engine_failure(group.exceptions[0])] += 1
             outcome = "failed"
         finally:
             running.pop(gid, None)  # before the send: a finished group is never also "partial"

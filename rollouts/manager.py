@@ -254,6 +254,7 @@ class AsyncRolloutManager:
         except BaseException:
             self._cut_off = True
             raise
+        _check_failure_rate(result, cfg.max_failed_group_rate)
         version = self.current_version()
         for prompt, samples in result.partial:
             self.data_buffer.hold([_held_record(prompt, samples)], version)
@@ -278,6 +279,7 @@ class AsyncRolloutManager:
             **self._staleness([s for g in groups for s in g]),
             "stale_groups_dropped": float(self._stale_dropped),
             "held_groups": float(self.data_buffer.n_held),
+            **_engine_metrics(self.engine),
         }
         return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics)
 
@@ -289,6 +291,35 @@ class AsyncRolloutManager:
             "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness_max": float(max(lags, default=0)),
         }
+
+
+def _engine_metrics(engine: Any) -> dict[str, float]:
+    """Per-engine counters of an `EnginePool` (cumulative): requests done, failures by kind,
+    returns with the current weights, health now."""
+    statistics = getattr(engine, "statistics", None)
+    if statistics is None:
+        return {}
+    out: dict[str, float] = {}
+    for i, e in enumerate(getattr(statistics(), "engines", ())):
+        out |= {f"engine{i}/done": float(e.done), f"engine{i}/failed": float(e.failed),
+                f"engine{i}/samples_sent": float(getattr(e, "samples_sent", 0)),
+                f"engine{i}/samples_received": float(getattr(e, "samples_received", 0)),
+                f"engine{i}/rejoined": float(e.rejoined), f"engine{i}/healthy": float(e.healthy)}  # fmt: skip
+        out |= {f"engine{i}/failed/{kind}": float(n) for kind, n in e.failures.items()}
+    return out
+
+
+def _check_failure_rate(result: CollectResult, max_rate: float) -> None:
+    """Groups dropped after an engine error are counted; past `max_rate` of those launched the
+    run ends, naming which engines failed how."""
+    failed = sum(result.failures.values())
+    if not failed or failed <= max_rate * result.n_launched:
+        return
+    how = ", ".join(f"{what} x{n}" for what, n in result.failures.most_common())
+    raise RolloutsError(
+        f"{failed} of {result.n_launched} groups failed on engines in one batch, more than "
+        f"rollout.max_failed_group_rate={max_rate}: {how}"
+    )
 
 
 def _held_record(prompt: PromptItem, samples: list[Sample]) -> dict[str, Any]:
@@ -308,6 +339,7 @@ def _accumulate(total: CollectResult, part: CollectResult) -> None:
     total.n_interrupted += part.n_interrupted
     total.completion_tokens += part.completion_tokens
     total.wall_time_s += part.wall_time_s
+    total.failures.update(part.failures)
 
 
 async def _abort_all(engine: Any) -> None:

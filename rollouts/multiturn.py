@@ -37,8 +37,9 @@ import trio
 from rollouts.chat_turns import ChatTurns
 from rollouts.envs import Env, EnvFactory, ModelTurn, StepResult
 from rollouts.errors import ConfigError
-from rollouts.generation import GenerateContext, GenerateFn, version_number
+from rollouts.generation import GenerateContext, GenerateFn
 from rollouts.prompts import PromptItem, encode_prompt
+from rollouts.request_ids import oldest_version, request_rid
 from rollouts.types import Sample, Status, ToolCallRecord
 
 StopCondition: TypeAlias = Callable[[Sequence[Mapping[str, Any]]], bool]
@@ -145,10 +146,10 @@ async def run_episode(
         params = _turn_params(ctx.sampling_params, config.max_response_tokens, len(response.ids))
         if params is None:
             break
-        rid = f"{ctx.rid_prefix}-{index}-t{turn}"
+        rid = request_rid(ctx.rid_prefix, index, f"t{turn}")
         result = await _generate(ctx, prompt_ids + tuple(response.ids), params, rid)
         finish = result.finish_reason.type
-        versions.append(version_number(result.weight_version, 0))
+        versions.append(oldest_version(result))
         response.add_sampled(result.output_ids, result.output_logprobs)
         if finish == "abort":
             status = "aborted"

@@ -21,11 +21,17 @@ LONG = {"max_new_tokens": 1000, "ignore_eos": True}
 
 
 async def _state_is(
-    engine: SGLangEngine, *, running: int | None = None, waiting: int | None = None
+    engine: SGLangEngine,
+    *,
+    running: int | None = None,
+    waiting: int | None = None,
+    held: int | None = None,
 ) -> bool:
     state = await internal_state(engine)
-    return (running is None or state["num_running_reqs"] == running) and (
-        waiting is None or state["num_waiting_reqs"] == waiting
+    return (
+        (running is None or state["num_running_reqs"] == running)
+        and (waiting is None or state["num_waiting_reqs"] == waiting)
+        and (held is None or state["num_held_reqs"] == held)
     )
 
 
@@ -60,7 +66,7 @@ async def test_pause_blocks_new_requests_until_continue_and_abort_in_queue_says_
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, "queued")
-        await wait_for(lambda: _state_is(engine, waiting=1))
+        await wait_for(lambda: _state_is(engine, held=1))  # in front of the scheduler
         assert not done.is_set()
         await engine.abort("queued")  # aborting a request that never started
     assert (
@@ -70,7 +76,7 @@ async def test_pause_blocks_new_requests_until_continue_and_abort_in_queue_says_
     done = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, "released")
-        await wait_for(lambda: _state_is(engine, waiting=1))
+        await wait_for(lambda: _state_is(engine, held=1))
         assert not done.is_set()
         await engine.resume()
     assert results[1].finish_reason.type == "length" and len(results[1].output_ids) == 4
@@ -219,9 +225,9 @@ async def test_in_place_pause_keeps_requests_and_records_weight_version_spans(
         nursery.start_soon(run)
         await wait_for(lambda: _generated(server, 5))
         await engine.pause("in_place")
-        await engine.update_weights_from_disk(
-            str(tiny_model_dir_seed1), "v1"
-        )  # paused: runs at once
+        await engine.update_weights_from_disk(  # paused: runs at once; requests stay, no flush
+            str(tiny_model_dir_seed1), "v1", flush_cache=False
+        )
         await engine.resume()
     (result,) = results
     assert result.finish_reason.type == "length" and len(result.output_ids) == 80
@@ -243,10 +249,18 @@ async def test_update_weight_version_and_flush_cache(local_engine):
     async with httpx.AsyncClient(base_url=server.url) as http:
         flushed = await http.post("/flush_cache")
         assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+        # SGLang 0.5.23: requests sent during a pause wait in front of the scheduler, so an
+        # "abort" pause can flush; requests kept in place ("in_place") make the flush fail
         await engine.pause("abort")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.generate, [1, 2], {"max_new_tokens": 2})
-            await wait_for(lambda: _state_is(engine, waiting=1))
+            await wait_for(lambda: _state_is(engine, held=1))
+            assert (await http.post("/flush_cache")).status_code == 200
+            await engine.resume()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.generate, [1, 2], {"max_new_tokens": 500, "ignore_eos": True})
+            await wait_for(lambda: _state_is(engine, running=1))
+            await engine.pause("in_place")
             refused = await http.post("/flush_cache")
             assert refused.status_code == 400 and refused.text.startswith("Cache not flushed.")
             await engine.resume()

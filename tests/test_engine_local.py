@@ -222,7 +222,9 @@ async def test_stop_strings_stop_tokens_and_length_finish_as_sglang(local_engine
     _, engine = local_engine
     prompt = PROMPTS[2]
     # Sampling with a per-request seed is reproducible, and varied enough to find stop targets.
-    seeded = {"temperature": 1.0, "sampling_seed": 1234}
+    # The client sends no_stop_trim: true unless told otherwise; the trimming tested here is
+    # the engine's (SGLang's default).
+    seeded = {"temperature": 1.0, "sampling_seed": 1234, "no_stop_trim": False}
     base = await engine.generate(prompt, {"max_new_tokens": 40, **seeded, "ignore_eos": True})
     ids = list(base.output_ids)
     assert base.finish_reason.type == "length" and base.finish_reason.length == 40
@@ -249,7 +251,8 @@ async def test_stop_strings_stop_tokens_and_length_finish_as_sglang(local_engine
     assert (by_string.finish_reason.type, by_string.finish_reason.matched) == ("stop", stop)
     assert by_string.text == full_text[: full_text.find(stop)]
     untrimmed = await engine.generate(
-        prompt, {"max_new_tokens": 40, **seeded, "stop": stop, "no_stop_trim": True}
+        prompt,
+        {"max_new_tokens": 40, **seeded, "stop": stop, "no_stop_trim": True},  # last wins
     )
     assert untrimmed.text == full_text
 

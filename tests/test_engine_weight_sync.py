@@ -63,14 +63,16 @@ async def test_sync_updates_both_engines_and_a_failure_names_the_engine_and_leav
         for engine in engines:
             assert (await engine.model_info()).weight_version == "step-1"
 
-        # one engine is down: the error names it; the healthy one is updated and not paused
+        # one engine is down: the sync skips it and goes on (an EnginePool gives it the weights
+        # when it returns: `expected_weights`); only when every engine is down does it fail
         dead = await stack.enter_async_context(
             SGLangEngine(f"http://127.0.0.1:{find_free_port()}", max_retries=0)
         )
+        await sync_weights_to_engines([engines[0], dead], tiny_model_dir, "step-3")
+        assert dead.expected_weights == (str(tiny_model_dir), "step-3")
         with pytest.raises(WeightSyncError) as info:
-            await sync_weights_to_engines([engines[0], dead], tiny_model_dir, "step-3")
-        assert dead.url in str(info.value) and engines[0].url not in str(info.value)
-        assert "cannot reach the engine" in str(info.value)
+            await sync_weights_to_engines([dead], tiny_model_dir, "step-3")
+        assert dead.url in str(info.value) and "cannot reach the engine" in str(info.value)
         for engine in engines:
             state = (await engine.server_info())["internal_states"][0]
             assert state["paused"] is False
@@ -94,9 +96,13 @@ async def test_sync_updates_both_engines_and_a_failure_names_the_engine_and_leav
         assert waiting[0].weight_version == "step-4"
         assert waiting[0].output_ids == after[0].output_ids
 
-        # a failed pause resumes the engines that were paused and names the one that failed
+        # a refused pause (here a 404) resumes the engines that were paused and names the one
+        # that failed; a dead engine is skipped
+        wrong = await stack.enter_async_context(
+            SGLangEngine(f"{engines[0].url}/no_such_prefix", max_retries=0)
+        )
         with pytest.raises(WeightSyncError) as info:
-            await pause_engines([engines[1], dead])
-        assert dead.url in str(info.value) and engines[1].url not in str(info.value)
+            await pause_engines([engines[1], wrong, dead])
+        assert wrong.url in str(info.value) and engines[1].url not in str(info.value)
         assert (await engines[1].server_info())["internal_states"][0]["paused"] is False
         nursery.cancel_scope.cancel()

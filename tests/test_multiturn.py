@@ -263,9 +263,9 @@ async def test_an_aborted_request_ends_the_episode_as_aborted(local_engine, tiny
         nursery.start_soon(episode)
         while not ctx.in_flight:
             await trio.sleep(0.01)
-        assert ctx.in_flight == {"mt-1-t0"}
+        assert ctx.in_flight == {"mt-1-t0."}  # rids end with "." (never a prefix of another)
         await trio.sleep(0.2)
-        await engine.abort("mt-1-t0")
+        await engine.abort("mt-1-t0.")
     (sample,) = result
     assert sample.status == "aborted" and sample.finish_reason == "abort"
     assert len(sample.response_ids) < 400 and set(sample.loss_mask) <= {1}

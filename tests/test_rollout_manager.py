@@ -246,7 +246,7 @@ async def test_stalled_reward_in_a_batch_scored_group_fails_only_that_sample(
 
 
 class FailingForPromptZero:
-    """A real engine that answers every request for prompt 0 with an engine error."""
+    """A real engine that refuses every request for prompt 0 (400, as for a prompt too long)."""
 
     def __init__(self, engine, prompt_ids) -> None:
         self.engine, self.prompt_ids = engine, tuple(prompt_ids)
@@ -255,7 +255,7 @@ class FailingForPromptZero:
     async def generate_batch(self, batch_input_ids, *args, **kw):
         self.batch_sizes.append(len(batch_input_ids))
         if any(tuple(ids) == self.prompt_ids for ids in batch_input_ids):
-            raise EngineError("POST /generate failed: injected", status=500)
+            raise EngineError("POST /generate failed: injected", status=400)
         return await self.engine.generate_batch(batch_input_ids, *args, **kw)
 
     async def abort(self, rid: str) -> None:
@@ -266,14 +266,15 @@ async def test_engine_error_without_fail_fast_drops_only_that_group(local_engine
     _, engine = local_engine
     prompts = make_prompts(tiny_tokenizer, 8)
     cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
-                 engine_fail_fast=False)  # fmt: skip
+                 engine_fail_fast=False, max_failed_group_rate=0.5)  # fmt: skip
     failing = FailingForPromptZero(engine, prompts[0].prompt_ids)
     manager = AsyncRolloutManager(failing, DataBuffer(prompts, shuffle=False), cfg,
                                   reward_fn=lambda s: 0.0)  # fmt: skip
     batch = await manager.generate_batch()
     assert [prompt_index(g[0]) for g in batch.groups] == [1, 2]
     assert batch.metrics["groups_failed"] == 1 and batch.metrics["samples_failed"] == 0
-    # groups 0 and 1 went out merged; that failed, so each was re-sent alone; then group 2
+    # groups 0 and 1 went out merged; that was refused (400: nothing ran), so each was re-sent
+    # alone; then group 2
     assert failing.batch_sizes == [4, 2, 2, 2]
 
 

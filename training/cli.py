@@ -52,13 +52,20 @@ def rl_main(description: str, *, default_config: str | None = None) -> int:
                         model_help="starting HF model directory (default: the SFT checkpoint)")  # fmt: skip
     parser.add_argument("--engine-url", action="append", default=[],
                         help="live SGLang server (repeatable); default: launch local engines")  # fmt: skip
+    parser.add_argument("--router-url", default=None,
+                        help="sgl-model-gateway for generation; weight syncs go to each worker "
+                             "(--engine-url, or the gateway's GET /workers)")  # fmt: skip
+    parser.add_argument("--admin-api-key", default=None,
+                        help="the engines' --admin-api-key (pause, weight update, abort)")  # fmt: skip
     parser.set_defaults(config=default_config)
     args = parser.parse_args()
     urls = json.dumps(args.engine_url) if args.engine_url else None
+    engine_flags = {"engines.urls": urls, "engines.router_url": args.router_url,
+                    "engines.admin_api_key": args.admin_api_key}  # fmt: skip
     setup_logging()
     try:
         config = load_config(RLRunConfig, args.config,
-                             overrides_from_args(args, {"engines.urls": urls}))  # fmt: skip
+                             overrides_from_args(args, engine_flags))  # fmt: skip
         summary = trio.run(run_rl_recipe, config)
     except RolloutsError as err:
         print(f"error: {err}", file=sys.stderr)

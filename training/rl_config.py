@@ -16,13 +16,18 @@ class RLDataConfig(TaskDataSource):
 
 class EnginesConfig(Strict):
     urls: list[str] = Field([], description="live SGLang servers; empty: launch local engines")
+    router_url: str | None = Field(
+        None, description="sgl-model-gateway for generation; `urls` (or its GET /workers) = workers"
+    )
     api_key: str | None = None
+    admin_api_key: str | None = Field(None, description="SGLang --admin-api-key (control routes)")
     n_local: int = Field(1, ge=1)
     local_threads: int | None = Field(1, ge=1, description="torch threads per local engine")
     max_running_requests: int = Field(64, ge=1)
     startup_timeout_s: float = Field(300.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    max_relaunches: int = Field(3, ge=0, description="local engines relaunched when they die")
 
 
 class RewardConfig(Strict):
@@ -106,5 +111,17 @@ class RLRunConfig(Strict):
             raise ValueError(
                 f"train.mini_batches ({self.train.mini_batches}) exceeds rollout.batch_size "
                 f"({self.rollout.batch_size}): a mini-batch holds at least one whole group"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sync_mode_is_on_policy(self) -> RLRunConfig:
+        # Sync mode trains on its samples as on-policy; with sync_every > 1 they come from
+        # weights up to sync_every - 1 versions old (measured: -13.2 held-out points in 30 steps).
+        if self.rollout.mode == "sync" and self.train.sync_every > 1:
+            raise ValueError(
+                f"rollout.mode=sync with train.sync_every={self.train.sync_every} would train "
+                "stale samples as on-policy; use train.sync_every=1, or rollout.mode=overlap / "
+                "async (engine logprobs as the behaviour policy, staleness counted)"
             )
         return self

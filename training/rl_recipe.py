@@ -1,8 +1,9 @@
 """RL recipe glue: config → model, prompts, engines (launched or live), manager, loop, summary.
 
-`examples/run_rl.py` calls `run_rl_recipe`. With `engines.urls` empty it launches local engines
-on the starting checkpoint; with URLs it uses those live SGLang servers and pushes weights to
-each of them by `/update_weights_from_disk`.
+`examples/run_rl.py` calls `run_rl_recipe`. With `engines.urls` empty it launches (and
+supervises) local engines on the starting checkpoint; with URLs it uses those live SGLang
+servers, with `engines.router_url` it generates through sgl-model-gateway; weights go to each
+worker by `/update_weights_from_disk`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines import EnginePool, SGLangEngine, launch_engine
+from engines import EnginePool, SGLangEngine
 from engines.client import EngineTimeouts
+from engines.router import RouterEngine
+from engines.supervisor import supervise_engine
 from rollouts.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform, keep_all, keep_if_reward_varies
@@ -173,27 +176,51 @@ def group_filter_for(algo: algorithms.AlgorithmConfig, setting: str):
 
 @contextlib.asynccontextmanager
 async def open_engines(config: RLRunConfig, model_path: str, out: Path):
-    """SGLangEngine clients for live URLs, or for local engines launched here (and stopped)."""
+    """(generation engine, worker clients) for live URLs, a router, or local engines launched
+    here (relaunched when they die, up to `engines.max_relaunches`; stopped at the end).
+
+    Generation goes through an `EnginePool` of the workers, or through the gateway at
+    `engines.router_url` (`RouterEngine`); weight syncs always go to each worker. Every worker
+    must run SGLang >= 0.5.6 (`SGLangEngine.check_server`).
+    """
     ec = config.engines
     timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s)
     async with contextlib.AsyncExitStack() as stack:
         urls = list(ec.urls)
-        if not urls:
+        router = None
+        if ec.router_url:
+            gateway = SGLangEngine(ec.router_url, api_key=ec.api_key, timeouts=timeouts)
+            router = await stack.enter_async_context(RouterEngine(gateway))
+            if not urls:
+                urls = await router.list_workers()
+            if not urls:
+                raise ConfigError(f"the router at {ec.router_url} lists no workers (GET /workers)")
+        elif not urls:
             for i in range(ec.n_local):
                 args = ["--weight-version", "0", "--max-running-requests",
                         str(ec.max_running_requests)]  # fmt: skip
                 if ec.local_threads:
                     args += ["--num-threads", str(ec.local_threads)]
-                launched = await stack.enter_async_context(launch_engine(
+                launched = await stack.enter_async_context(supervise_engine(
                     kind="local", model_path=model_path, extra_args=args,
                     log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
+                    max_relaunches=ec.max_relaunches,
                 ))  # fmt: skip
                 urls.append(launched.url)
         clients = [
-            await stack.enter_async_context(SGLangEngine(u, api_key=ec.api_key, timeouts=timeouts))
+            await stack.enter_async_context(SGLangEngine(
+                u, api_key=ec.api_key, admin_api_key=ec.admin_api_key, timeouts=timeouts,
+                retry_generate=router is not None))  # the pool retries (see SGLangEngine)
             for u in urls
-        ]
-        yield clients
+        ]  # fmt: skip
+        for client in clients:
+            log.info("%s runs SGLang %s", client.url, await client.check_server())
+        pool = await stack.enter_async_context(EnginePool(clients))
+        if router is not None:  # the pool only watches the workers and gives returning ones
+            router.workers = clients  # the current weights; generation goes via the gateway
+            yield router, clients
+        else:
+            yield pool, clients
 
 
 def _closing(resource: Any) -> contextlib.AbstractContextManager:
@@ -307,14 +334,14 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                                   "time_step_s", "weight_version"))  # fmt: skip
     with backend, _closing(critic), _closing(reference), contextlib.closing(jsonl), \
             contextlib.closing(console), _closing(dump):  # fmt: skip
-        async with open_engines(config, model_path, out) as clients, EnginePool(clients) as pool:
-            if config.engines.urls:  # live servers: make them serve exactly our start weights
+        async with open_engines(config, model_path, out) as (engine, clients):
+            if config.engines.urls or config.engines.router_url:  # live: serve our start weights
                 await push_weights(
                     backend, clients, out / "weights", pause_mode=config.engines.pause_mode
                 )
 
             async def evaluate() -> dict[str, float]:
-                return await evaluate_greedy(pool, held_out, reward_fn,
+                return await evaluate_greedy(engine, held_out, reward_fn,
                                              max_new_tokens=config.train.eval_max_new_tokens,
                                              generate_fn=episodes.generate_fn,
                                              tokenizer=tokenizer)  # fmt: skip
@@ -323,7 +350,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             log.info("held-out before RL: %s", before)
             first = schedule(1)
             manager = AsyncRolloutManager(
-                pool, buffer, config.rollout,
+                engine, buffer, config.rollout,
                 reward_fn=algorithms.shape_reward(first, reward_fn),
                 group_filter=group_filter_for(first, config.rollout.filter_groups),
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,

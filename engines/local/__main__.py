@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--admin-api-key", default=None, help="the only key for control routes (pause, update)"
+    )
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--max-running-requests", type=int, default=128)
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         weight_version=args.weight_version,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,

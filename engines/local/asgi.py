@@ -3,7 +3,9 @@
 Hand-written instead of a framework because the engine needs only a dozen routes and
 exact control over SGLang's error shapes. Guarantees: a handler exception becomes a 500 JSON
 answer and never takes the server down; with `api_key`, every route except `/health*` needs
-`Authorization: Bearer <key>` (401 `{"error": "Unauthorized"}`); routes marked
+`Authorization: Bearer <key>` (401 `{"error": "Unauthorized"}`); control routes (marked `admin`)
+follow SGLang 0.5.23's ADMIN_OPTIONAL level: with `admin_api_key` set only that key opens them,
+else `api_key` does, else they are open; routes marked
 `cancel_on_disconnect` are cancelled when the client goes away (so generation stops).
 """
 
@@ -97,17 +99,20 @@ class Route:
     methods: tuple[str, ...]
     handler: Handler
     cancel_on_disconnect: bool = False
+    admin: bool = False  # a control route (SGLang's AuthLevel.ADMIN_OPTIONAL)
 
 
 class App:
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, admin_api_key: str | None = None) -> None:
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self.routes: dict[str, Route] = {}
         self.prefix_routes: list[tuple[str, Route]] = []  # "/v1/models/" + {id}
 
-    def route(self, path: str, methods=("GET",), *, cancel_on_disconnect: bool = False):
+    def route(self, path: str, methods=("GET",), *, cancel_on_disconnect: bool = False,
+              admin: bool = False):  # fmt: skip
         def register(handler: Handler) -> Handler:
-            entry = Route(tuple(methods), handler, cancel_on_disconnect)
+            entry = Route(tuple(methods), handler, cancel_on_disconnect, admin)
             if path.endswith("/{id}"):
                 self.prefix_routes.append((path[: -len("{id}")], entry))
             else:
@@ -168,10 +173,10 @@ class App:
             return object_error("Not Found", 404)
         if request.method not in route.methods:
             return object_error("Method Not Allowed", 405)
-        if self.api_key and request.path not in AUTH_EXEMPT:
-            expected = f"Bearer {self.api_key}"
+        key = (self.admin_api_key or self.api_key) if route.admin else self.api_key
+        if key and request.path not in AUTH_EXEMPT:
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return json_response({"error": "Unauthorized"}, 401)
         request.path_params = params
         try:

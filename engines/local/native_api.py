@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,7 +31,12 @@ from .state import VERSION, EngineState
 
 logger = logging.getLogger(__name__)
 
-HEALTH_CHECK_TIMEOUT_S = 20.0
+
+def health_check_timeout_s() -> float:
+    """SGLang's `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s): how long `/health_generate` waits."""
+    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+
+
 _FLUSH_NOTE = (
     "Please check backend logs for more details. (When there are running or waiting requests, "
     "the operation will not be performed.)\n"
@@ -83,7 +89,7 @@ def register_native_routes(app: App, state: EngineState) -> None:
         if not state.ready.is_set():
             return Response(503, b"", "")
         scheduler = state.scheduler
-        if scheduler.paused or scheduler.busy:  # busy means it is generating; paused on purpose
+        if scheduler.busy and not scheduler.paused:  # generating: alive (SGLang: any output)
             return Response(200, b"", "")
         item = GenerateItem(
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
@@ -94,7 +100,9 @@ def register_native_routes(app: App, state: EngineState) -> None:
             top_logprobs_num=0,
             return_text_in_logprobs=False,
         )
-        with trio.move_on_after(HEALTH_CHECK_TIMEOUT_S):
+        # As in SGLang 0.5.23, the probe request queues behind a pause like any request, so a
+        # paused engine answers 503 after the timeout.
+        with trio.move_on_after(health_check_timeout_s()):
             async with scheduler.submit([item], lock=False) as seqs:
                 await wait_finished(seqs)
                 if seqs[0].error is None:
@@ -132,6 +140,8 @@ def register_native_routes(app: App, state: EngineState) -> None:
                 "last_gen_throughput": scheduler.last_gen_throughput if scheduler else 0.0,
                 "num_running_reqs": len(scheduler.running) if scheduler else 0,
                 "num_waiting_reqs": len(scheduler.waiting) if scheduler else 0,
+                # arrived during a pause, held in front of the scheduler (not SGLang's key)
+                "num_held_reqs": len(scheduler.held) if scheduler else 0,
                 "paused": bool(scheduler and scheduler.paused),
                 "memory_usage": {},
             }
@@ -172,7 +182,7 @@ def register_native_routes(app: App, state: EngineState) -> None:
         records = [state.generate_record(s) for s in seqs]
         return json_response(records if parsed.is_batch else records[0])
 
-    @app.route("/abort_request", methods=("POST",))
+    @app.route("/abort_request", methods=("POST",), admin=True)
     async def abort_request(request: Request) -> Response:
         try:
             body = read_json(request)
@@ -184,7 +194,7 @@ def register_native_routes(app: App, state: EngineState) -> None:
             state.scheduler.abort(body.get("rid") or None, abort_all=bool(body.get("abort_all")))
         return Response(200, b"", "")
 
-    @app.route("/pause_generation", methods=("POST",))
+    @app.route("/pause_generation", methods=("POST",), admin=True)
     async def pause_generation(request: Request) -> Response:
         try:
             body = read_json(request)
@@ -198,21 +208,21 @@ def register_native_routes(app: App, state: EngineState) -> None:
         await state.scheduler.pause(mode)
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-    @app.route("/continue_generation", methods=("POST",))
+    @app.route("/continue_generation", methods=("POST",), admin=True)
     async def continue_generation(request: Request) -> Response:
         if state.scheduler is None:
             return not_ready()
         state.scheduler.resume()
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    @app.route("/flush_cache", methods=("GET", "POST"))
+    @app.route("/flush_cache", methods=("GET", "POST"), admin=True)
     async def flush_cache(request: Request) -> Response:
         # There is no prefix cache to drop; keep SGLang's refusal while requests are queued.
         if state.scheduler is not None and state.scheduler.busy:
             return text_response("Cache not flushed.\n" + _FLUSH_NOTE, 400)
         return text_response("Cache flushed.\n" + _FLUSH_NOTE)
 
-    @app.route("/update_weights_from_disk", methods=("POST",))
+    @app.route("/update_weights_from_disk", methods=("POST",), admin=True)
     async def update_weights_from_disk(request: Request) -> Response:
         try:
             body = read_json(request)
@@ -227,12 +237,15 @@ def register_native_routes(app: App, state: EngineState) -> None:
         if state.scheduler is None:
             return not_ready()
         success, message = await state.scheduler.update_weights(
-            path, version, abort_all_requests=bool(body.get("abort_all_requests", False))
+            path,  # relative: resolved in this process's cwd, as SGLang does
+            version,
+            abort_all_requests=bool(body.get("abort_all_requests", False)),
+            flush_cache=bool(body.get("flush_cache", True)),
         )
         body = {"success": success, "message": message, "num_paused_requests": 0}
         return json_response(body, 200 if success else 400)
 
-    @app.route("/update_weight_version", methods=("POST",))
+    @app.route("/update_weight_version", methods=("POST",), admin=True)
     async def update_weight_version(request: Request) -> Response:
         try:
             body = read_json(request)
@@ -259,7 +272,7 @@ def register_native_routes(app: App, state: EngineState) -> None:
         return json_response(None)
 
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-        app.route(path, methods=("GET", "POST"))(memory_occupation)
+        app.route(path, methods=("GET", "POST"), admin=True)(memory_occupation)
 
 
 async def _stream_generate(

@@ -11,7 +11,9 @@ Contract:
   "abort"`; "Abort in waiting queue" if it had not started); its row is dropped at the next step.
 - `pause(mode)`: "abort" aborts everything, "retract" moves running requests back to the queue
   (recomputed on resume, `num_retractions` grows), "in_place" freezes them with their KV cache.
-  Each returns once no step is running. New requests queue until `resume()`.
+  Each returns once no step is running. New requests wait in front of the scheduler until
+  `resume()` (SGLang holds them in its tokenizer manager), so they do not make it busy: a cache
+  flush during an "abort" pause succeeds; they can still be aborted by rid.
 - Weight updates hold a writer lock against every in-flight `/generate` (reader), like SGLang:
   the update waits for in-flight requests (or aborts them with `abort_all_requests`) and new
   requests queue behind it; when paused, the update runs at once. The load runs on the model
@@ -105,6 +107,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.paused = False
+        self._resumed = trio.Event()
+        self.held: list[Sequence] = []  # arrived during a pause, not queued yet
         self._wakeup = trio.Event()
         self._limiter = trio.CapacityLimiter(1)  # the single model thread
         self._step_done = trio.Event()
@@ -215,7 +219,14 @@ class Scheduler:
         """Queue the items; yield their sequences. Unfinished ones are aborted on exit."""
         async with self._update_lock.read() if lock else _null():
             seqs = [Sequence(item) for item in items]
-            self.waiting.extend(seqs)
+            if self.paused:
+                self.held += seqs
+                try:
+                    while self.paused and not all(s.finished for s in seqs):
+                        await _wait_any(self._resumed, seqs)
+                finally:
+                    self.held = [s for s in self.held if s not in seqs]
+            self.waiting.extend(s for s in seqs if not s.finished)
             self._wake()
             try:
                 yield seqs
@@ -234,10 +245,11 @@ class Scheduler:
         return count
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
+        """Abort `rid` and, as SGLang 0.5.23's scheduler does, every rid it is a prefix of."""
         if not abort_all and not rid:
             return 0
-        live = [*self.waiting, *self.running]
-        return self.abort_sequences(s for s in live if abort_all or s.rid == rid)
+        live = [*self.held, *self.waiting, *self.running]
+        return self.abort_sequences(s for s in live if abort_all or s.rid.startswith(rid or ""))
 
     async def wait_idle(self) -> None:
         """Return once no model step is running."""
@@ -245,7 +257,8 @@ class Scheduler:
             await self._step_done.wait()
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        self.paused = True
+        if not self.paused:
+            self.paused, self._resumed = True, trio.Event()
         if mode == "abort":
             self.abort(abort_all=True)
         await self.wait_idle()
@@ -258,6 +271,7 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = False
+        self._resumed.set()
         self._wake()
 
     @property
@@ -267,16 +281,22 @@ class Scheduler:
     # ----- weights --------------------------------------------------------------------------
 
     async def update_weights(
-        self, path: str, weight_version: str | None, *, abort_all_requests: bool = False
+        self,
+        path: str,
+        weight_version: str | None,
+        *,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> tuple[bool, str]:
         if abort_all_requests:
             self.abort(abort_all=True)
         if self.paused:
-            return await self._load(path, weight_version)
+            return await self._load(path, weight_version, flush_cache)
         async with self._update_lock.write():
-            return await self._load(path, weight_version)
+            return await self._load(path, weight_version, flush_cache)
 
-    async def _load(self, path: str, weight_version: str | None) -> tuple[bool, str]:
+    async def _load(self, path: str, weight_version: str | None, flush_cache: bool
+                    ) -> tuple[bool, str]:  # fmt: skip
         from .runner import WeightLoadError  # torch-side module, imported lazily
 
         started = time.perf_counter()
@@ -286,6 +306,16 @@ class Scheduler:
             logger.warning("weight update from %s failed: %s", path, exc)
             return False, str(exc)
         self.model_path = path
+        if flush_cache and self.busy:
+            # SGLang 0.5.23: the new weights are in, but the cache flush that follows is refused
+            # while requests are running or queued (a pause "in_place"/"retract"), so the call
+            # fails and the weight version is not set.
+            message = (
+                "Weights were updated, but the cache was not flushed because requests are still "
+                "running or queued. Retract or finish them, then call /flush_cache."
+            )
+            logger.warning("weight update from %s: %s", path, message)
+            return False, message
         message = "Succeeded to update model weights."
         if weight_version is not None:
             self.weight_version = weight_version
@@ -298,6 +328,19 @@ def notify(seq: Sequence) -> None:
     """Wake everyone waiting on `seq.changed`."""
     event, seq.changed = seq.changed, trio.Event()
     event.set()
+
+
+async def _wait_any(event: trio.Event, seqs: list[Sequence]) -> None:
+    """Until `event` is set or one of `seqs` changes (e.g. it is aborted)."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(e: trio.Event) -> None:
+            await e.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(wait, event)
+        for seq in seqs:
+            nursery.start_soon(wait, seq.changed)
 
 
 @asynccontextmanager

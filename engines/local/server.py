@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,7 +38,7 @@ class LocalEngineServer:
 
 
 def build_app(state: EngineState) -> App:
-    app = App(api_key=state.config.api_key)
+    app = App(api_key=state.config.api_key, admin_api_key=state.config.admin_api_key)
     register_native_routes(app, state)
     register_openai_routes(app, state)
     return app
@@ -123,6 +124,9 @@ async def serve(
     hconfig.keep_alive_timeout = 75.0  # longer than clients' keep-alive, so they close first
     hconfig.graceful_timeout = 1.0
     async with trio.open_nursery() as nursery:
+        parent = os.environ.get("ROLLOUTS_PARENT_PID", "")
+        if parent.isdigit():
+            nursery.start_soon(_exit_with_parent, int(parent))
         binds = await nursery.start(hypercorn_serve, build_app(state), hconfig)
         url = binds[0].replace("0.0.0.0", "127.0.0.1")
         logger.info("local engine listening on %s; loading %s", url, config.model_path)
@@ -144,6 +148,14 @@ async def serve(
         state.ready.set()
         logger.info("The server is fired up and ready to roll! (%s)", url)
         task_status.started(LocalEngineServer(url=url, config=config, state=state))
+
+
+async def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Exit at once when the process that launched us is gone (it may have been SIGKILLed)."""
+    while os.getppid() == parent_pid:
+        await trio.sleep(poll_s)
+    logger.error("parent process %d is gone; the local engine exits", parent_pid)
+    os._exit(1)
 
 
 async def _warmup(state: EngineState) -> None:

@@ -11,7 +11,7 @@ import trio
 from .params import GenerateItem, GenerateRequest, ModelLimits, parse_generate_request
 from .sequence import Sequence, TopLogprobs
 
-VERSION = "0.5.x-rollouts-local"
+VERSION = "0.5.23+rollouts.local"  # the SGLang release whose behaviour it follows
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class LocalEngineConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_api_key: str | None = None  # control routes (pause, update, abort, flush, ...)
     weight_version: str = "default"
     max_running_requests: int = 128
     max_prefill_tokens: int = 8192
@@ -36,6 +37,7 @@ class LocalEngineConfig:
     def server_args(self) -> dict[str, Any]:
         args = asdict(self)
         args.pop("api_key")  # never echo a secret in /get_server_info
+        args.pop("admin_api_key")
         args["tokenizer_path"] = self.model_path
         args["served_model_name"] = self.served_model_name or self.model_path
         args.update(tp_size=1, dp_size=1, skip_tokenizer_init=False)

@@ -1,0 +1,5 @@
+"""Stand-ins for the network around real engines, for tests and demos (loopback only):
+`gateway` imitates sgl-model-gateway's request shapes; `fault_proxy` injects failures.
+
+Not imported by the rest of `engines`.
+"""

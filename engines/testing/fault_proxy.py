@@ -1,0 +1,135 @@
+"""`FaultProxy`: an HTTP/1.1 proxy on 127.0.0.1 that injects failures between a client and an
+engine, for tests and demos of what the pool and the rollout manager survive.
+
+Each request whose path is in `FaultPlan.paths` draws one fault (seeded, so runs repeat):
+- "reset": the connection is closed without an answer;
+- "delay": forwarded after `delay_s`;
+- "truncate": forwarded, and half of the answer's bytes are sent before the connection closes;
+- "500": answered `500 {"error": {"message": "injected fault"}}` without forwarding;
+- "hang": no answer for `hang_s`, then the connection closes;
+- otherwise the request is forwarded as is. Every other path is always forwarded.
+
+One request per connection (`Connection: close` both ways), so a fault hits exactly one request.
+Every wait is bounded (`io_timeout_s` per read, `hang_s`); `counts` tallies each fault and each
+forwarded request. Only bodies with `Content-Length` are read (what httpx sends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import trio
+
+FAULTS = ("reset", "delay", "truncate", "500", "hang")
+_ERROR = b'{"error": {"message": "injected fault"}}'
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    rates: Mapping[str, float] = field(default_factory=dict)  # fault -> probability per request
+    paths: tuple[str, ...] = ("/generate",)
+    delay_s: float = 0.5
+    hang_s: float = 5.0
+    io_timeout_s: float = 120.0
+    seed: int = 0
+
+
+class FaultProxy:
+    """`url = await nursery.start(FaultProxy(upstream_url, plan).serve)`."""
+
+    def __init__(self, upstream: str, plan: FaultPlan) -> None:
+        host_port = upstream.split("://", 1)[-1].rstrip("/")
+        host, port = host_port.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.plan = plan
+        self.counts: Counter[str] = Counter()
+        self.enabled = True
+        self._rng = random.Random(plan.seed)
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._handle, listeners)
+            task_status.started(f"http://127.0.0.1:{port}")
+
+    def _draw(self, path: str) -> str | None:
+        if not self.enabled or path not in self.plan.paths:
+            return None
+        roll = self._rng.random()
+        for fault in FAULTS:
+            roll -= self.plan.rates.get(fault, 0.0)
+            if roll < 0:
+                return fault
+        return None
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        async with client:
+            try:
+                with trio.fail_after(self.plan.io_timeout_s):
+                    head, body = await _read_message(client)
+            except (trio.TooSlowError, trio.BrokenResourceError, ValueError):
+                return
+            path = head.split(b" ", 2)[1].split(b"?")[0].decode("latin-1")
+            fault = self._draw(path)
+            self.counts[fault or "forwarded"] += 1
+            if fault == "reset":
+                return
+            if fault == "hang":
+                await trio.sleep(self.plan.hang_s)
+                return
+            if fault == "500":
+                await _send(client, b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
+                            b"application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                            % len(_ERROR) + _ERROR)  # fmt: skip
+                return
+            if fault == "delay":
+                await trio.sleep(self.plan.delay_s)
+            try:
+                with trio.fail_after(self.plan.io_timeout_s):
+                    answer = await self._forward(head, body)
+            except (trio.TooSlowError, OSError, trio.BrokenResourceError):
+                return  # the engine is gone or stuck: the client sees a dropped connection
+            await _send(client, answer[: len(answer) // 2] if fault == "truncate" else answer)
+
+    async def _forward(self, head: bytes, body: bytes) -> bytes:
+        lines = [line for line in head.split(b"\r\n") if line]
+        kept = [x for x in lines[1:] if not x.lower().startswith((b"connection:", b"keep-alive:"))]
+        request = b"\r\n".join([lines[0], *kept, b"connection: close"]) + b"\r\n\r\n" + body
+        upstream = await trio.open_tcp_stream(*self.upstream)
+        async with upstream:
+            await upstream.send_all(request)
+            chunks = []
+            while chunk := await upstream.receive_some(65536):
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+async def _read_message(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    buffer = b""
+    while b"\r\n\r\n" not in buffer:
+        chunk = await stream.receive_some(65536)
+        if not chunk or len(buffer) > 1 << 20:
+            raise ValueError("connection closed before a whole request head")
+        buffer += chunk
+    head, body = buffer.split(b"\r\n\r\n", 1)
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise ValueError("connection closed inside a request body")
+        body += chunk
+    return head, body
+
+
+async def _send(stream: trio.SocketStream, data: bytes) -> None:
+    with contextlib.suppress(trio.BrokenResourceError):
+        await stream.send_all(data)

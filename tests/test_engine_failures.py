@@ -1,0 +1,218 @@
+"""Engines that fail (issue 12 items 12, 13, 14, 17): failover of 5xx and timeouts, a dead engine
+skipped by the weight sync and given the current weights when it returns, groups dropped and
+counted up to a failure rate, relaunch, and engines that die with their parent. Real local
+engines; failures come from `engines.testing.fault_proxy` or from killing the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import trio
+from test_engine_launch import alive, pids_with_port
+from test_engine_pool import run_engine, wait_for
+
+from engines import EngineError, EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+from engines.http import EngineTimeouts
+from engines.supervisor import supervise_engine
+from engines.testing.fault_proxy import FaultPlan, FaultProxy
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.errors import RolloutsError
+from rollouts.manager import AsyncRolloutManager
+from training.data_buffer import DataBuffer
+
+SHORT = {"max_new_tokens": 4}
+
+
+def client(url: str, **kw) -> SGLangEngine:
+    return SGLangEngine(url, max_retries=0, **kw)
+
+
+async def test_5xx_and_timeouts_fail_over_to_another_engine_and_are_counted(tiny_model_dir):
+    async with trio.open_nursery() as nursery:
+        good, flaky = [await nursery.start(run_engine, tiny_model_dir, find_free_port())
+                       for _ in range(2)]  # fmt: skip
+        plan = FaultPlan(rates={"500": 0.5, "hang": 0.5}, hang_s=5.0)
+        proxy = FaultProxy(flaky.url, plan)
+        proxy_url = await nursery.start(proxy.serve)
+        fast = EngineTimeouts(generate_s=1.0)
+        async with client(proxy_url, timeouts=fast) as a, client(good.url) as b:
+            async with EnginePool([a, b], probe_interval_s=60) as pool:
+                with trio.fail_after(30):
+                    results = [await pool.generate([i + 1, 2], SHORT, rid=f"r{i}.")
+                               for i in range(8)]  # fmt: skip
+                stats = pool.statistics().engines
+            assert len(results) == 8 and all(r.completion_tokens == 4 for r in results)
+            assert stats[1].done == 8 and stats[0].done == 0
+            assert stats[0].failures == {"HTTP 500": proxy.counts["500"],
+                                         "timeout": proxy.counts["hang"]}  # fmt: skip
+            assert proxy.counts["500"] > 0 and proxy.counts["hang"] > 0
+            async with EnginePool([a], probe_interval_s=60) as alone:  # nowhere else to go
+                proxy.plan = FaultPlan(rates={"500": 1.0})
+                with pytest.raises(EngineError) as failed:
+                    await alone.generate([1, 2], SHORT)
+                assert failed.value.status == 500
+        nursery.cancel_scope.cancel()
+
+
+async def test_dead_engine_is_skipped_by_the_sync_and_given_the_weights_before_it_serves(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    port = find_free_port()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        doomed = trio.CancelScope()
+
+        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with doomed:
+                await run_engine(tiny_model_dir, port, task_status=task_status)
+
+        await nursery.start(run_doomed)
+        async with (
+            client(live.url) as a,
+            client(f"http://127.0.0.1:{port}") as b,
+            EnginePool([a, b], probe_interval_s=0.2) as pool,
+        ):
+            doomed.cancel()  # engine b dies
+            await sync_weights_to_engines([a, b], tiny_model_dir_seed1, "1")  # goes on
+            assert (await a.model_info()).weight_version == "1"
+            await wait_for(lambda: not pool.statistics().engines[1].healthy)
+            # b comes back on its initial weights: it is given "1" before it serves
+            restarted = await nursery.start(run_engine, tiny_model_dir, port)
+            await wait_for(lambda: pool.statistics().engines[1].healthy)
+            assert restarted.state.weight_version == "1"
+            assert pool.statistics().engines[1].rejoined == 1
+            results = [await pool.generate([3, 4], SHORT) for _ in range(4)]
+            assert {r.weight_version for r in results} == {"1"}
+            assert pool.statistics().engines[1].done >= 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_engine_restarted_between_probes_never_has_its_old_weights_used(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    port = find_free_port()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        first = trio.CancelScope()
+
+        async def run_first(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with first:
+                await run_engine(tiny_model_dir, port, task_status=task_status)
+
+        await nursery.start(run_first)
+        async with (
+            client(live.url) as a,
+            client(f"http://127.0.0.1:{port}") as b,
+            EnginePool([a, b], probe_interval_s=3600) as pool,  # no probe sees the restart
+        ):
+            await sync_weights_to_engines([a, b], tiny_model_dir_seed1, "1")
+            first.cancel()
+            await nursery.start(run_engine, tiny_model_dir, port)  # back on version "0"
+            results = [await pool.generate([3, 4], SHORT) for _ in range(4)]
+            stats = pool.statistics().engines
+        assert {r.weight_version for r in results} == {"1"}
+        assert stats[1].failures == {"stale weights": 1} and not stats[1].healthy
+        nursery.cancel_scope.cancel()
+
+
+async def test_failed_groups_are_dropped_and_counted_until_the_rate_ends_the_run(
+    tiny_model_dir, tiny_tokenizer
+):
+    from test_rollout_manager import make_prompts
+
+    async with trio.open_nursery() as nursery:
+        engine = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        proxy = FaultProxy(engine.url, FaultPlan(rates={"500": 1.0}))
+        proxy_url = await nursery.start(proxy.serve)
+        cfg = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                            sampling=SamplingConfig(max_new_tokens=4), max_failed_group_rate=0.5)  # fmt: skip
+        async with client(proxy_url) as flaky, EnginePool([flaky]) as pool:
+            manager = AsyncRolloutManager(pool, DataBuffer(make_prompts(tiny_tokenizer, 16)),
+                                          cfg, reward_fn=lambda s: 0.0)  # fmt: skip
+            with pytest.raises(RolloutsError) as ended:
+                await manager.generate_batch()
+            assert f"{proxy_url}: HTTP 500 x" in str(ended.value)
+            proxy.enabled = False  # under the rate: the run goes on, failures counted
+            batch = await manager.generate_batch()
+            assert len(batch.groups) == 2 and batch.metrics["groups_failed"] == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_supervised_engine_killed_with_sigkill_is_relaunched_on_its_port(
+    tiny_model_dir, tmp_path
+):
+    async with supervise_engine(kind="local", model_path=tiny_model_dir, relaunch_delay_s=0.1,
+                                log_path=tmp_path / "e.log", max_relaunches=1) as supervised:  # fmt: skip
+        first = supervised.current.pid
+        os.kill(first, signal.SIGKILL)
+        await wait_for(lambda: supervised.relaunches == 1 and supervised.current.pid != first, 60)
+        async with client(supervised.url) as engine:
+            await engine.wait_healthy(60, poll_interval_s=0.2)
+            assert (await engine.generate([1, 2], SHORT)).completion_tokens == 4
+    assert supervised.pids == [first, supervised.current.pid] and not alive(supervised.pids[1])
+
+
+# A server that knows nothing of us (as SGLang): answers 200 to everything on --port.
+STAND_IN_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Ok).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("kind", ["local", "sglang"])
+def test_launched_engines_die_with_their_parent(kind, tiny_model_dir, tmp_path):
+    command = None if kind == "local" else [sys.executable, "-c", STAND_IN_SERVER]
+    script = textwrap.dedent(f"""
+        import sys, trio
+        sys.path.insert(0, {os.getcwd()!r})
+        from engines import launch_engine
+        async def main():
+            async with launch_engine({command!r}, kind={kind!r},
+                                     model_path={str(tiny_model_dir)!r},
+                                     log_path={str(tmp_path / "e.log")!r}) as e:
+                print(e.port, flush=True)
+                await trio.sleep(600)
+        trio.run(main)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(parent.stdout.readline())  # type: ignore[union-attr]
+        pids = pids_with_port(port)  # the server (and the guard around an SGLang kind)
+        assert len(pids) == (1 if kind == "local" else 2) and all(alive(p) for p in pids)
+        parent.kill()  # SIGKILL: no cleanup runs in the parent
+        parent.wait(10)
+        deadline = time.monotonic() + 10  # the watchdogs poll every 0.5 s
+        while any(alive(p) and not _zombie(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+    assert all(not alive(p) or _zombie(p) for p in pids), "an engine outlived its parent"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
+
+
+def test_sync_mode_with_sync_every_above_one_is_refused():
+    from training.rl_config import RLRunConfig
+
+    with pytest.raises(ValueError, match="train stale samples as on-policy"):
+        RLRunConfig.model_validate({"rollout": {"mode": "sync"}, "train": {"sync_every": 2}})
+    RLRunConfig.model_validate({"rollout": {"mode": "overlap"}, "train": {"sync_every": 2}})
