@@ -30,7 +30,7 @@ from rollouts.errors import RolloutsError
 from training import checkpoint as ckpt
 from training.config import OptimConfig
 from training.futures import TrainFuture, lr_lambda
-from training.model_io import eval_mode
+from training.model_io import eval_mode, generate_greedy
 from training.model_io import load_model as load_model
 from training.model_io import load_model_and_tokenizer as load_model_and_tokenizer
 from training.model_io import load_tokenizer as load_tokenizer
@@ -305,33 +305,9 @@ class PyTorchTrainingBackend:
     ) -> TrainFuture[list[list[int]]]:
         """Queue greedy decoding of token-id prompts; returns the new token ids (eos included)."""
         prompts = [list(p) for p in prompts]
-        return self._submit(lambda: self._generate_greedy(prompts, max_new_tokens, batch_size))
-
-    def _generate_greedy(
-        self, prompts: list[list[int]], max_new_tokens: int, batch_size: int
-    ) -> list[list[int]]:
-        eos = self.tokenizer.eos_token_id
-        out: list[list[int]] = []
-        with torch.no_grad(), eval_mode(self.model):
-            for k in range(0, len(prompts), batch_size):
-                chunk = prompts[k : k + batch_size]
-                width = max(len(p) for p in chunk)
-                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for i, p in enumerate(chunk):  # left padding, as decoder-only generation needs
-                    ids[i, width - len(p) :] = torch.tensor(p)
-                    mask[i, width - len(p) :] = 1
-                gen = self.model.generate(
-                    input_ids=ids.to(self.device),
-                    attention_mask=mask.to(self.device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    eos_token_id=eos,
-                    pad_token_id=self.pad_id,
-                )
-                for row in gen[:, width:].tolist():
-                    out.append(row[: row.index(eos) + 1] if eos in row else row)
-        return out
+        return self._submit(
+            lambda: generate_greedy(self.model, self.tokenizer, prompts, max_new_tokens, batch_size)
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
 
