@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a client has to send a request head",
     )
     bounds.add_argument(
-        "--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection is kept"
+        "--keep-alive-timeout", type=float, default=15.0, help="seconds an idle connection is kept"
     )
     bounds.add_argument(
         "--read-timeout",

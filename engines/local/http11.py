@@ -46,7 +46,7 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout", 500: "Internal Server Er
 class ConnectionLimits:
     max_connections: int = 512
     header_timeout_s: float = 10.0
-    keep_alive_timeout_s: float = 5.0  # uvicorn's default, which SGLang runs under
+    keep_alive_timeout_s: float = 15.0  # > httpx's 5 s pool expiry, so idle clients close first
     read_timeout_s: float = 30.0
     send_timeout_s: float = 30.0
 

@@ -46,7 +46,7 @@ class LocalEngineConfig:
     max_request_items: int = 4096  # prompts x n in one request
     max_connections: int = 512
     header_timeout_s: float = 10.0
-    keep_alive_timeout_s: float = 5.0
+    keep_alive_timeout_s: float = 15.0  # longer than httpx's 5 s pool expiry: clients close first
     read_timeout_s: float = 30.0
     # `/update_weights_from_disk` loads only directories under this one; None: any directory
     # (the trainer exports wherever its run lives, so that stays the default).
