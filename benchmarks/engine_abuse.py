@@ -241,6 +241,9 @@ def main() -> None:
         f" errors: clean {dict(clean.good_errors) or 0}, abuse {dict(abuse.good_errors) or 0}.",
         f"- Engine RSS during abuse: min {min(abuse_rss):.0f} / max {max(abuse_rss):.0f} MiB; open"
         f" sockets: min {min(abuse_sockets)} / max {max(abuse_sockets)} (--max-connections 512).",
+        "- What the ratio holds: abandoners' generations are real model work until the hang-up"
+        " is seen, and the bad clients share this process and the machine's cores with the"
+        " good ones; refused requests themselves cost the engine no model step.",
         "- Engine: `python -m engines.local --num-threads 1 --api-key ...` with default bounds"
         " (header 10 s, keep-alive 15 s, 32 MiB bodies, n <= 256); clients in this process.",
     ]
