@@ -161,6 +161,11 @@ async def test_oversized_n_and_batches_are_refused_fast_and_memory_stays_flat(lo
                 or "at most 4096" in message
                 or ("context length" in message)
             ), message
+        chat = {"messages": [{"role": "user", "content": "a" * 1_000_000}]}
+        for body in (chat, {"messages": [{"role": "user", "content": [{"text": 5}]}], "n": 10**6}):
+            response = await http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+            assert response.json()["type"] == "BadRequestError", response.text
         assert time.perf_counter() - started < 5.0
         assert _rss_mb() - before < 100
 
