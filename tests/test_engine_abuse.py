@@ -208,7 +208,11 @@ async def test_unauthenticated_large_body_is_refused_before_it_is_read(tiny_mode
 
 async def test_slow_idle_and_abandoned_connections_are_closed_on_time(tiny_model_dir):
     async with open_local_engine(
-        tiny_model_dir, num_threads=1, header_timeout_s=0.5, keep_alive_timeout_s=0.5
+        tiny_model_dir,
+        num_threads=1,
+        header_timeout_s=0.5,
+        keep_alive_timeout_s=0.5,
+        read_timeout_s=0.5,
     ) as server:
         stats = server.state.http_stats
         # A head trickled one byte at a time is cut at the header deadline.
@@ -229,6 +233,23 @@ async def test_slow_idle_and_abandoned_connections_are_closed_on_time(tiny_model
         started = time.perf_counter()
         answer = await _read_until_closed(stream, 3)
         assert answer.startswith(b"HTTP/1.1 200") and time.perf_counter() - started < 1.5
+        # A body trickled byte by byte is cut at the body deadline (--read-timeout), with 408.
+        stream = await _raw(server)
+        await stream.send_all(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n")
+        started = time.perf_counter()
+        answer = b""
+        with trio.move_on_after(5):
+            try:
+                for _ in range(1000):
+                    await stream.send_all(b" ")
+                    with trio.move_on_after(0.05):
+                        answer += await stream.receive_some(4096)
+                    if answer:
+                        break
+            except trio.BrokenResourceError:
+                pass
+        answer += await _read_until_closed(stream, 2)
+        assert answer.startswith(b"HTTP/1.1 408") and time.perf_counter() - started < 1.5
         # A client that goes away mid-generation: its request is aborted, its socket closed.
         stream = await _raw(server)
         body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 900, "ignore_eos": true}}'

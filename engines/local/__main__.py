@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--read-timeout",
         type=float,
         default=30.0,
-        help="seconds one read of a request body (or one response write) may take",
+        help="seconds a request body may take to arrive in full (408), and one response write",
     )
     bounds.add_argument(
         "--weights-root",

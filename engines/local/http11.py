@@ -11,8 +11,8 @@ ASGI app (`asgi.App`) and guarantees:
   `keep_alive_timeout_s` of the previous response when the connection is idle), else the
   connection is closed; heads are capped at 16 KiB (h11's default);
 - the body is read only when the app asks for it (`receive()`), so a request the app refuses
-  on its headers (401, 413) is answered without its body being read; each body read waits at
-  most `read_timeout_s`;
+  on its headers (401, 413) is answered without its body being read; the whole body must
+  arrive within `read_timeout_s` of the head (else 408 and close);
 - when the client closes its end while the app runs, `receive()` reports `http.disconnect`
   (the app cancels the request's generation) and the connection is closed;
 - a response the client does not read within `send_timeout_s` closes the connection.
@@ -180,14 +180,18 @@ class _Connection:
             "server": server,
         }
         started = False
+        body_timed_out = False
+        body_deadline = trio.current_time() + self.limits.read_timeout_s
 
         async def receive() -> dict:
             if self.conn.their_state is h11.SEND_BODY:
                 if self.conn.they_are_waiting_for_100_continue:
                     await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+                nonlocal body_timed_out
                 try:
-                    event = await self._next_event(self.limits.read_timeout_s)
+                    event = await self._next_event(max(0.0, body_deadline - trio.current_time()))
                 except _Closed:
+                    body_timed_out = not self.peer_gone
                     return {"type": "http.disconnect"}
                 if isinstance(event, h11.Data):
                     return {"type": "http.request", "body": bytes(event.data), "more_body": True}
@@ -225,7 +229,9 @@ class _Connection:
             if not started:
                 await self._refuse(500, "Internal server error")
             return
-        if not started and not self.peer_gone:
+        if body_timed_out and not started:
+            await self._refuse(408, "The request body did not arrive in time (--read-timeout).")
+        elif not started and not self.peer_gone:
             await self._refuse(500, "The app sent no response")
 
 
