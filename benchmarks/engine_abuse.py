@@ -4,7 +4,7 @@ One engine (`python -m engines.local`, a separate process, `--api-key`, default 
 loopback. Two phases, each `--duration` seconds:
 1. clean: 64 well-behaved clients, each in a loop: /generate (16 new tokens), with the key;
 2. abuse: the same 64 clients plus a bad mix running at the same time:
-   - bad values (top_k -5, sampling_seed -1, n 10^6, stop id -1, broken / deep JSON),
+   - bad values (top_k -5, sampling_seed 2^64, n 10^6, stop id -1, broken / deep JSON),
    - unauthenticated 50 MB bodies (headers announce it, a trickle follows) and
      keyed bodies over the size cap,
    - slow heads: `--slow` connections trickling a header byte every second,
@@ -43,7 +43,7 @@ PAUSE_S = 0.05
 AUTH = {"authorization": f"Bearer {KEY}"}
 BAD_PARAMS = [
     {"top_k": -5},
-    {"sampling_seed": -1},
+    {"sampling_seed": 2**64},
     {"n": 10**6},
     {"stop_token_ids": [-1]},
     {"top_p": 0},

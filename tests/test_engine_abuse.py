@@ -53,7 +53,8 @@ def _rss_mb() -> float:
 # before issue 15 (or was accepted and broke the step), failing other clients' requests.
 BAD_SAMPLING = [
     ({"top_k": 10**20}, None),  # accepted: means the whole vocabulary (no overflow in torch)
-    ({"sampling_seed": -1}, "sampling_seed"),
+    ({"sampling_seed": -1}, None),  # SGLang's range is int64; torch seeds it as such
+    ({"sampling_seed": -(2**64)}, "sampling_seed"),
     ({"sampling_seed": 2**70}, "sampling_seed"),
     ({"stop_token_ids": [-(10**6)]}, "stop_token_ids"),
     ({"stop_token_ids": [10**20]}, "stop_token_ids"),

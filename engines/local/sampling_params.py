@@ -208,8 +208,8 @@ def parse_sampling_params(raw: Any, defaults: Mapping[str, Any], vocab_size: int
             )
         bias.append((token_id, float(value)))
     seed = integer("sampling_seed", None)
-    if seed is not None and not 0 <= seed < 2**63:
-        raise BadRequestError(f"sampling_seed must be in [0, 2**63 - 1], got {seed}.")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:  # SGLang 0.5.23's range
+        raise BadRequestError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
     params = SamplingParams(
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
         temperature=temperature,
