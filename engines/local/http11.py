@@ -68,12 +68,13 @@ class _Connection:
         self.conn = h11.Connection(h11.SERVER)
         self.peer_gone = False
 
-    async def _read(self, timeout: float) -> None:
+    async def _read(self, timeout: float, *, idle: bool = False) -> None:
         try:
             with trio.fail_after(timeout):
                 data = await self.stream.receive_some(_RECV)
         except trio.TooSlowError:
-            self.stats.timed_out_connections += 1
+            if not idle:  # an idle keep-alive connection running out is no client's fault
+                self.stats.timed_out_connections += 1
             raise _Closed("read deadline passed") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             data = b""
@@ -113,7 +114,7 @@ class _Connection:
             # idle: wait for the first byte of the next request within the keep-alive time
             if self.conn.trailing_data[0] == b"" and not self.peer_gone:
                 try:
-                    await self._read(self.limits.keep_alive_timeout_s)
+                    await self._read(self.limits.keep_alive_timeout_s, idle=True)
                 except _Closed:
                     return None
             if self.peer_gone and not self.conn.trailing_data[0]:
