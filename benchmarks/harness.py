@@ -41,6 +41,8 @@ SECTIONS = (
     "rl_scaling",
     "rl_algorithms",
     "rl_ppo",
+    "engine_abuse",
+    "checkpoint_kill",
 )
 
 

@@ -1,8 +1,8 @@
 """The local engine: a CPU inference server that speaks SGLang's HTTP protocol.
 
 Layers: `params` (request validation, pure) → `scheduler` (trio, continuous batching) →
-`runner` (torch, batched KV cache) ; `asgi` + `native_api` + `openai_api` are the HTTP side;
-`server` assembles them. Importing this package does not import torch.
+`runner` (torch, batched KV cache) ; `http11` (the bounded HTTP/1.1 server) + `asgi` +
+`native_api` + `openai_api` are the HTTP side; `server` assembles them. Importing this package does not import torch.
 """
 
 import rollouts.threads  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)

@@ -41,6 +41,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--skip-server-warmup", action="store_true")
     parser.add_argument("--log-level", default="info")
+    bounds = parser.add_argument_group(
+        "bounds for a server on a shared machine (400/413 past them)"
+    )
+    bounds.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="largest request body (413; checked on Content-Length first)",
+    )
+    bounds.add_argument("--max-n", type=int, default=256, help="largest n (samples per prompt)")
+    bounds.add_argument(
+        "--max-request-items", type=int, default=4096, help="largest prompts x n in one request"
+    )
+    bounds.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections served at once; one more is answered 503",
+    )
+    bounds.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request head",
+    )
+    bounds.add_argument(
+        "--keep-alive-timeout", type=float, default=15.0, help="seconds an idle connection is kept"
+    )
+    bounds.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive in full (408), and one response write",
+    )
+    bounds.add_argument(
+        "--weights-root",
+        default=None,
+        help="/update_weights_from_disk loads only directories under this one "
+        "(default: any directory the server can read)",
+    )
     return parser
 
 
@@ -70,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         num_threads=threads,
         incremental_streaming_output=args.incremental_streaming_output,
         skip_server_warmup=args.skip_server_warmup,
+        max_request_bytes=args.max_request_bytes,
+        max_n=args.max_n,
+        max_request_items=args.max_request_items,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        read_timeout_s=args.read_timeout,
+        weights_root=args.weights_root,
     )
     try:
         trio.run(serve, config)

@@ -2,7 +2,9 @@
 
 Hand-written instead of a framework because the engine needs only a dozen routes and
 exact control over SGLang's error shapes. Guarantees: a handler exception becomes a 500 JSON
-answer and never takes the server down; with `api_key`, every route except `/health*` needs
+answer and never takes the server down; route, method, key and `Content-Length` are checked on
+the headers before the body is read, and a body over `max_body_bytes` is answered 413 while it
+is being read (so an unauthenticated or oversized body never lands in memory); with `api_key`, every route except `/health*` needs
 `Authorization: Bearer <key>` (401 `{"error": "Unauthorized"}`); control routes (marked `admin`)
 follow SGLang 0.5.23's ADMIN_OPTIONAL level: with `admin_api_key` set only that key opens them,
 else `api_key` does, else they are open; routes marked
@@ -23,7 +25,7 @@ import trio
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_BODY_BYTES = 32 * 1024 * 1024  # default of --max-request-bytes
 AUTH_EXEMPT = ("/health", "/health_generate")
 
 
@@ -103,9 +105,15 @@ class Route:
 
 
 class App:
-    def __init__(self, api_key: str | None = None, admin_api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
         self.api_key = api_key
         self.admin_api_key = admin_api_key
+        self.max_body_bytes = max_body_bytes
         self.routes: dict[str, Route] = {}
         self.prefix_routes: list[tuple[str, Route]] = []  # "/v1/models/" + {id}
 
@@ -140,25 +148,27 @@ class App:
                     return
         if scope["type"] != "http":
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > MAX_BODY_BYTES:
-                await _send(send, object_error("Request body too large", 413))
-                return
-            if not message.get("more_body"):
-                break
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request = Request(
             method=scope["method"],
             path=scope["path"].rstrip("/") or "/",
             query=parse_qs(scope.get("query_string", b"").decode()),
             headers=headers,
-            body=bytes(body),
+            body=b"",
         )
+        # Route, method and key are checked on the headers, before one byte of body is read.
+        refusal = self._refuse_on_headers(request)
+        if refusal is None:
+            body = await self._read_body(receive, headers)
+            if body is None:  # the client went away
+                return
+            if isinstance(body, Response):
+                refusal = body
+            else:
+                request.body = body
+        if refusal is not None:
+            await _send(send, refusal)
+            return
         response = await self._dispatch(request, receive)
         if response is None:  # the client went away
             return
@@ -167,18 +177,48 @@ class App:
         else:
             await _send(send, response)
 
-    async def _dispatch(self, request: Request, receive) -> Response | StreamingResponse | None:
+    def _refuse_on_headers(self, request: Request) -> Response | None:
         route, params = self._find(request.path)
         if route is None:
             return object_error("Not Found", 404)
         if request.method not in route.methods:
             return object_error("Method Not Allowed", 405)
         key = (self.admin_api_key or self.api_key) if route.admin else self.api_key
-        if key and request.path not in AUTH_EXEMPT:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return json_response({"error": "Unauthorized"}, 401)
+        if key and request.path not in AUTH_EXEMPT and not self.authorized(request, key):
+            return json_response({"error": "Unauthorized"}, 401)
         request.path_params = params
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return self._too_large()
+        return None
+
+    @staticmethod
+    def authorized(request: Request, key: str) -> bool:
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+    def _too_large(self) -> Response:
+        return object_error(
+            f"Request body too large: the limit is {self.max_body_bytes} bytes "
+            "(--max-request-bytes).",
+            413,
+        )
+
+    async def _read_body(self, receive, headers: dict[str, str]) -> bytes | Response | None:
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:  # a chunked body with no Content-Length
+                return self._too_large()
+            if not message.get("more_body"):
+                return bytes(body)
+
+    async def _dispatch(self, request: Request, receive) -> Response | StreamingResponse | None:
+        route, _ = self._find(request.path)
+        assert route is not None
         try:
             if not route.cancel_on_disconnect:
                 return await route.handler(request)

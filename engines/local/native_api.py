@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import uuid
@@ -50,7 +49,7 @@ def not_ready() -> Response:
 def read_json(request: Request) -> Any:
     try:
         return request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad JSON, a 5000-digit int, deep nesting
         raise RequestValidationError(f"JSON decode error: {exc}") from None
 
 
@@ -88,6 +87,11 @@ def register_native_routes(app: App, state: EngineState) -> None:
     async def health_generate(request: Request) -> Response:
         if not state.ready.is_set():
             return Response(503, b"", "")
+        key = state.config.api_key
+        if key and not App.authorized(request, key):
+            # Open to anyone (SGLang exempts /health*), so it must not cost a model step: a
+            # caller without the key learns what /health says.
+            return Response(200, b"", "")
         scheduler = state.scheduler
         if scheduler.busy and not scheduler.paused:  # generating: alive (SGLang: any output)
             return Response(200, b"", "")
@@ -236,6 +240,10 @@ def register_native_routes(app: App, state: EngineState) -> None:
             return object_error(str(exc), 400, "Bad Request")
         if state.scheduler is None:
             return not_ready()
+        refusal = _outside_weights_root(path, state.config.weights_root)
+        if refusal is not None:
+            body = {"success": False, "message": refusal, "num_paused_requests": 0}
+            return json_response(body, 400)
         success, message = await state.scheduler.update_weights(
             path,  # relative: resolved in this process's cwd, as SGLang does
             version,
@@ -273,6 +281,20 @@ def register_native_routes(app: App, state: EngineState) -> None:
 
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         app.route(path, methods=("GET", "POST"), admin=True)(memory_occupation)
+
+
+def _outside_weights_root(path: str, root: str | None) -> str | None:
+    """Why `path` may not be loaded (`--weights-root`), or None when it may."""
+    if root is None:
+        return None
+    # realpath: `..` and symlinks cannot lead out of the root
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, real_root]) != real_root:
+        return (
+            f"Failed to update weights: {path} is outside the weights root {root} "
+            "(--weights-root); the old weights stay."
+        )
+    return None
 
 
 async def _stream_generate(

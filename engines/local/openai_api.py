@@ -23,7 +23,7 @@ from .asgi import (
     sse_event,
 )
 from .native_api import not_ready, read_json, stream_sequences, wait_finished
-from .params import GenerateRequest
+from .params import MAX_CHARS_PER_TOKEN, GenerateRequest
 from .sampling_params import BadRequestError, RequestValidationError
 from .sequence import Sequence
 from .state import EngineState
@@ -230,8 +230,19 @@ def register_openai_routes(app: App, state: EngineState) -> None:
                 raise RequestValidationError("messages: each message needs a role")
             content = m.get("content")
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(
+                    p["text"]
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
             rendered.append({**m, "content": content})
+        # The chat template tokenizes on the event loop: refuse what cannot fit before paying.
+        chars = sum(len(m["content"]) for m in rendered if isinstance(m["content"], str))
+        if state.limits and chars > state.limits.context_len * MAX_CHARS_PER_TOKEN:
+            raise BadRequestError(
+                f"The messages ({chars} characters) are longer than the model's context length "
+                f"({state.limits.context_len} tokens) can hold."
+            )
         try:
             input_ids = state.tokenizer.apply_chat_template(
                 rendered, tools=body.get("tools"), add_generation_prompt=True, tokenize=True

@@ -26,6 +26,10 @@ from .sampling_params import (
     parse_sampling_params,
 )
 
+# No tokenizer packs more than this many characters per token on average (BPE merges of
+# natural text average about 4): a cheap upper bound on what a context can hold.
+MAX_CHARS_PER_TOKEN = 32
+
 
 @dataclass(frozen=True)
 class GenerateItem:
@@ -48,13 +52,31 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class RequestBounds:
+    """Server-side bounds on one request (`--max-n`, `--max-request-items`)."""
+
+    max_n: int = 256
+    max_request_items: int = 4096
+
+
+@dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int
     context_len: int
     sampling_defaults: Mapping[str, Any]  # from the model's generation_config.json
 
 
-def _prompts(body: Mapping[str, Any], encode: Callable[[str], list[int]]):
+def _check_n(raw_params: Any, bounds: RequestBounds) -> None:
+    """`n` past the bound is refused before the other fields are even parsed."""
+    for params in raw_params if isinstance(raw_params, list) else [raw_params]:
+        n = params.get("n") if isinstance(params, dict) else None
+        if _is_int(n) and n > bounds.max_n:
+            raise BadRequestError(
+                f"n must be at most {bounds.max_n} on this server (--max-n), got {n}."
+            )
+
+
+def _prompts(body: Mapping[str, Any], encode: Callable[[str], list[int]], limits: ModelLimits):
     """Returns (list of token-id prompts, is_batch)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if body.get("input_embeds") is not None:
@@ -70,6 +92,14 @@ def _prompts(body: Mapping[str, Any], encode: Callable[[str], list[int]]):
             raise _type_error("text", "a valid string or list of strings", text)
         if not texts:
             raise BadRequestError("text cannot be empty.")
+        # Tokenizing runs on the event loop: refuse text that cannot fit before paying for it.
+        max_chars = limits.context_len * MAX_CHARS_PER_TOKEN
+        for t in texts:
+            if len(t) > max_chars:
+                raise BadRequestError(
+                    f"The input text ({len(t)} characters) is longer than the model's context "
+                    f"length ({limits.context_len} tokens) can hold."
+                )
         prompts = [encode(t) for t in texts]
         if any(not p for p in prompts):
             raise BadRequestError("The input text is empty after tokenization.")
@@ -104,12 +134,27 @@ def _rids(raw: Any, batch: int, is_batch: bool) -> list[str]:
 
 
 def parse_generate_request(
-    body: Any, limits: ModelLimits, encode: Callable[[str], list[int]]
+    body: Any,
+    limits: ModelLimits,
+    encode: Callable[[str], list[int]],
+    bounds: RequestBounds = RequestBounds(),
 ) -> GenerateRequest:
-    """Validate a `/generate` body and flatten it into items (prompt-major, `n` per prompt)."""
+    """Validate a `/generate` body and flatten it into items (prompt-major, `n` per prompt).
+
+    Every bound is checked before anything per item is built, so an absurd `n` or batch costs
+    nothing but this check.
+    """
     if not isinstance(body, dict):
         raise _type_error("body", "a valid dictionary", body)
-    prompts, is_batch = _prompts(body, encode)
+    _check_n(body.get("sampling_params"), bounds)
+    raw_prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
+    many = isinstance(raw_prompts, list) and raw_prompts and not _is_int(raw_prompts[0])
+    if many and len(raw_prompts) > bounds.max_request_items:
+        raise BadRequestError(
+            f"The batch has {len(raw_prompts)} prompts; this server allows at most "
+            f"{bounds.max_request_items} per request (--max-request-items)."
+        )
+    prompts, is_batch = _prompts(body, encode, limits)
     batch = len(prompts)
     raw_params = body.get("sampling_params")
     if isinstance(raw_params, list):
@@ -129,6 +174,12 @@ def parse_generate_request(
     n = parsed[0][0].n
     if any(p.n != n for p, _ in parsed):
         raise BadRequestError("The n parameter must be the same for all requests in a batch.")
+    if batch * n > bounds.max_request_items:
+        raise BadRequestError(
+            f"The request asks for {batch} prompts x n={n} = {batch * n} generations; this "
+            f"server allows at most {bounds.max_request_items} per request "
+            "(--max-request-items)."
+        )
     stream = body.get("stream", False)
     text_in_logprobs = body.get("return_text_in_logprobs", False)
     for field, value in (("stream", stream), ("return_text_in_logprobs", text_in_logprobs)):

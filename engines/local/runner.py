@@ -172,12 +172,23 @@ class ModelRunner:
                 out.errors += [(s, f"Decode step failed: {exc!r}") for s in self._rows]
                 self.reset()
         if admit:
-            try:
-                self._prefill(list(admit), out)
-            except Exception as exc:
-                logger.exception("prefill failed for %d requests", len(admit))
-                out.errors += [(s, f"Prefill failed: {exc!r}") for s in admit]
+            self._prefill_isolated(list(admit), out)
         return out
+
+    def _prefill_isolated(self, admit: list[Sequence], out: StepOutput) -> None:
+        """Prefill together; if that fails, each alone, so only the request at fault fails."""
+        marks = (len(out.tokens), len(out.prefilled), len(out.errors))
+        try:
+            self._prefill(admit, out)
+            return
+        except Exception as exc:
+            del out.tokens[marks[0] :], out.prefilled[marks[1] :], out.errors[marks[2] :]
+            if len(admit) == 1:
+                logger.exception("prefill failed for request %s", admit[0].rid)
+                out.errors.append((admit[0], f"Prefill failed: {exc!r}"))
+                return
+        for seq in admit:
+            self._prefill_isolated([seq], out)
 
     def _decode(self, out: StepOutput) -> None:
         assert self._mask is not None
@@ -195,7 +206,17 @@ class ModelRunner:
         self._collect(out, result.logits[:, -1, :], self._rows)
 
     def _collect(self, out: StepOutput, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        sampled: Sampled = sample(logits, seqs, self.eos_ids, self.generator)
+        try:
+            sampled: Sampled = sample(logits, seqs, self.eos_ids, self.generator)
+        except Exception as exc:
+            if len(seqs) == 1:
+                logger.exception("sampling failed for request %s", seqs[0].rid)
+                out.errors.append((seqs[0], f"Sampling failed: {exc!r}"))
+                return
+            # one row's parameters broke the batched sampler: sample row by row instead
+            for row, seq in enumerate(seqs):
+                self._collect(out, logits[row : row + 1], [seq])
+            return
         for i, seq in enumerate(seqs):
             if sampled.errors[i] is not None:
                 out.errors.append((seq, sampled.errors[i]))

@@ -173,6 +173,8 @@ def parse_sampling_params(raw: Any, defaults: Mapping[str, Any], vocab_size: int
             )
     if n < 1:
         raise BadRequestError(f"n must be at least 1, got {n}.")
+    if top_k > vocab_size:  # the whole vocabulary; keeps the value inside int64 for torch
+        top_k = -1
 
     stop = merged.get("stop") or ()
     if isinstance(stop, str):
@@ -182,6 +184,11 @@ def parse_sampling_params(raw: Any, defaults: Mapping[str, Any], vocab_size: int
     stop_token_ids = merged.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
         raise BadRequestError(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}.")
+    outside = sorted({t for t in stop_token_ids if not 0 <= t < vocab_size})
+    if outside:
+        raise BadRequestError(
+            f"stop_token_ids must be token ids in [0, {vocab_size - 1}], got {outside[:10]}."
+        )
     logit_bias = merged.get("logit_bias") or {}
     if not isinstance(logit_bias, dict):
         raise BadRequestError(f"logit_bias must be an object, got {logit_bias!r}.")
@@ -195,10 +202,14 @@ def parse_sampling_params(raw: Any, defaults: Mapping[str, Any], vocab_size: int
             raise BadRequestError(
                 f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}."
             )
-        if not _is_number(value) or math.isnan(value):
-            raise BadRequestError(f"logit_bias values must be numbers, got {value!r}.")
+        if not _is_number(value) or math.isnan(value) or value == math.inf:
+            raise BadRequestError(
+                f"logit_bias values must be finite numbers or -inf (a ban), got {value!r}."
+            )
         bias.append((token_id, float(value)))
     seed = integer("sampling_seed", None)
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:  # SGLang 0.5.23's range
+        raise BadRequestError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
     params = SamplingParams(
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
         temperature=temperature,

@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from .asgi import App
+from .http11 import ConnectionLimits, serve_http
 from .native_api import register_native_routes
 from .openai_api import register_openai_routes
 from .state import EngineState, LocalEngineConfig
@@ -38,7 +39,8 @@ class LocalEngineServer:
 
 
 def build_app(state: EngineState) -> App:
-    app = App(api_key=state.config.api_key, admin_api_key=state.config.admin_api_key)
+    config = state.config
+    app = App(config.api_key, config.admin_api_key, max_body_bytes=config.max_request_bytes)
     register_native_routes(app, state)
     register_openai_routes(app, state)
     return app
@@ -112,22 +114,23 @@ async def serve(
     task_status: trio.TaskStatus[LocalEngineServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until cancelled. `task_status.started(server)` once generation works."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve as hypercorn_serve
-
     from .scheduler import Scheduler
 
     state = EngineState(config)
-    hconfig = Config()
-    hconfig.bind = [f"{config.host}:{config.port}"]
-    hconfig.accesslog = None
-    hconfig.keep_alive_timeout = 75.0  # longer than clients' keep-alive, so they close first
-    hconfig.graceful_timeout = 1.0
+    limits = ConnectionLimits(
+        max_connections=config.max_connections,
+        header_timeout_s=config.header_timeout_s,
+        keep_alive_timeout_s=config.keep_alive_timeout_s,
+        read_timeout_s=config.read_timeout_s,
+        send_timeout_s=config.read_timeout_s,
+    )
     async with trio.open_nursery() as nursery:
         parent = os.environ.get("ROLLOUTS_PARENT_PID", "")
         if parent.isdigit():
             nursery.start_soon(_exit_with_parent, int(parent))
-        binds = await nursery.start(hypercorn_serve, build_app(state), hconfig)
+        binds = await nursery.start(
+            serve_http, build_app(state), config.host, config.port, limits, state.http_stats
+        )
         url = binds[0].replace("0.0.0.0", "127.0.0.1")
         logger.info("local engine listening on %s; loading %s", url, config.model_path)
         tokenizer, runner, limits = await trio.to_thread.run_sync(_load, config)

@@ -8,7 +8,14 @@ from typing import Any
 
 import trio
 
-from .params import GenerateItem, GenerateRequest, ModelLimits, parse_generate_request
+from .http11 import ServerStatistics
+from .params import (
+    GenerateItem,
+    GenerateRequest,
+    ModelLimits,
+    RequestBounds,
+    parse_generate_request,
+)
 from .sequence import Sequence, TopLogprobs
 
 VERSION = "0.5.23+rollouts.local"  # the SGLang release whose behaviour it follows
@@ -33,6 +40,17 @@ class LocalEngineConfig:
     num_threads: int | None = None  # torch intra-op threads of the model thread; None = torch's
     incremental_streaming_output: bool = False
     skip_server_warmup: bool = False
+    # Bounds for a server exposed on a shared machine (issue 15); 400/413 past them.
+    max_request_bytes: int = 32 * 1024 * 1024
+    max_n: int = 256  # samples per prompt
+    max_request_items: int = 4096  # prompts x n in one request
+    max_connections: int = 512
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 15.0  # longer than httpx's 5 s pool expiry: clients close first
+    read_timeout_s: float = 30.0
+    # `/update_weights_from_disk` loads only directories under this one; None: any directory
+    # (the trainer exports wherever its run lives, so that stays the default).
+    weights_root: str | None = None
 
     def server_args(self) -> dict[str, Any]:
         args = asdict(self)
@@ -57,6 +75,7 @@ class EngineState:
         self.model_type = ""
         self.architectures: list[str] = []
         self._token_text: dict[int, str] = {}
+        self.http_stats = ServerStatistics()  # open/refused/timed-out connections
 
     @property
     def served_model_name(self) -> str:
@@ -86,7 +105,12 @@ class EngineState:
 
     def parse(self, body: Any) -> GenerateRequest:
         assert self.limits is not None
-        return parse_generate_request(body, self.limits, self.encode)
+        return parse_generate_request(
+            body,
+            self.limits,
+            self.encode,
+            RequestBounds(self.config.max_n, self.config.max_request_items),
+        )
 
     # ----- SGLang output records ------------------------------------------------------------
 
