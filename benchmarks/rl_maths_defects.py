@@ -4,7 +4,8 @@
     (cd <an older checkout> && <venv>/bin/python <this file>)   # the same figures before a fix
 
 Each line is one defect's figure (tests/test_rl_maths.py pins the properties). Builds its own
-tiny model in a temporary directory.
+tiny model in a temporary directory. Self-contained on purpose (its few builders repeat
+tests/rl_helpers.py): it must run inside older checkouts, which have no such helpers.
 """
 
 import sys

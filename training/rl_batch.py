@@ -216,18 +216,22 @@ def _preference_pairs(batch: RolloutBatch, share_prompts: bool) -> list[RLExampl
     return examples
 
 
+def _with_per_token(examples: Sequence[RLExample], field: str,
+                    values: Sequence[torch.Tensor]) -> list[RLExample]:  # fmt: skip
+    pairs = zip(examples, values, strict=True)
+    return [replace(e, **{field: tuple(v.tolist())}) for e, v in pairs]
+
+
 def with_ref_logprobs(examples: Sequence[RLExample], ref_logprobs: Sequence[torch.Tensor]
                       ) -> list[RLExample]:  # fmt: skip
     """Attach reference-model logprobs of the same tokens (from `compute_logprobs`)."""
-    pairs = zip(examples, ref_logprobs, strict=True)
-    return [replace(e, ref_logprobs=tuple(lp.tolist())) for e, lp in pairs]
+    return _with_per_token(examples, "ref_logprobs", ref_logprobs)
 
 
 def with_old_logprobs(examples: Sequence[RLExample], old_logprobs: Sequence[torch.Tensor]
                       ) -> list[RLExample]:  # fmt: skip
     """Attach the trainer's logprobs before the step's first update (from `compute_logprobs`)."""
-    pairs = zip(examples, old_logprobs, strict=True)
-    return [replace(e, old_logprobs=tuple(lp.tolist())) for e, lp in pairs]
+    return _with_per_token(examples, "old_logprobs", old_logprobs)
 
 
 def split_mini_batches(examples: Sequence[RLExample], n: int) -> list[list[RLExample]]:

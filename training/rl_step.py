@@ -83,12 +83,11 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
         values_S = await critic.compute_values(examples).result()
         examples, gae_metrics = with_gae(examples, values_S, algorithm)
         metrics |= gae_metrics
-    chunks = split_mini_batches(examples, mini_batches)
-    n_updates = len(chunks) * epochs
-    if n_updates > 1 and not old_from_rollout:  # the policy moves between updates
+    if mini_batches * epochs > 1 and not old_from_rollout:  # the policy moves between updates
         old_fut = backend.compute_logprobs(examples, temperature=temperature)
         examples = with_old_logprobs(examples, await old_fut.result())
-        chunks = split_mini_batches(examples, mini_batches)
+    chunks = split_mini_batches(examples, mini_batches)
+    n_updates = len(chunks) * epochs
     loss_fn = rl_loss_fn(algorithm, temperature=temperature, old_from_rollout=old_from_rollout,
                          policy_loss_fn=policy_loss_fn, kl_fn=kl_fn)  # fmt: skip
     critic_futures = []
