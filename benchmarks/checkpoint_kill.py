@@ -30,7 +30,7 @@ from pathlib import Path
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
 
-TMP_MARK = ".tmp-"  # training/checkpoint.py's marker: `.<name>.tmp-<pid>`
+TMP_MARK = ".tmp-"  # training/backend/checkpoint.py's marker: `.<name>.tmp-<pid>`
 
 
 def sft_command(out: Path, args: argparse.Namespace, resume: bool) -> list[str]:
@@ -178,7 +178,7 @@ def main() -> None:
         f"- {args.max_steps} steps, a checkpoint every {args.checkpoint_every} steps; kill "
         "0-30 ms after the temp dir of each start's second checkpoint appears. Runs log: "
         + str(work / "runs.log"),
-        "- Reclaiming stale temp dirs on start is `training/checkpoint.py: reclaim_temp_dirs`.",
+        "- Reclaiming stale temp dirs on start is `training/backend/checkpoint.py: reclaim_temp_dirs`.",
     ]
     harness.publish("checkpoint_kill", "SFT trainer SIGKILLed mid-checkpoint (issue 15)",
                     "kill loop", [table], notes, quick=args.quick, started=started)  # fmt: skip

@@ -34,7 +34,7 @@ import httpx
 import trio
 
 from engines import launch_engine
-from training.tiny_model import build_tiny_model
+from training.backend.tiny_model import build_tiny_model
 
 KEY = "bench-key"
 # Each bad client pauses this long between requests: a steady hostile mix (~20 req/s per

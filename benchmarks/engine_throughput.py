@@ -31,7 +31,7 @@ import torch
 import trio
 
 from engines import EnginePool, SGLangEngine, launch_engine
-from training.tiny_model import build_tiny_model
+from training.backend.tiny_model import build_tiny_model
 
 
 def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

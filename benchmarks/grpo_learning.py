@@ -100,8 +100,8 @@ def run_rollouts(args, mode: str) -> dict:
     import trio
 
     from training.config import load_config
+    from training.recipes.rl import run_rl_recipe
     from training.rl_config import RLRunConfig
-    from training.rl_recipe import run_rl_recipe
 
     out = Path(tempfile.mkdtemp(prefix="bench_rl_"))
     config = load_config(RLRunConfig, RL_CONFIG, [
@@ -145,7 +145,7 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rollouts.tasks.arithmetic import is_correct
-    from training.backend import load_model, load_tokenizer
+    from training.backend.pytorch import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
     records = [json.loads(line) for line in Path(args.train_file).read_text().splitlines()]
@@ -208,7 +208,7 @@ def greedy_accuracy(
     import torch
 
     from rollouts.tasks.arithmetic import is_correct
-    from training.backend import load_model
+    from training.backend.pytorch import load_model
 
     model = load_model(model_dir).eval()
     correct = 0
@@ -233,7 +233,7 @@ def evaluate_all(runs: dict[str, list[dict]], args) -> float:
     import torch
 
     from rollouts.prompts import encode_prompt
-    from training.backend import load_tokenizer
+    from training.backend.pytorch import load_tokenizer
 
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.sft_checkpoint)
@@ -255,9 +255,9 @@ def sft_checkpoint(args) -> str:
     """The SFT'd tiny model: --sft-checkpoint, or the SFT recipe's output (run once if missing)."""
     if args.sft_checkpoint:
         return args.sft_checkpoint
-    from training.checkpoint import find_latest_checkpoint
+    from training.backend.checkpoint import find_latest_checkpoint
     from training.config import SFTRunConfig, load_config
-    from training.rl_recipe import sft_checkpoint_mismatch
+    from training.recipes.rl import sft_checkpoint_mismatch
 
     # smoke runs only need some model: a short SFT of their own keeps them fast
     out = harness.REPO / "runs" / "bench" / ("sft_tiny_quick" if args.quick else "sft_tiny")

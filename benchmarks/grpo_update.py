@@ -7,7 +7,7 @@ times forward + backward of the same GRPO loss three ways, alternating, in one p
 - shared_prompt: `PyTorchTrainingBackend.forward_backward` with the RL loss as the loop runs it
   (the default `share_prompts=True`): one model row per group, [prompt, response 1, ...,
   response G], with a tree attention mask and positions continuing after the prompt
-  (training/prefix_sharing.py);
+  (training/data/prefix_sharing.py);
 - backend_per_sample: the same call with `share_prompts=False`: one row per sample;
 - per_sample: that layout inline, without the backend (the bare compute).
 It checks that the shared rows give the same logprobs and gradients as one row per sample
@@ -48,7 +48,7 @@ def per_sample_logprobs(model, groups, pad: int):
     """One row per sample (today's layout); response logprobs left-aligned [S, L] + mask."""
     import torch
 
-    from training.packing import token_logprobs
+    from training.data.packing import token_logprobs
 
     samples = [(p, r) for p, rs in groups for r in rs]
     width = max(len(p) + len(r) for p, r in samples)
@@ -78,9 +78,9 @@ def grpo_loss(lp, mask, adv):
 
 def library_logprobs_and_grads(model, examples, pad: int):
     """Per-token logprobs [S, T] and gradients of the library's GRPO loss on one micro-batch."""
-    from training.algorithms import grpo
-    from training.packing import forward_logits, token_logprobs
-    from training.rl_batch import collate_rl, rl_loss_fn
+    from training.data.packing import forward_logits, token_logprobs
+    from training.rl.algorithms import grpo
+    from training.rl.batch import collate_rl, rl_loss_fn
 
     model.zero_grad(set_to_none=True)
     batch = collate_rl(examples, pad_id=pad)
@@ -95,11 +95,11 @@ def measure(threads: int, args) -> dict:
     import trio
 
     from rollouts.types import RolloutBatch, Sample
-    from training.algorithms import grpo
-    from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.backend.tiny_model import build_tiny_model
     from training.config import OptimConfig
-    from training.rl_batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
-    from training.tiny_model import build_tiny_model
+    from training.rl.algorithms import grpo
+    from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
     torch.set_num_threads(threads)
     model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "model", seed=0)

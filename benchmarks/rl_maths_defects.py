@@ -16,9 +16,13 @@ import torch
 import trio
 
 sys.path.insert(0, str(Path.cwd()))
-import training.rl_recipe as recipe
+import training.recipes.rl as recipe
 from rollouts.types import RolloutBatch, Sample
-from training.algorithms import (
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend.tiny_model import build_tiny_model
+from training.config import OptimConfig, load_config
+from training.loops.rl import train_on_batch
+from training.rl.algorithms import (
     compute_advantages,
     compute_policy_loss,
     dr_grpo,
@@ -27,13 +31,9 @@ from training.algorithms import (
     reinforce,
     shape_reward,
 )
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
-from training.config import OptimConfig, load_config
-from training.reference import make_reference
-from training.rl import train_on_batch
-from training.rl_batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+from training.rl.reference import make_reference
 from training.rl_config import RLRunConfig
-from training.tiny_model import build_tiny_model
 
 
 def backend(tmp, mbt=8192):

@@ -43,14 +43,14 @@ def run_config(group: int, batch: int, length: int, steps: int, threads: int) ->
     from rollouts.manager import AsyncRolloutManager
     from rollouts.prompts import load_prompt_jsonl
     from rollouts.tasks.arithmetic import digit_share_reward, write_arithmetic_datasets
-    from training.algorithms import constant_schedule, grpo
-    from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.backend.tiny_model import build_tiny_model
     from training.config import OptimConfig
-    from training.data_buffer import DataBuffer
-    from training.rl import run_rl_training
-    from training.rl_batch import collate_rl
+    from training.data.buffer import DataBuffer
+    from training.loops.rl import run_rl_training
+    from training.rl.algorithms import constant_schedule, grpo
+    from training.rl.batch import collate_rl
     from training.rl_config import RLLoopConfig
-    from training.tiny_model import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_scaling_"))
     model_dir = build_tiny_model(tmp / "model", seed=0)

@@ -35,9 +35,9 @@ from rollouts.config import RolloutConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import PromptItem, load_prompt_jsonl
 from rollouts.tasks.arithmetic import correctness_reward, is_correct, write_arithmetic_datasets
-from training.backend import load_tokenizer
-from training.data_buffer import DataBuffer
-from training.tiny_model import build_tiny_model
+from training.backend.pytorch import load_tokenizer
+from training.backend.tiny_model import build_tiny_model
+from training.data.buffer import DataBuffer
 
 SIDES = {
     "manager": "AsyncRolloutManager (EnginePool)",

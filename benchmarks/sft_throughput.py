@@ -86,9 +86,9 @@ def write_data(path: Path, kind: str, n: int, seed: int = 0) -> Path:
 
 def load_samples(model_dir: Path, data_file: Path, max_seq_len: int, n: int):
     """The first `n` records of the JSONL, tokenized with assistant-only loss masks."""
-    from training.backend import load_tokenizer
-    from training.sft_data import load_sft_jsonl
-    from training.tokenize import tokenize_records
+    from training.backend.pytorch import load_tokenizer
+    from training.data.sft_data import load_sft_jsonl
+    from training.data.tokenize import tokenize_records
 
     tok = load_tokenizer(model_dir)
     samples, _ = tokenize_records(load_sft_jsonl(data_file)[:n], tok, max_seq_len=max_seq_len)
@@ -120,10 +120,10 @@ def measure(loop: str, args) -> dict:
 def _rollouts_loop(tok, samples, args) -> tuple[list[float], float]:
     import trio
 
-    from training.backend import PyTorchTrainingBackend, load_model
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model
     from training.config import OptimConfig, SFTLoopConfig
-    from training.data_buffer import DataBuffer
-    from training.sft import SFTData, run_sft_training
+    from training.data.buffer import DataBuffer
+    from training.loops.sft import SFTData, run_sft_training
 
     optim = OptimConfig(lr=LR, schedule="constant", grad_clip=1.0)
     backend = PyTorchTrainingBackend(
@@ -148,8 +148,8 @@ def _rollouts_loop(tok, samples, args) -> tuple[list[float], float]:
 def _raw_loop(tok, samples, args, *, packing: bool) -> tuple[list[float], float]:
     import torch
 
-    from training.backend import load_model
-    from training.packing import forward_logits, prepare_sft_batch, sft_loss
+    from training.backend.pytorch import load_model
+    from training.data.packing import forward_logits, prepare_sft_batch, sft_loss
 
     model = load_model(args.model_dir).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
@@ -174,7 +174,7 @@ def _trl_loop(tok, samples, args, *, padding_free: bool) -> tuple[list[float], f
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from training.backend import load_model
+    from training.backend.pytorch import load_model
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
@@ -230,7 +230,7 @@ def measure_ceiling(args) -> dict:
 
 def step_tokens(model_dir: Path, args) -> tuple[list[int], list[int], int, int]:
     """Non-pad and trained tokens of every step (identical for all loops), and param counts."""
-    from training.backend import load_model
+    from training.backend.pytorch import load_model
 
     n = args.steps * args.batch_size
     _, samples = load_samples(model_dir, args.data_file, args.max_seq_len, n)
@@ -250,7 +250,7 @@ def rates(ends: list[float], tokens: list[int], warmup: int) -> float:
 
 
 def run_size(size: str, args, tmp: Path) -> dict:
-    from training.tiny_model import build_tiny_model
+    from training.backend.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp / size, seed=0, size=size)
     steps = args.steps_tiny if size == "tiny" else args.steps_small

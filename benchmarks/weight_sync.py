@@ -33,10 +33,10 @@ import trio
 
 from engines import SGLangEngine, launch_engine
 from engines.weight_sync import sync_weights_to_engines
-from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.checkpoint import export_hf
+from training.backend.checkpoint import export_hf
+from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+from training.backend.tiny_model import build_tiny_model
 from training.config import OptimConfig
-from training.tiny_model import build_tiny_model
 
 SIDES = {
     "ours_1": "export + sync_weights_to_engines, 1 engine",

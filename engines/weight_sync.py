@@ -20,7 +20,7 @@ requests kept in the engine (pause "in_place"/"retract") SGLang 0.5.23 refuses t
 
 `pause_engines` + `sync_weights_to_engines(..., paused=True)` split the same sequence in two, so
 a caller can pause first (requests sent after that wait in the engine and run on the new
-weights) and let the rest finish in the background (`training.rl` does).
+weights) and let the rest finish in the background (`training.loops.rl` does).
 
 Not covered: rollback of the engines that succeeded; NCCL/tensor-based refit.
 """

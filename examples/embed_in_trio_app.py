@@ -14,12 +14,12 @@ from pathlib import Path
 
 import trio
 
-from training.checkpoint import find_latest_checkpoint
+from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.tiny_model import ensure_tiny_model
 from training.config import load_config
-from training.loggers import setup_logging
+from training.loops.loggers import setup_logging
+from training.recipes.rl import run_rl_recipe
 from training.rl_config import RLRunConfig
-from training.rl_recipe import run_rl_recipe
-from training.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("embed_example")
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -5,7 +5,7 @@ python examples/make_tiny_model.py --output runs/tiny_model [--seed 0] [--size t
 
 import argparse
 
-from training.tiny_model import build_tiny_model
+from training.backend.tiny_model import build_tiny_model
 
 
 def main() -> None:

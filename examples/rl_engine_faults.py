@@ -24,11 +24,11 @@ import trio
 
 from engines.supervisor import supervise_engine
 from engines.testing.fault_proxy import FaultPlan, FaultProxy
+from training.backend.tiny_model import build_tiny_model
 from training.config import load_config
+from training.recipes.rl import run_rl_recipe
+from training.rl.rollout_dump import read_rollout_dump
 from training.rl_config import RLRunConfig
-from training.rl_recipe import run_rl_recipe
-from training.rollout_dump import read_rollout_dump
-from training.tiny_model import build_tiny_model
 
 FAULTS = {"reset": 0.03, "delay": 0.05, "truncate": 0.03, "500": 0.03, "hang": 0.02}
 

@@ -12,7 +12,7 @@ The last line printed is a summary: held-out accuracy before and after RL, steps
 
 import sys
 
-from training.cli import rl_main
+from training.recipes.cli import rl_main
 
 if __name__ == "__main__":
     sys.exit(rl_main(__doc__.splitlines()[0]))

@@ -13,10 +13,10 @@ import sys
 import trio
 
 from rollouts.errors import RolloutsError
-from training.cli import overrides_from_args, run_parser
 from training.config import SFTRunConfig, load_config
-from training.loggers import setup_logging
-from training.recipes import run_sft_recipe
+from training.loops.loggers import setup_logging
+from training.recipes.cli import overrides_from_args, run_parser
+from training.recipes.sft import run_sft_recipe
 
 
 def main() -> int:

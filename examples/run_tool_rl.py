@@ -12,7 +12,7 @@ success rate before and after RL, steps and wall time.
 
 import sys
 
-from training.cli import rl_main
+from training.recipes.cli import rl_main
 
 if __name__ == "__main__":
     sys.exit(rl_main(__doc__.splitlines()[0], default_config="configs/tool_tiny.yaml"))

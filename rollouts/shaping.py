@@ -9,7 +9,7 @@ shows up in the step's `reward/<name>` metrics and the total stays their sum.
 Shipped terms: `length_bonus` (per generated token; a negative coefficient penalises) and
 `entropy_bonus` (the sampled tokens' mean surprisal under the engine). The KL penalty needs
 reference-model logprobs, so it is applied on the trainer side
-(`training.rl_batch.kl_penalised_batch`, enabled by `kl_as_reward`).
+(`training.rl.batch.kl_penalised_batch`, enabled by `kl_as_reward`).
 
 Transforms run after the group filter: shaping does not decide which groups are kept.
 """

@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A freshly built tiny model (seed 0) shared by the whole session. Treat as read-only."""
-    from training.tiny_model import build_tiny_model
+    from training.backend.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir_seed1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture and tokenizer as `tiny_model_dir`, different weights (seed 1)."""
-    from training.tiny_model import build_tiny_model
+    from training.backend.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model_seed1"), seed=1)
 

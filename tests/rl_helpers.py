@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from rollouts.types import RolloutBatch, Sample
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
-from training.rl_batch import collate_rl
+from training.rl.batch import collate_rl
 
 
 def rl_backend(model_dir, tmp_path, *, micro_batch_tokens: int = 8192, name: str = "p"):

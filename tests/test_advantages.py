@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollouts.errors import ConfigError
-from training.advantages import (
+from training.rl.advantages import (
     dr_grpo_advantages,
     grpo_advantages,
     reinforce_baseline_advantages,

@@ -9,8 +9,8 @@ import torch
 from rollouts.errors import ConfigError
 from rollouts.rewards import TOTAL, exact_match_reward
 from rollouts.types import Sample
-from training import advantages as adv
-from training.algorithms import (
+from training.rl import advantages as adv
+from training.rl.algorithms import (
     AlgorithmConfig,
     apply_kl_reward_penalty,
     cispo,
@@ -28,8 +28,8 @@ from training.algorithms import (
     shape_reward,
     switch_at,
 )
-from training.kl import truncated_is_weights
-from training.rl_losses import kl_loss, ppo_clip_loss
+from training.rl.kl import truncated_is_weights
+from training.rl.losses import kl_loss, ppo_clip_loss
 
 
 def test_dapo_preset_is_the_real_dapo():

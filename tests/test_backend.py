@@ -6,10 +6,10 @@ import trio
 
 from rollouts.errors import CheckpointError, ModelLoadError
 from rollouts.tasks.arithmetic import make_problems
-from training.backend import BackendError, PyTorchTrainingBackend, load_model_and_tokenizer
-from training.checkpoint import LATEST, find_latest_checkpoint, list_checkpoints
+from training.backend.checkpoint import LATEST, find_latest_checkpoint, list_checkpoints
+from training.backend.pytorch import BackendError, PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
-from training.tokenize import tokenize_conversation
+from training.data.tokenize import tokenize_conversation
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from rollouts.errors import CheckpointError
-from training.checkpoint import (
+from training.backend.checkpoint import (
     check_free_space,
     find_latest_checkpoint,
     reclaim_temp_dirs,
     write_checkpoint,
 )
-from training.loggers import JsonlLogger
-from training.model_io import load_model
+from training.backend.model_io import load_model
+from training.loops.loggers import JsonlLogger
 
 
 def dead_pid() -> int:

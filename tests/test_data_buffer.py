@@ -1,6 +1,6 @@
 import pytest
 
-from training.data_buffer import DataBuffer
+from training.data.buffer import DataBuffer
 
 
 def test_each_epoch_visits_every_record_once_in_seeded_order():

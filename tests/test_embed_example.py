@@ -5,8 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from training.backend import load_model_and_tokenizer
-from training.checkpoint import find_latest_checkpoint
+from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.pytorch import load_model_and_tokenizer
 
 ROOT = Path(__file__).parent.parent
 

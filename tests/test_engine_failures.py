@@ -24,7 +24,7 @@ from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.errors import RolloutsError
 from rollouts.manager import AsyncRolloutManager
-from training.data_buffer import DataBuffer
+from training.data.buffer import DataBuffer
 
 SHORT = {"max_new_tokens": 4}
 

@@ -20,18 +20,18 @@ from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import PromptItem, prompt_item
 from rollouts.rewards import vector_reward, weighted_sum
 from rollouts.shaping import add_shaping, length_bonus
-from training.advantages import grpo_advantages
-from training.algorithms import compute_policy_loss, constant_schedule, grpo
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
-from training.data_buffer import DataBuffer
-from training.kl import kl_estimate
-from training.reference import make_reference, reset_to_policy
-from training.rl import run_rl_training
-from training.rl_batch import collate_rl
+from training.data.buffer import DataBuffer
+from training.loops.rl import run_rl_training
+from training.recipes.rl import RLExtensions, run_rl_recipe
+from training.rl.advantages import grpo_advantages
+from training.rl.algorithms import compute_policy_loss, constant_schedule, grpo
+from training.rl.batch import collate_rl
+from training.rl.kl import kl_estimate
+from training.rl.reference import make_reference, reset_to_policy
+from training.rl.rollout_dump import RolloutDumpWriter, read_rollout_dump
 from training.rl_config import RLLoopConfig, RLRunConfig
-from training.rl_recipe import RLExtensions, run_rl_recipe
-from training.rollout_dump import RolloutDumpWriter, read_rollout_dump
 
 
 def index_reward(sample) -> float:

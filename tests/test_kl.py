@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from rollouts.errors import ConfigError
-from training.algorithms import apply_kl_reward_penalty, compute_policy_loss, grpo
-from training.kl import (
+from training.rl.algorithms import apply_kl_reward_penalty, compute_policy_loss, grpo
+from training.rl.kl import (
     confidence_masked_kl,
     kl_estimate,
     kl_estimator,
     kl_reward_penalty,
     truncated_kl,
 )
-from training.rl_losses import kl_loss
+from training.rl.losses import kl_loss
 
 # One row, four tokens; the last is masked out and holds garbage (-inf) in the reference.
 LOGPROBS = [math.log(0.9), math.log(0.5), math.log(0.05), math.log(0.3)]

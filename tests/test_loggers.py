@@ -1,5 +1,5 @@
 """Optional loggers and plots: a clear error naming the extra when the package is missing; the
-real thing when it is installed; `python -m training.plot RUN_DIR` writes a PNG."""
+real thing when it is installed; `python -m training.recipes.plot RUN_DIR` writes a PNG."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from rollouts.errors import MissingExtraError
-from training.loggers import JsonlLogger, TensorBoardLogger, WandbLogger
-from training.plot import plot_training_curves
+from training.loops.loggers import JsonlLogger, TensorBoardLogger, WandbLogger
+from training.recipes.plot import plot_training_curves
 
 ROOT = Path(__file__).parent.parent
 
@@ -84,18 +84,18 @@ def test_plot_without_matplotlib_names_the_plot_extra(tmp_path, monkeypatch):
 def test_plot_module_runs_on_a_run_directory(tmp_path):
     pytest.importorskip("matplotlib")
     write_metrics(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "training.plot", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "training.recipes.plot", str(tmp_path),
                            "--keys", "reward_mean,reward/correct"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "curves.png")
-    bad = subprocess.run([sys.executable, "-m", "training.plot", str(tmp_path), "--keys", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "training.recipes.plot", str(tmp_path), "--keys", "nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 1 and "no numeric values for any of ['nope']" in bad.stderr
 
 
 def test_a_long_reward_curve_prints_as_window_means(capsys):
-    from training.plot import print_curve, window_means
+    from training.recipes.plot import print_curve, window_means
 
     assert window_means([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [2.0, 4.5]
     print_curve("reward_mean", [i / 599 for i in range(600)], width=60)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rollouts.tasks.multiply import make_problems, write_multiply_datasets
-from training.tokenize import tokenize_conversation
+from training.data.tokenize import tokenize_conversation
 
 
 def read(path):

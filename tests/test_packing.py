@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollouts.errors import ConfigError
-from training.packing import (
+from training.data.packing import (
     IGNORE_INDEX,
     forward_logits,
     pack_sequences,
@@ -18,7 +18,7 @@ from training.packing import (
     sft_loss,
     token_logprobs,
 )
-from training.tokenize import TokenizedSample, tokenize_conversation
+from training.data.tokenize import TokenizedSample, tokenize_conversation
 
 PAD = 0
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from tests.rl_helpers import batch_of, rl_backend
-from training.algorithms import ppo
 from training.config import OptimConfig, load_config
-from training.critic import load_value_model, make_critic, value_loss_fn
-from training.gae import explained_variance, gae, whiten
-from training.rl_batch import build_examples, collate_rl
+from training.rl.algorithms import ppo
+from training.rl.batch import build_examples, collate_rl
+from training.rl.critic import load_value_model, make_critic, value_loss_fn
+from training.rl.gae import explained_variance, gae, whiten
+from training.rl.step import train_on_batch, with_gae
 from training.rl_config import RLRunConfig
-from training.rl_step import train_on_batch, with_gae
 
 REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]]
 

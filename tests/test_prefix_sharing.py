@@ -10,10 +10,10 @@ import torch
 
 from rollouts.errors import ConfigError
 from rollouts.types import RolloutBatch, Sample
-from training.algorithms import grpo
-from training.packing import IGNORE_INDEX, forward_logits, token_logprobs
-from training.prefix_sharing import plan_rows, split_rows_by_budget
-from training.rl_batch import RLExample, build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+from training.data.packing import IGNORE_INDEX, forward_logits, token_logprobs
+from training.data.prefix_sharing import plan_rows, split_rows_by_budget
+from training.rl.algorithms import grpo
+from training.rl.batch import RLExample, build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
 PAD = 0
 
@@ -109,7 +109,7 @@ def test_trees_side_by_side_in_a_row_never_see_each_other():
 
 
 def test_trees_are_packed_only_when_that_is_cheaper():
-    from training.prefix_sharing import pack_trees
+    from training.data.prefix_sharing import pack_trees
 
     assert pack_trees([40, 10, 10, 20]) == [[0], [1, 2, 3]]  # 2 rows of 40: no padding
     assert pack_trees([30]) == [[0]]
@@ -144,7 +144,7 @@ def test_shared_rows_give_the_logprobs_loss_and_gradients_of_one_row_per_sample(
 
 
 async def test_backend_update_and_logprobs_match_the_unshared_path(tiny_model_dir, tmp_path):
-    from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
     from training.config import OptimConfig
 
     examples = build_examples(rollout_batch(3, groups=6), grpo())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollouts.errors import ConfigError
-from training.reference import ema_update, frozen, kl_triggered_reset, periodic_reset
+from training.rl.reference import ema_update, frozen, kl_triggered_reset, periodic_reset
 
 
 def models():

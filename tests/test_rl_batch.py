@@ -5,9 +5,9 @@ import torch
 
 from rollouts.tasks.math import answers_match, extract_final_answer, math_correctness_reward
 from rollouts.types import RolloutBatch, Sample
-from training.algorithms import dapo, grpo
-from training.packing import IGNORE_INDEX
-from training.rl_batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+from training.data.packing import IGNORE_INDEX
+from training.rl.algorithms import dapo, grpo
+from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
 
 def sample(prompt, response, mask, logprobs, reward, g, i):
@@ -66,11 +66,11 @@ def test_math_answer_extraction_and_reward():
 
 
 async def test_online_dpo_trains_through_the_backend_with_a_reference(tiny_model_dir, tmp_path):
-    from training.algorithms import online_dpo
-    from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
     from training.config import OptimConfig
-    from training.reference import make_reference
-    from training.rl import train_on_batch
+    from training.loops.rl import train_on_batch
+    from training.rl.algorithms import online_dpo
+    from training.rl.reference import make_reference
 
     model, tok = load_model_and_tokenizer(tiny_model_dir)
     backend = PyTorchTrainingBackend(

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from rollouts.errors import ConfigError
-from training.kl import (
+from training.rl.kl import (
     entropy_from_logits,
     kl_estimate,
     kl_reward_penalty,
     logprob_mismatch_metrics,
     truncated_is_weights,
 )
-from training.rl_losses import (
+from training.rl.losses import (
     aggregate_loss,
     cispo_loss,
     gspo_loss,

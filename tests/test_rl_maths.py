@@ -13,7 +13,11 @@ from rollouts.errors import ConfigError
 from rollouts.rewards import TOTAL, overlong_penalty
 from rollouts.types import RolloutBatch, Sample
 from tests.rl_helpers import batch_of, grads_of, rl_backend
-from training.algorithms import (
+from training.backend.pytorch import load_model_and_tokenizer
+from training.config import load_config
+from training.loops.rl import train_on_batch
+from training.recipes.rl import algorithm_schedule, generation_budget
+from training.rl.algorithms import (
     AlgorithmConfig,
     compute_advantages,
     compute_policy_loss,
@@ -23,14 +27,10 @@ from training.algorithms import (
     reinforce,
     shape_reward,
 )
-from training.backend import load_model_and_tokenizer
-from training.config import load_config
-from training.kl import token_entropy
-from training.reference import make_reference
-from training.rl import train_on_batch
-from training.rl_batch import build_examples, loss_weight_fn, rl_loss_fn
+from training.rl.batch import build_examples, loss_weight_fn, rl_loss_fn
+from training.rl.kl import token_entropy
+from training.rl.reference import make_reference
 from training.rl_config import RLRunConfig
-from training.rl_recipe import algorithm_schedule, generation_budget
 
 # ----- 1. the reference is tempered exactly as the policy ---------------------------------------
 

@@ -10,14 +10,14 @@ from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.tasks.arithmetic import digit_share_reward, write_arithmetic_datasets
-from training.algorithms import constant_schedule, ppo
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
-from training.critic import make_critic
-from training.data_buffer import DataBuffer
-from training.reference import ema_update, kl_triggered_reset, make_reference
-from training.rl import run_rl_training
-from training.rl_batch import collate_rl
+from training.data.buffer import DataBuffer
+from training.loops.rl import run_rl_training
+from training.rl.algorithms import constant_schedule, ppo
+from training.rl.batch import collate_rl
+from training.rl.critic import make_critic
+from training.rl.reference import ema_update, kl_triggered_reset, make_reference
 from training.rl_config import RLLoopConfig
 
 

@@ -6,11 +6,11 @@ import pytest
 
 from rollouts.errors import ConfigError
 from tests.rl_helpers import batch_of, rl_backend
-from training.algorithms import dapo, grpo, reinforce
 from training.config import load_config
-from training.rl_batch import RLExample, split_mini_batches
+from training.rl.algorithms import dapo, grpo, reinforce
+from training.rl.batch import RLExample, split_mini_batches
+from training.rl.step import train_on_batch
 from training.rl_config import RLRunConfig
-from training.rl_step import train_on_batch
 
 REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2], [0.3, 0.0, 1.0, 0.0], [1.0, 0.9, 0.0, 0.1]]
 

@@ -8,12 +8,12 @@ import torch
 
 from rollouts.errors import DataError
 from rollouts.types import RolloutBatch, Sample, ToolCallRecord
-from training.algorithms import grpo
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
-from training.rl import train_on_batch
-from training.rl_batch import collate_rl
-from training.rollout_dump import RolloutDumpWriter, read_rollout_dump, replay_rollout_dump
+from training.loops.rl import train_on_batch
+from training.rl.algorithms import grpo
+from training.rl.batch import collate_rl
+from training.rl.rollout_dump import RolloutDumpWriter, read_rollout_dump, replay_rollout_dump
 
 
 def make_batch(step: int) -> RolloutBatch:

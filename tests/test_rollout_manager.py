@@ -19,7 +19,7 @@ from rollouts.generation import (
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import PromptItem, prompt_item
 from rollouts.types import Sample
-from training.data_buffer import DataBuffer
+from training.data.buffer import DataBuffer
 
 
 def make_prompts(tokenizer, n: int) -> list[PromptItem]:

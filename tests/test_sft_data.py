@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollouts.errors import DataError
-from training.sft_data import SFTRecord, load_sft_jsonl, validate_sft_record
+from training.data.sft_data import SFTRecord, load_sft_jsonl, validate_sft_record
 
 CHAT = {
     "messages": [

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from rollouts.tasks.arithmetic import make_problems
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
-from training.checkpoint import find_latest_checkpoint
+from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig, SFTLoopConfig
-from training.data_buffer import DataBuffer
-from training.loggers import JsonlLogger
-from training.sft import SFTData, run_sft_training
-from training.tokenize import tokenize_conversation
+from training.data.buffer import DataBuffer
+from training.data.tokenize import tokenize_conversation
+from training.loops.loggers import JsonlLogger
+from training.loops.sft import SFTData, run_sft_training
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ from rollouts.generation import apply_sample_transforms
 from rollouts.rewards import length_penalty
 from rollouts.shaping import add_reward_component, add_shaping, entropy_bonus, length_bonus
 from rollouts.types import RolloutBatch, Sample
-from training.algorithms import grpo
-from training.backend import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
-from training.rl import train_on_batch
-from training.rl_batch import build_examples, collate_rl, kl_penalised_batch, sample_to_example
+from training.loops.rl import train_on_batch
+from training.rl.algorithms import grpo
+from training.rl.batch import build_examples, collate_rl, kl_penalised_batch, sample_to_example
 
 
 def sample(mask, logprobs=(), reward=1.0, components=None, g=0, i=0) -> Sample:

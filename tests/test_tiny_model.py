@@ -1,7 +1,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.tiny_model import build_tokenizer
+from training.backend.tiny_model import build_tokenizer
 
 
 def test_auto_classes_load_the_directory_unchanged(tiny_model_dir):

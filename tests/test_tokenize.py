@@ -7,8 +7,8 @@ import copy
 import pytest
 
 from rollouts.errors import ConfigError, DataError
-from training.sft_data import SFTRecord
-from training.tokenize import TokenizedSample, tokenize_conversation, tokenize_records
+from training.data.sft_data import SFTRecord
+from training.data.tokenize import TokenizedSample, tokenize_conversation, tokenize_records
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 CALL = {"type": "function", "function": {"name": "calc", "arguments": {"expression": "12*34"}}}

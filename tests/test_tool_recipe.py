@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from training.config import load_config
+from training.recipes.rl import resolve_callable, run_rl_recipe
+from training.recipes.rl_env import build_episode_setup, build_tools
 from training.rl_config import RLRunConfig
-from training.rl_env import build_episode_setup, build_tools
-from training.rl_recipe import resolve_callable, run_rl_recipe
 
 
 def test_env_section_builds_the_configured_tools_and_reward():
@@ -43,8 +43,8 @@ async def test_tool_env_runs_through_rollouts_and_evaluation(tiny_model_dir, tmp
 
 async def test_the_sft_checkpoint_is_reused_only_if_made_with_the_same_config_and_data(tmp_path):
     from training.config import SFTRunConfig, config_to_yaml
-    from training.recipes import sft_data_files
-    from training.rl_recipe import _saved_config, resolve_start_model, sft_checkpoint_mismatch
+    from training.recipes.rl import _saved_config, resolve_start_model, sft_checkpoint_mismatch
+    from training.recipes.sft import sft_data_files
 
     sft = load_config(SFTRunConfig, None, [
         f"output_dir={tmp_path / 'sft'}", "train.max_steps=5", f"data.task_dir={tmp_path / 'd'}",

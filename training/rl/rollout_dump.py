@@ -21,11 +21,11 @@ from typing import Any
 from rollouts.errors import DataError
 from rollouts.jsonl import format_errors, iter_jsonl
 from rollouts.types import RolloutBatch
-from training.advantages import AdvantageFn
-from training.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
-from training.backend import PyTorchTrainingBackend
-from training.kl import KLFn
-from training.rl import train_on_batch
+from training.backend.pytorch import PyTorchTrainingBackend
+from training.rl.advantages import AdvantageFn
+from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
+from training.rl.kl import KLFn
+from training.rl.step import train_on_batch
 
 
 class RolloutDumpWriter:

@@ -10,7 +10,7 @@ there is a single update, where they equal the current logprobs). The LR schedul
 weight version advance once per batch, after the last update.
 
 PPO (`algorithm.needs_critic`): the critic's values of the batch give per-token GAE advantages
-and returns (training/gae.py), and the critic makes the same k·e updates on the same
+and returns (training/rl/gae.py), and the critic makes the same k·e updates on the same
 mini-batches, queued on its own worker thread so that they run beside the policy's.
 
 Departures: mini-batches are visited in batch order, not reshuffled per epoch (verl shuffles
@@ -25,13 +25,10 @@ from typing import Any
 import torch
 
 from rollouts.types import RolloutBatch
-from training.advantages import AdvantageFn
-from training.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
-from training.backend import PyTorchTrainingBackend, merge_metrics
-from training.critic import value_loss_fn
-from training.gae import explained_variance, gae, whiten
-from training.kl import KLFn
-from training.rl_batch import (
+from training.backend.pytorch import PyTorchTrainingBackend, merge_metrics
+from training.rl.advantages import AdvantageFn
+from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
+from training.rl.batch import (
     RLExample,
     build_examples,
     kl_penalised_batch,
@@ -42,6 +39,9 @@ from training.rl_batch import (
     with_old_logprobs,
     with_ref_logprobs,
 )
+from training.rl.critic import value_loss_fn
+from training.rl.gae import explained_variance, gae, whiten
+from training.rl.kl import KLFn
 
 
 async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
@@ -57,7 +57,7 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
     `advantage_fn`, `policy_loss_fn` and `kl_fn` replace the algorithm's advantage estimator,
     `compute_policy_loss` and its KL estimator (see `run_rl_training`); `share_prompts` scores
     a group's samples against one copy of their prompt (policy and reference alike). `critic`
-    is the value model PPO needs (training/critic.py); its metrics are prefixed "critic_".
+    is the value model PPO needs (training/rl/critic.py); its metrics are prefixed "critic_".
 
     Returns:
         The step's metrics: each update's loss metrics averaged over the updates (`_max` /
@@ -68,7 +68,7 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
     if algorithm.needs_ref_logprobs and reference is None:
         raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
     if algorithm.needs_critic and critic is None:
-        raise ValueError(f"{algorithm.name} (advantage=gae) needs a critic (training.critic)")
+        raise ValueError(f"{algorithm.name} (advantage=gae) needs a critic (training.rl.critic)")
     metrics: dict[str, float] = {}
     if algorithm.kl_as_reward and algorithm.kl_coef > 0:
         batch, metrics = await _penalise_kl_in_rewards(backend, reference, batch, algorithm, kl_fn,

@@ -2,7 +2,7 @@
 
 One step reads top to bottom: batch of groups (AsyncRolloutManager) → algorithm for this step →
 `train_on_batch` (advantages, reference and old logprobs of the same tokens if needed, then one
-or more forward_backward + optim_step: training/rl_step.py) → every `sync_every` steps export weights and pause every engine; the engines load
+or more forward_backward + optim_step: training/rl/step.py) → every `sync_every` steps export weights and pause every engine; the engines load
 the weights in the background (requests sent meanwhile wait and run on the new weights) →
 log → maybe eval → maybe checkpoint. All state lives in the backend (weights, optimizer, versions),
 the DataBuffer (cursor + held groups) and the engines; resume loads them.
@@ -29,22 +29,22 @@ from engines.weight_sync import pause_engines, sync_weights_to_engines
 from rollouts.errors import CheckpointError
 from rollouts.nursery import open_nursery
 from rollouts.types import RolloutBatch
-from training.advantages import AdvantageFn
-from training.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
-from training.backend import PyTorchTrainingBackend
-from training.checkpoint import checkpoint_name, find_latest_checkpoint
-from training.data_buffer import DataBuffer
-from training.kl import KLFn
-from training.loggers import Logger
-from training.reference import (
+from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
+from training.backend.pytorch import PyTorchTrainingBackend
+from training.data.buffer import DataBuffer
+from training.loops.loggers import Logger
+from training.loops.sft import maybe_resume
+from training.rl.advantages import AdvantageFn
+from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
+from training.rl.kl import KLFn
+from training.rl.reference import (
     ReferenceUpdateFn,
     frozen,
     load_reference_state,
     reference_state,
 )
+from training.rl.step import train_on_batch as train_on_batch
 from training.rl_config import RLLoopConfig
-from training.rl_step import train_on_batch as train_on_batch
-from training.sft import maybe_resume
 
 log = logging.getLogger("rollouts.rl")
 
@@ -156,12 +156,12 @@ async def run_rl_training(
         reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
         reference_update: how the reference follows the policy (frozen, EMA, periodic or
             KL-triggered reset); sees each step's metrics, its own are merged into them.
-        critic: PPO's value model (`training.critic.make_critic`), trained beside the policy
+        critic: PPO's value model (`training.rl.critic.make_critic`), trained beside the policy
             and checkpointed with it (its checkpoint is written first, so a policy checkpoint
             always has its critic's); needed only by algorithms with advantage="gae".
         advantage_fn: rewards [G, N] → advantages [G, N]; None: the algorithm's estimator.
         policy_loss_fn: replaces `compute_policy_loss` (same signature; may wrap it).
-        kl_fn: per-token KL (`training.kl.KLFn`) for the KL loss term and the KL reward
+        kl_fn: per-token KL (`training.rl.kl.KLFn`) for the KL loss term and the KL reward
             penalty; None: the algorithm's `kl_kind` estimator.
         logger: called with (step, metrics) after every step.
         stop_fn: called with (step, metrics) after logging; True ends the run after this
@@ -169,9 +169,9 @@ async def run_rl_training(
         checkpoint_hook: called with (step, checkpoint path, metrics) after each checkpoint.
         evaluate_fn: held-out evaluation through the engines, every `eval_every` steps.
         share_prompts: score each group's samples against one shared copy of their prompt
-            (training/prefix_sharing.py: same logprobs and gradients, ~3x less compute on
+            (training/data/prefix_sharing.py: same logprobs and gradients, ~3x less compute on
             short responses); False: one model row per sample. Needs sdpa or eager attention.
-        on_batch: called with each rollout batch (e.g. `training.rollout_dump.RolloutDumpWriter`).
+        on_batch: called with each rollout batch (e.g. `training.rl.rollout_dump.RolloutDumpWriter`).
         on_algorithm_switch: called with the next step's algorithm when it differs from this
             step's, so the rollout side can change reward shaping and group filtering.
 

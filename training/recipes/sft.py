@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.tasks.arithmetic import is_correct
-from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
+from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+from training.backend.tiny_model import ensure_tiny_model
 from training.config import ModelConfig, SFTRunConfig, config_to_yaml
-from training.data_buffer import DataBuffer
-from training.evaluate import EvalPrompt, greedy_accuracy
-from training.loggers import ConsoleLogger, JsonlLogger, fan_out
-from training.sft import SFTData, run_sft_training
-from training.sft_data import load_sft_jsonl
-from training.tiny_model import ensure_tiny_model
-from training.tokenize import TokenizeStats, tokenize_records
+from training.data.buffer import DataBuffer
+from training.data.sft_data import load_sft_jsonl
+from training.data.tokenize import TokenizeStats, tokenize_records
+from training.loops.evaluate import EvalPrompt, greedy_accuracy
+from training.loops.loggers import ConsoleLogger, JsonlLogger, fan_out
+from training.loops.sft import SFTData, run_sft_training
 
 log = logging.getLogger("rollouts.recipes")
 
@@ -180,7 +180,7 @@ async def run_sft_recipe(config: SFTRunConfig) -> SFTSummary:
             last = {"eval_loss": last["loss"]}
             if prepared.accuracy_prompts:
                 last.update(await accuracy(backend))
-        from training.checkpoint import find_latest_checkpoint
+        from training.backend.checkpoint import find_latest_checkpoint
 
         return SFTSummary(
             steps=backend.step,

@@ -12,7 +12,7 @@ Conventions shared by every function here:
 - Every loss returns `(loss, metrics)`: a scalar tensor with a gradient, and floats for
   logging. `entropy_estimate` is the mean of −log π over trained tokens, an unbiased entropy
   estimate when the tokens were sampled from (nearly) the current policy; use
-  `training.kl.entropy_from_logits` for the exact value when logits are at hand.
+  `training.rl.kl.entropy_from_logits` for the exact value when logits are at hand.
 
 Aggregation (`agg`) turns the per-token loss into a scalar; see `aggregate_loss`. For
 gradient accumulation over micro-batches, weight each micro-batch's loss by its share of
@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 
 from rollouts.errors import ConfigError
-from training.kl import KLFn, KLKind, bool_mask, kl_estimate, kl_estimator, masked_mean
-from training.preference_loss import pairwise_preference_loss as pairwise_preference_loss
+from training.rl.kl import KLFn, KLKind, bool_mask, kl_estimate, kl_estimator, masked_mean
+from training.rl.preference_loss import pairwise_preference_loss as pairwise_preference_loss
 
 DEFAULT_IS_CAP = 2.0  # truncated importance weights' cap when none is configured (as verl's TIS)
 
@@ -337,9 +337,9 @@ def kl_loss(
 ) -> LossOutput:
     """KL(π_θ ‖ π_ref) as a loss term (multiply by a coefficient and add to the policy loss).
 
-    Uses reference-model logprobs of the *same* tokens. See `training.kl` for which estimator
+    Uses reference-model logprobs of the *same* tokens. See `training.rl.kl` for which estimator
     to prefer (k3 is GRPO's; k2 has the unbiased gradient). `kl_fn`, when given, replaces the
-    `kind` estimator (e.g. `training.kl.truncated_kl(...)`).
+    `kind` estimator (e.g. `training.rl.kl.truncated_kl(...)`).
 
     Returns:
         (loss, {"kl": loss value}).
@@ -360,7 +360,7 @@ def entropy_bonus(
     """The policy's entropy, aggregated like the policy loss; subtract coef × it from the loss.
 
     `entropy_BT` is the exact entropy of each predicted distribution (from the tempered logits,
-    with gradient), e.g. `training.kl.token_entropy`. Returns (entropy, {"entropy": value}).
+    with gradient), e.g. `training.rl.kl.token_entropy`. Returns (entropy, {"entropy": value}).
     """
     entropy = aggregate_loss(entropy_BT, bool_mask(mask_BT), agg, max_tokens=max_tokens)
     return entropy, {"entropy": entropy.item()}

@@ -3,7 +3,7 @@
 An algorithm = an advantage estimator + a policy loss + its aggregation + optional KL, reward
 shaping and dynamic sampling. `AlgorithmConfig` names each choice; the presets (`grpo()`,
 `dapo(...)`, `ppo()`, ...) fill them in as the papers do, and take keyword overrides. The
-dispatch from a config to advantages and losses is `training.algorithms` (which re-exports
+dispatch from a config to advantages and losses is `training.rl.algorithms` (which re-exports
 everything here).
 
 What DAPO is here (Yu et al. 2025): clip-higher (0.2 / 0.28) + dynamic sampling + token-level
@@ -20,8 +20,8 @@ from pydantic import Field, model_validator
 
 from rollouts.config import Strict
 from rollouts.errors import ConfigError
-from training.kl import KLKind
-from training.rl_losses import Aggregation
+from training.rl.kl import KLKind
+from training.rl.losses import Aggregation
 
 AdvantageEstimator = Literal[
     "grpo",
@@ -228,7 +228,7 @@ def ppo(**overrides: Any) -> AlgorithmConfig:
     """PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022 for language models).
 
     Per-token GAE advantages (γ = 1, λ = 0.95, whitened over the batch's tokens) from a value
-    model trained beside the policy (training/critic.py, value loss clipped at 0.2), the
+    model trained beside the policy (training/rl/critic.py, value loss clipped at 0.2), the
     clipped ratio at 0.2 and a token-mean loss. PPO is made for several updates per batch:
     pair it with train.mini_batches / train.epochs.
     """

@@ -43,10 +43,10 @@ def rl_main(description: str, *, default_config: str | None = None) -> int:
 
     from rollouts.errors import RolloutsError
     from training.config import load_config
-    from training.loggers import setup_logging
-    from training.plot import print_curve, write_reward_png
+    from training.loops.loggers import setup_logging
+    from training.recipes.plot import print_curve, write_reward_png
+    from training.recipes.rl import run_rl_recipe
     from training.rl_config import RLRunConfig
-    from training.rl_recipe import run_rl_recipe
 
     parser = run_parser(description,
                         model_help="starting HF model directory (default: the SFT checkpoint)")  # fmt: skip

@@ -28,23 +28,23 @@ from rollouts.generation import SampleTransform, keep_all, keep_if_reward_varies
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
-from training import algorithms
-from training.advantages import AdvantageFn
-from training.algorithms import PolicyLossFn
-from training.backend import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.checkpoint import find_latest_checkpoint
+from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
-from training.critic import make_critic
-from training.data_buffer import DataBuffer
-from training.kl import KLFn
-from training.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
-from training.recipes import run_sft_recipe, sft_data_files
-from training.reference import ReferenceUpdateFn, frozen, make_reference
-from training.rl import CheckpointHook, StopFn, push_weights, run_rl_training
-from training.rl_batch import collate_rl
+from training.data.buffer import DataBuffer
+from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
+from training.loops.rl import CheckpointHook, StopFn, push_weights, run_rl_training
+from training.recipes.rl_env import build_episode_setup
+from training.recipes.sft import run_sft_recipe, sft_data_files
+from training.rl import algorithms
+from training.rl.advantages import AdvantageFn
+from training.rl.algorithms import PolicyLossFn
+from training.rl.batch import collate_rl
+from training.rl.critic import make_critic
+from training.rl.kl import KLFn
+from training.rl.reference import ReferenceUpdateFn, frozen, make_reference
+from training.rl.rollout_dump import RolloutDumpWriter
 from training.rl_config import AlgorithmSection, RLRunConfig
-from training.rl_env import build_episode_setup
-from training.rollout_dump import RolloutDumpWriter
 
 log = logging.getLogger("rollouts.rl_recipe")
 

@@ -85,7 +85,7 @@ def dr_grpo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
 
     No std division. The other half of Dr.GRPO, summing token losses and dividing by a
     constant instead of the response length, is the "seq-mean-token-sum-norm" aggregation in
-    `training.rl_losses.aggregate_loss`.
+    `training.rl.losses.aggregate_loss`.
     """
     rewards_GN = _check(rewards_GN, "dr_grpo")
     return _zero_equal_groups(rewards_GN - rewards_GN.mean(dim=1, keepdim=True), rewards_GN)
@@ -124,7 +124,7 @@ def reinforce_pp_advantages(
     advantage, so a long sequence weighs more); without, over sequences (each weighs the same).
 
     Departures: the paper's per-token returns include a token-level KL penalty; here KL is a
-    loss or a per-sequence reward penalty (training.rl_losses), so the return is the same on
+    loss or a per-sequence reward penalty (training.rl.losses), so the return is the same on
     every token of a sequence and token whitening is length-weighted whitening.
 
     Raises:

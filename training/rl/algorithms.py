@@ -1,6 +1,6 @@
 """Algorithm presets and the one dispatch from an `AlgorithmConfig` to advantages and losses.
 
-The configs and presets live in `training.algorithm_config` and are re-exported here.
+The configs and presets live in `training.rl.algorithm_config` and are re-exported here.
 An algorithm = an advantage estimator + a policy loss + its aggregation + optional KL, reward
 shaping and dynamic sampling. `AlgorithmConfig` names each choice; the presets (`grpo()`,
 `dapo(...)`, ...) fill them in as the papers do, and take keyword overrides. The RL trainer
@@ -25,59 +25,59 @@ import torch
 
 from rollouts.errors import ConfigError
 from rollouts.rewards import RewardFn, add_overlong_shaping
-from training import advantages as adv
-from training.algorithm_config import (
+from training.rl import advantages as adv
+from training.rl.algorithm_config import (
     AdvantageEstimator as AdvantageEstimator,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     AlgorithmConfig as AlgorithmConfig,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     AlgorithmSchedule as AlgorithmSchedule,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     LossKind as LossKind,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     OverlongShaping as OverlongShaping,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     cispo as cispo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     constant_schedule as constant_schedule,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     dapo as dapo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     dr_grpo as dr_grpo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     grpo as grpo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     gspo as gspo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     online_dpo as online_dpo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     ppo as ppo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     reinforce as reinforce,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     reinforce_pp as reinforce_pp,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     rloo as rloo,
 )
-from training.algorithm_config import (
+from training.rl.algorithm_config import (
     switch_at as switch_at,
 )
-from training.kl import (
+from training.rl.kl import (
     KLFn,
     bool_mask,
     kl_reward_penalty,
@@ -85,7 +85,7 @@ from training.kl import (
     masked_mean,
     truncated_is_weights,
 )
-from training.rl_losses import (
+from training.rl.losses import (
     DEFAULT_IS_CAP,
     LossOutput,
     cispo_loss,
@@ -118,7 +118,7 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
 
     `n_tokens_GN` (trained tokens of each sample) is needed only by REINFORCE++ with
     whiten="token". GAE (PPO) advantages are per token and need a critic: see
-    `training.gae`; this returns none for them.
+    `training.rl.gae`; this returns none for them.
 
     Raises:
         ConfigError: advantage="gae" (not a function of rewards alone), or token whitening
@@ -146,7 +146,7 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
         case "gae":
             raise ConfigError(
                 f"{config.name}: GAE advantages are per token and come from a critic "
-                "(training.gae), not from rewards alone"
+                "(training.rl.gae), not from rewards alone"
             )
     raise ConfigError(f"unknown advantage estimator {config.advantage!r}")
 

@@ -1,6 +1,6 @@
 """Plotting and printing training curves (matplotlib is optional: the `plot` extra).
 
-python -m training.plot RUN_DIR [--keys reward_mean,loss] [--out FILE]   # RUN_DIR/curves.png
+python -m training.recipes.plot RUN_DIR [--keys reward_mean,loss] [--out FILE]   # RUN_DIR/curves.png
 """
 
 from __future__ import annotations

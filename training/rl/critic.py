@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from rollouts.errors import ModelLoadError
-from training.backend import PyTorchTrainingBackend
+from training.backend.pytorch import PyTorchTrainingBackend
 from training.config import OptimConfig
-from training.kl import masked_mean
-from training.packing import IGNORE_INDEX
-from training.rl_batch import RLBatch, collate_rl
+from training.data.packing import IGNORE_INDEX
+from training.rl.batch import RLBatch, collate_rl
+from training.rl.kl import masked_mean
 
 
 def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):

@@ -37,7 +37,7 @@ are identical. Anything else gets a row of its own (multi-turn samples whose pro
 plain per-sample batch, with no mask, exactly as without this module.
 
 The model must accept a 4D attention mask: transformers' sdpa and eager attention do (checked
-in `training.packing.forward_logits`); flash-attention kernels do not.
+in `training.data.packing.forward_logits`); flash-attention kernels do not.
 
 Pure: imports torch only.
 """
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from training.packing import SFTBatch, pack_balanced, prepare_sft_batch
+from training.data.packing import SFTBatch, pack_balanced, prepare_sft_batch
 
 # How many query-key pairs of attention cost as much as one token's per-token work. FLOP
 # counting says ~6 x hidden_size (~1150 for the tiny model, ~5000 for 0.5B models). Measured on

@@ -18,7 +18,7 @@ Tool-call `arguments` given as a JSON string (OpenAI style) are parsed into an o
 Hugging Face chat templates render them with `tojson` and would otherwise double-encode them.
 
 What is not covered: multimodal content parts (content must be a string), and any check that a
-chat template can render a record; `training.tokenize` reports those.
+chat template can render a record; `training.data.tokenize` reports those.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from rollouts.errors import ConfigError, DataError
 from rollouts.jsonl import format_errors
-from training.sft_data import SFTRecord
+from training.data.sft_data import SFTRecord
 
 Overlong = Literal["truncate", "drop"]
 

@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 
 from rollouts.errors import ConfigError
-from training.backend import PyTorchTrainingBackend
+from training.backend.pytorch import PyTorchTrainingBackend
 
 ReferenceUpdateFn: TypeAlias = Callable[
     [PyTorchTrainingBackend, PyTorchTrainingBackend, int, Mapping[str, Any]],

@@ -9,7 +9,7 @@ sample sees exactly what it would see alone. Padding continues the positions of 
 sample, so a row holding one sample plus padding still counts as a single sequence: a batch
 without packing keeps SDPA's fast `is_causal` path, and real tokens never attend to the pads
 that follow them. The one batch that does carry a (4D) mask is the prompt-shared RL batch of
-training/prefix_sharing.py; `forward_logits` maps its logits back to one sample per row.
+training/data/prefix_sharing.py; `forward_logits` maps its logits back to one sample per row.
 
 Targets are pre-shifted: `target_ids[b, t]` is the token at `t+1` of the same sample when that
 token is trained, else -100. The last token of a sample therefore never predicts the first
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rollouts.errors import ConfigError
-from training.tokenize import TokenizedSample
+from training.data.tokenize import TokenizedSample
 
 IGNORE_INDEX = -100
 
@@ -51,7 +51,7 @@ class SFTBatch:
     the token belongs to, -1 for padding. `is_packed` is True when some row holds more than
     one sample.
 
-    Prompt-shared batches (training/prefix_sharing.py) feed the model other rows than the
+    Prompt-shared batches (training/data/prefix_sharing.py) feed the model other rows than the
     per-sample view: `input_ids` / `position_ids` are then the model's rows [R, W], with
     `attention_mask` [R, 1, W, W] (bool, True = may attend) and `source_index` [B, T], the flat
     index into [R * W] of each per-sample position; `target_ids` / `segment_ids` stay [B, T].

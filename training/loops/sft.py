@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.backend import PyTorchTrainingBackend
-from training.checkpoint import find_latest_checkpoint, reclaim_temp_dirs
+from training.backend.checkpoint import find_latest_checkpoint, reclaim_temp_dirs
+from training.backend.pytorch import PyTorchTrainingBackend
 from training.config import SFTLoopConfig
-from training.data_buffer import DataBuffer
-from training.loggers import Logger
+from training.data.buffer import DataBuffer
+from training.loops.loggers import Logger
 
 log = logging.getLogger("rollouts.sft")
 

@@ -11,7 +11,7 @@ Contract:
   gradient does not depend on the micro-batch size.
 - After any operation fails, every later one fails too (naming the first error): gradients of
   a half-done step are never applied.
-- `save_checkpoint` writes HF layout + trainer state atomically (see training/checkpoint.py).
+- `save_checkpoint` writes HF layout + trainer state atomically (see training/backend/checkpoint.py).
 
 Not covered: multi-process data parallelism (one process, one device).
 """
@@ -27,14 +27,14 @@ from typing import Any, TypeVar
 import torch
 
 from rollouts.errors import RolloutsError
-from training import checkpoint as ckpt
+from training.backend import checkpoint as ckpt
+from training.backend.futures import TrainFuture, lr_lambda
+from training.backend.model_io import eval_mode, generate_greedy
+from training.backend.model_io import load_model as load_model
+from training.backend.model_io import load_model_and_tokenizer as load_model_and_tokenizer
+from training.backend.model_io import load_tokenizer as load_tokenizer
 from training.config import OptimConfig
-from training.futures import TrainFuture, lr_lambda
-from training.model_io import eval_mode, generate_greedy
-from training.model_io import load_model as load_model
-from training.model_io import load_model_and_tokenizer as load_model_and_tokenizer
-from training.model_io import load_tokenizer as load_tokenizer
-from training.packing import (
+from training.data.packing import (
     forward_logits,
     pack_balanced,
     prepare_sft_batch,
@@ -42,7 +42,7 @@ from training.packing import (
     temper_logits,
     token_logprobs,
 )
-from training.prefix_sharing import split_rows_by_budget
+from training.data.prefix_sharing import split_rows_by_budget
 
 R = TypeVar("R")
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -283,7 +283,7 @@ class PyTorchTrainingBackend:
 
     def compute_values(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:
         """Queue per-sample outputs of a one-output-per-token model (a critic, see
-        training/critic.py) at every trained target position, in sample order."""
+        training/rl/critic.py) at every trained target position, in sample order."""
         samples = list(samples)
         return self._submit(lambda: self._per_trained_token(samples, lambda lg, _: lg[..., 0]))
 

@@ -5,7 +5,7 @@ prompt + response ids with the loss mask extended by zeros over the prompt. RL b
 packed: sequence-level quantities (advantages, GSPO's ratio, seq-mean aggregation) need one
 sequence per row, and RL responses in a batch have similar lengths. The model may still see
 fewer rows: by default the samples of a group are scored against one shared copy of their
-prompt (training/prefix_sharing.py), and the logits come back one sample per row.
+prompt (training/data/prefix_sharing.py), and the logits come back one sample per row.
 
 Logprob alignment: position t of a row predicts token t+1, so a response token's logprob, its
 engine logprob and its advantage all sit at the position just before it (where
@@ -22,17 +22,17 @@ import torch
 
 from rollouts.shaping import add_reward_component
 from rollouts.types import RolloutBatch, Sample
-from training.advantages import AdvantageFn
-from training.algorithms import (
+from training.data.packing import IGNORE_INDEX, SFTBatch, temper_logits, token_logprobs
+from training.data.prefix_sharing import prepare_prefix_shared_batch
+from training.rl.advantages import AdvantageFn
+from training.rl.algorithms import (
     AlgorithmConfig,
     PolicyLossFn,
     apply_kl_reward_penalty,
     compute_advantages,
     compute_policy_loss,
 )
-from training.kl import KLFn, logprob_mismatch_metrics, token_entropy
-from training.packing import IGNORE_INDEX, SFTBatch, temper_logits, token_logprobs
-from training.prefix_sharing import prepare_prefix_shared_batch
+from training.rl.kl import KLFn, logprob_mismatch_metrics, token_entropy
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
     """The training view of one sample: prompt + response ids, mask 0 over the prompt.
 
     With `share_prompt`, neighbouring examples with the same prompt ids may be scored against
-    one copy of it (training/prefix_sharing.py); the logprobs are the same either way.
+    one copy of it (training/data/prefix_sharing.py); the logprobs are the same either way.
     """
     trained = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=False) if m]
     return RLExample(

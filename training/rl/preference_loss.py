@@ -1,4 +1,4 @@
-"""Online DPO's pairwise preference loss (re-exported by training.rl_losses, which holds the
+"""Online DPO's pairwise preference loss (re-exported by training.rl.losses, which holds the
 conventions shared by every loss: [B, T] logprobs of the sampled tokens, a trained-token mask)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from training.kl import bool_mask
+from training.rl.kl import bool_mask
 
 LossOutput = tuple[torch.Tensor, dict[str, float]]
 

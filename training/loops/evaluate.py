@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.backend import PyTorchTrainingBackend
+from training.backend.pytorch import PyTorchTrainingBackend
 
 CheckFn = Callable[[str, str], bool]
 
