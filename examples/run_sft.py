@@ -14,6 +14,7 @@ import trio
 
 from rollouts.errors import RolloutsError
 from training.config import SFTRunConfig, load_config
+from training.distributed import run_rank0
 from training.loops.loggers import setup_logging
 from training.recipes.cli import overrides_from_args, run_parser
 from training.recipes.sft import run_sft_recipe
@@ -31,10 +32,12 @@ def main() -> int:
     setup_logging()
     try:
         config = load_config(SFTRunConfig, args.config, overrides)
-        summary = trio.run(run_sft_recipe, config)
+        summary = run_rank0(config.backend, lambda: trio.run(run_sft_recipe, config))
     except RolloutsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if summary is None:  # a torchrun rank ≥ 1: it served rank 0's backend operations
+        return 0
     print(summary.line())
     return 0
 

@@ -268,11 +268,11 @@ async def _restore_reference(backend: PyTorchTrainingBackend, reference: PyTorch
                              rule: ReferenceUpdateFn) -> None:  # fmt: skip
     """Load the reference saved with the checkpoint the policy resumed from."""
     latest = find_latest_checkpoint(backend.checkpoint_dir)
-    state = (await trio.to_thread.run_sync(backend.read_extra_tensors, latest)).get("reference")
-    if state is None:
+    extra = await trio.to_thread.run_sync(backend.read_extra_tensors, latest)
+    if "reference" not in extra:
         raise CheckpointError(
             f"{latest} has no reference model state (written before references were "
             "checkpointed); resume with a fresh reference by starting a new run"
         )
-    await reference.call(partial(load_reference_state, reference, rule, state)).result()
+    await reference.call(partial(load_reference_state, reference, rule, latest)).result()
     log.info("reference model restored from %s", latest)

@@ -43,6 +43,7 @@ def rl_main(description: str, *, default_config: str | None = None) -> int:
 
     from rollouts.errors import RolloutsError
     from training.config import load_config
+    from training.distributed import run_rank0
     from training.loops.loggers import setup_logging
     from training.recipes.plot import print_curve, write_reward_png
     from training.recipes.rl import run_rl_recipe
@@ -66,10 +67,12 @@ def rl_main(description: str, *, default_config: str | None = None) -> int:
     try:
         config = load_config(RLRunConfig, args.config,
                              overrides_from_args(args, engine_flags))  # fmt: skip
-        summary = trio.run(run_rl_recipe, config)
+        summary = run_rank0(config.backend, lambda: trio.run(run_rl_recipe, config))
     except RolloutsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if summary is None:  # a torchrun rank ≥ 1: it served rank 0's backend operations
+        return 0
     print_curve("reward_mean", summary.reward_curve)
     png = write_reward_png(summary.reward_curve, f"{config.output_dir}/reward.png")
     if png:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -303,10 +304,10 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     buffer = DataBuffer(train_prompts, seed=config.data.shuffle_seed)
     pad_id = tokenizer.pad_token_id
     backend = PyTorchTrainingBackend(
-        lambda: load_model(model_path, dtype=config.model.dtype, device=config.backend.device),
+        partial(load_model, model_path, dtype=config.model.dtype, device=config.backend.device),
         tokenizer, optim=config.optim, max_steps=config.train.max_steps,
         checkpoint_dir=out / "checkpoints", micro_batch_tokens=config.backend.micro_batch_tokens,
-        pack_length=None, collate_fn=lambda examples: collate_rl(examples, pad_id=pad_id),
+        pack_length=None, collate_fn=partial(collate_rl, pad_id=pad_id),
         keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
         seed=config.backend.seed,
     )  # fmt: skip

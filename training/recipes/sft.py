@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def build_backend(config: SFTRunConfig, model_path: str) -> PyTorchTrainingBacke
     """Load the model and tokenizer and wrap them in a backend configured by `config`."""
     tokenizer = load_tokenizer(model_path)
     return PyTorchTrainingBackend(
-        lambda: load_model(model_path, dtype=config.model.dtype, device=config.backend.device),
+        partial(load_model, model_path, dtype=config.model.dtype, device=config.backend.device),
         tokenizer,
         optim=config.optim,
         max_steps=config.train.max_steps,
