@@ -506,6 +506,19 @@ class PyTorchTrainingBackend:
         weights = self.read_extra_tensors(path)[key]["weights"]
         st.load_full_model_state(self.model, weights)
 
+    def full_grads(self) -> TrainFuture[dict[str, torch.Tensor]]:
+        """Queue a read of the accumulated gradients, whole (gathered to rank 0 under torchrun):
+        what a test compares across world sizes."""
+        return self._submit(lambda: self._dispatch("full_grads", None, {})[0][0])
+
+    def _local_full_grads(self) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                full = getattr(p.grad, "full_tensor", None)  # a collective: every rank calls it
+                grads[name] = (full() if full is not None else p.grad).detach().clone().cpu()
+        return grads
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     async def save_checkpoint(
