@@ -90,7 +90,7 @@ def test_torchrun_sft_matches_python_and_resumes_across_world_sizes(tiny_model_d
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), name
 
 
-def test_torchrun_rl_drives_the_engine_from_rank_0_and_resumes_at_one_process(
+def test_torchrun_rl_with_a_reference_drives_the_engine_and_resumes_at_one_process(
     tiny_model_dir, tmp_path
 ):
     args = ["--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--model", str(tiny_model_dir),
@@ -98,6 +98,7 @@ def test_torchrun_rl_drives_the_engine_from_rank_0_and_resumes_at_one_process(
             "rollout.n_samples_per_prompt=4", "rollout.filter_groups=none",
             "train.eval_samples=8", "train.eval_every=1000", "train.checkpoint_every=3",
             "optim.lr=1e-3", "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
+            "algorithm.overrides.kl_coef=0.05",  # a reference model, sharded like the policy
             f"data.task_dir={tmp_path / 'data'}"]  # fmt: skip
     first = launch("examples/run_rl.py", *args, "--max-steps", "3", world=2, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -109,6 +110,8 @@ def test_torchrun_rl_drives_the_engine_from_rank_0_and_resumes_at_one_process(
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(r["grad_norm"] > 0 for r in rows)
+    assert rows[0]["kl"] == 0.0  # the sharded reference starts as an exact copy of the policy
+    assert all(r["kl"] > 0 for r in rows[1:])  # ... and stays behind, also after the resume
     exports = sorted((tmp_path / "rl" / "weights").glob("v*"))
     assert exports, "no weight push was exported for the engine"
 
