@@ -10,7 +10,8 @@ BENCH_STAMP := $(VENV)/.installed-bench
 BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/grpo_update.py \
 	benchmarks/rollout_throughput.py \
 	benchmarks/engine_throughput.py benchmarks/weight_sync.py benchmarks/rl_scaling.py \
-	benchmarks/rl_algorithms.py benchmarks/engine_abuse.py benchmarks/checkpoint_kill.py
+	benchmarks/rl_algorithms.py benchmarks/engine_abuse.py benchmarks/checkpoint_kill.py \
+	benchmarks/distributed_scaling.py
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
