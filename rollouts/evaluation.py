@@ -1,19 +1,33 @@
-"""Held-out evaluation through inference engines: greedy episodes scored by a reward."""
+"""Held-out evaluation through inference engines: greedy episodes scored by a reward.
+
+A sample whose reward could not be computed (it raised, timed out, returned a non-number) is a
+reward failure, not a wrong answer: it is counted apart (`reward_failed`) and left out of
+`accuracy` and `reward_mean`, and the errors are logged, deduplicated with counts.
+"""
 
 from __future__ import annotations
 
+import logging
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import trio
 
-from rollouts.generation import GenerateContext, GenerateFn, single_turn_generate
+from rollouts.generation import (
+    GenerateContext,
+    GenerateFn,
+    single_turn_generate,
+    summarize_errors,
+)
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_sample
 from rollouts.tools.rewards import tool_metrics
 from rollouts.types import Sample
+
+log = logging.getLogger("rollouts.evaluation")
 
 
 async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn: RewardFn, *,
@@ -28,9 +42,10 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
         tokenizer: for generate functions that need it (multi-turn).
 
     Returns:
-        `reward_mean`; `accuracy` (mean of the reward's "correct" component, or of reward > 0
-        when it has none); and, for multi-turn episodes, the tool metrics
-        (`tool_success_rate`, `tool_calls_per_sample`, ...).
+        `reward_mean` and `accuracy` (mean of the reward's "correct" component, or of
+        reward > 0 when it has none) over the samples the reward scored (absent when it scored
+        none); `reward_failed` and `reward_failure_rate` (samples it could not score); and, for
+        multi-turn episodes, the tool metrics (`tool_success_rate`, `tool_calls_per_sample`, ...).
     """
     if not prompts:
         return {}
@@ -47,11 +62,17 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
     done = [s for s in scored if s is not None]
-    correct = [s.reward_components.get("correct", float(s.reward > 0)) for s in done]
-    out = {
-        "accuracy": statistics.fmean(correct),
-        "reward_mean": statistics.fmean(s.reward for s in done),
-    }
+    ok = [s for s in done if s.status != "failed"]
+    errors = Counter(s.error or "failed" for s in done if s.status == "failed")
+    if errors:
+        log.warning("evaluation: %d of %d samples could not be scored: %s", len(done) - len(ok),
+                    len(done), summarize_errors(errors))  # fmt: skip
+    out = {"reward_failed": float(len(done) - len(ok)),
+           "reward_failure_rate": (len(done) - len(ok)) / len(done)}  # fmt: skip
+    if ok:
+        correct = [s.reward_components.get("correct", float(s.reward > 0)) for s in ok]
+        out |= {"accuracy": statistics.fmean(correct),
+                "reward_mean": statistics.fmean(s.reward for s in ok)}  # fmt: skip
     if generate_fn is not single_turn_generate or any(s.tool_calls for s in done):
         out |= tool_metrics(done)
     return out

@@ -177,10 +177,21 @@ def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[Samp
 
 
 def convert_to_batch(groups: Sequence[Group], epoch_id: int, step_id: int,
-                     metrics: Mapping[str, float] | None = None) -> RolloutBatch:  # fmt: skip
+                     metrics: Mapping[str, float] | None = None,
+                     failures: Mapping[str, int] | None = None) -> RolloutBatch:  # fmt: skip
     """Freeze accepted groups into a RolloutBatch with their metrics (pure)."""
     merged = {**rollout_metrics(groups), **(metrics or {})}
-    return RolloutBatch(tuple(tuple(g) for g in groups), step_id, epoch_id, merged)
+    return RolloutBatch(tuple(tuple(g) for g in groups), step_id, epoch_id, merged,
+                        dict(failures or {}))  # fmt: skip
+
+
+def summarize_errors(errors: Mapping[str, int], *, limit: int = 5) -> str:
+    """`errors` (text → count) as one line, most frequent first: "12x reward f raised ...; ..."."""
+    ranked = sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{n}x {_clip(text)}" for text, n in ranked[:limit]]
+    if len(ranked) > limit:
+        parts.append(f"and {len(ranked) - limit} other errors")
+    return "; ".join(parts)
 
 
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
@@ -226,6 +237,7 @@ class CollectResult:
     completion_tokens: int = 0
     wall_time_s: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)  # "url: kind" of dropped groups
+    sample_errors: Counter[str] = field(default_factory=Counter)  # error text of failed samples
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -341,12 +353,14 @@ async def collect_groups(
 
         for _ in range(min(cap, n_groups + extra_groups)):
             launch()
+        n_received = 0  # groups whose outcome came back (`running` misses unstarted tasks)
         while len(result.accepted) < n_groups:
-            if not running and result.n_launched >= cap:
+            if n_received == result.n_launched and result.n_launched >= cap:
                 log.warning("over-sampling cap of %d groups reached with %d/%d accepted", cap,
                             len(result.accepted), n_groups)  # fmt: skip
                 break
             kind, prompt, samples = await recv.receive()
+            n_received += 1
             group = tuple(sorted(samples, key=lambda s: s.index_in_group))
             if kind == "done" and any(s.status == "aborted" for s in group):
                 # Cut short by someone else (a pause with "abort", an abort_all): not a real
@@ -358,6 +372,7 @@ async def collect_groups(
                 continue
             n_failed = sum(s.status == "failed" for s in group)
             result.n_failed_samples += n_failed
+            result.sample_errors.update(s.error or "failed" for s in group if s.status == "failed")
             if kind == "failed" or n_failed or len(group) < n_samples:
                 result.n_failed_groups += 1
             elif group_filter(group):
@@ -386,6 +401,10 @@ async def collect_groups(
             result.partial.append((prompt, _finished(samples)))
     result.wall_time_s = time.perf_counter() - started
     return result
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _finished(samples: Sequence[Sample]) -> list[Sample]:

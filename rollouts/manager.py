@@ -46,6 +46,7 @@ from rollouts.generation import (
     keep_all,
     keep_if_reward_varies,
     single_turn_generate,
+    summarize_errors,
 )
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RewardFn
@@ -255,6 +256,9 @@ class AsyncRolloutManager:
             self._cut_off = True
             raise
         _check_failure_rate(result, cfg.max_failed_group_rate)
+        if result.sample_errors:
+            log.warning("%d samples failed (their groups were dropped): %s",
+                        result.n_failed_samples, summarize_errors(result.sample_errors))  # fmt: skip
         version = self.current_version()
         for prompt, samples in result.partial:
             self.data_buffer.hold([_held_record(prompt, samples)], version)
@@ -281,7 +285,8 @@ class AsyncRolloutManager:
             "held_groups": float(self.data_buffer.n_held),
             **_engine_metrics(self.engine),
         }
-        return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics)
+        return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics,
+                                result.sample_errors)  # fmt: skip
 
     def _staleness(self, samples: Sequence[Sample]) -> dict[str, float]:
         """How many weight versions the samples are behind the trainer now."""
@@ -340,6 +345,7 @@ def _accumulate(total: CollectResult, part: CollectResult) -> None:
     total.completion_tokens += part.completion_tokens
     total.wall_time_s += part.wall_time_s
     total.failures.update(part.failures)
+    total.sample_errors.update(part.sample_errors)
 
 
 async def _abort_all(engine: Any) -> None:

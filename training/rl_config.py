@@ -81,6 +81,11 @@ class RLLoopConfig(Strict):
         1, ge=1, description="optimizer steps per pass over a rollout batch (whole groups each)"
     )
     epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    max_empty_batches: int = Field(
+        3, ge=1,
+        description="rollout batches in a row with no accepted group (every sample failed or "
+        "every group was filtered) before the run ends; each is skipped, logged and counted",
+    )  # fmt: skip
 
 
 class RLRunConfig(Strict):

@@ -26,7 +26,8 @@ from typing import Any, TypeAlias
 import trio
 
 from engines.weight_sync import pause_engines, sync_weights_to_engines
-from rollouts.errors import CheckpointError
+from rollouts.errors import CheckpointError, RolloutsError
+from rollouts.generation import summarize_errors
 from rollouts.nursery import open_nursery
 from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
@@ -187,12 +188,15 @@ async def run_rl_training(
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
         await push_weights(backend, engines, export_root, pause_mode=pause_mode)
     history: list[dict[str, Any]] = []
+    empty_total = 0
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
         settle = getattr(rollout_manager, "settle", None)
         for step in range(start + 1, config.max_steps + 1):
             t0 = time.perf_counter()
-            batch = await rollout_manager.generate_batch()
+            batch, skipped = await _generate_nonempty(rollout_manager, step,
+                                                      config.max_empty_batches)  # fmt: skip
+            empty_total += skipped
             t_generated = time.perf_counter()
             if on_batch is not None:
                 on_batch(step, batch)
@@ -222,6 +226,8 @@ async def run_rl_training(
                                            pause_mode=pause_mode)  # fmt: skip
                 sync_s = time.perf_counter() - t_push
             metrics |= {
+                "empty_batches_skipped": skipped,
+                "empty_batches_total": empty_total,
                 "algorithm": algo.name,
                 "weight_version": backend.weight_version,
                 "time_generate_s": t_generated - t0,
@@ -248,6 +254,40 @@ async def run_rl_training(
                 log.info("stop_fn ended the run after step %d", step)
                 break
     return history
+
+
+async def _generate_nonempty(rollout_manager: Any, step: int, max_empty: int
+                             ) -> tuple[RolloutBatch, int]:  # fmt: skip
+    """The next batch with at least one group, and how many empty ones were skipped before it.
+
+    A batch is empty when every group was rejected: each of its samples failed (a reward that
+    raised, returned a list, read a missing field; an engine error) or every group was filtered
+    (no reward spread under dynamic sampling). It cannot be trained on; it is logged with the
+    samples' errors and skipped. `max_empty` in a row end the run with the same message.
+
+    Raises:
+        RolloutsError: `max_empty` batches in a row were empty; names why.
+    """
+    for skipped in range(max_empty):
+        batch = await rollout_manager.generate_batch()
+        if batch.groups:
+            return batch, skipped
+        why = _why_empty(batch)
+        log.warning("step %d: rollout batch skipped (%d in a row): %s", step, skipped + 1, why)
+    raise RolloutsError(
+        f"step {step}: {max_empty} rollout batches in a row had no group to train on "
+        f"(train.max_empty_batches={max_empty}); the last one: {why}"
+    )
+
+
+def _why_empty(batch: RolloutBatch) -> str:
+    m = batch.metrics
+    counts = (f"no group accepted of {m.get('groups_launched', 0):.0f} launched "
+              f"({m.get('groups_failed', 0):.0f} with failed samples, "
+              f"{m.get('groups_filtered', 0):.0f} filtered out for equal rewards)")  # fmt: skip
+    if batch.failures:
+        return f"{counts}; sample errors: {summarize_errors(batch.failures)}"
+    return counts
 
 
 async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
