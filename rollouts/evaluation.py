@@ -22,8 +22,10 @@ from rollouts.generation import (
     summarize_errors,
 )
 from rollouts.prompts import PromptItem
+from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_sample
+from rollouts.stall import watch_event_loop
 from rollouts.tools.rewards import tool_metrics
 from rollouts.types import Sample
 
@@ -33,13 +35,17 @@ log = logging.getLogger("rollouts.evaluation")
 async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn: RewardFn, *,
                           max_new_tokens: int = 16, max_concurrency: int = 64,
                           timeout_s: float = 30.0, generate_fn: GenerateFn = single_turn_generate,
-                          tokenizer: Any = None) -> dict[str, float]:  # fmt: skip
+                          tokenizer: Any = None,
+                          reward_threads: RewardThreads | None = None,
+                          stall_warning_s: float = 5.0) -> dict[str, float]:  # fmt: skip
     """One greedy (temperature 0) episode per prompt, scored by `reward_fn`.
 
     Args:
         generate_fn: how an episode runs (default one assistant turn; a multi-turn tool
             rollout evaluates tool use the same way it is trained).
         tokenizer: for generate functions that need it (multi-turn).
+        reward_threads: the pool sync rewards run in (default: one for this call).
+        stall_warning_s: log the function holding the event loop when it stalls this long.
 
     Returns:
         `reward_mean` and `accuracy` (mean of the reward's "correct" component, or of
@@ -52,13 +58,15 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
     limiter = trio.CapacityLimiter(max_concurrency)
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     scored: list[Sample | None] = [None] * len(prompts)
+    threads = reward_threads or RewardThreads()
 
     async def one(i: int) -> None:
         ctx = GenerateContext(engine, params, limiter, f"eval-{i}", i, tokenizer)
         samples = await generate_fn(prompts[i], 1, ctx)
-        scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s)
+        scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s,
+                                       threads=threads)  # fmt: skip
 
-    async with trio.open_nursery() as nursery:
+    async with watch_event_loop(stall_warning_s), trio.open_nursery() as nursery:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
     done = [s for s in scored if s is not None]

@@ -30,6 +30,7 @@ from rollouts.coalesce import CoalescingEngine
 from rollouts.errors import EngineError, RolloutsError, describe_engine_failure
 from rollouts.prompts import PromptItem
 from rollouts.request_ids import oldest_version, request_rid
+from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_samples
 from rollouts.tools.rewards import tool_metrics
@@ -274,6 +275,7 @@ async def collect_groups(
     max_launches: int | None = None,
     reward_timeout_s: float = 30.0,
     reward_fail_fast: bool = False,
+    reward_threads: RewardThreads | None = None,
     engine_fail_fast: bool = False,
     rid_prefix: str = "r",
     tokenizer: Any = None,
@@ -285,6 +287,7 @@ async def collect_groups(
         extra_groups: groups launched beyond `n_groups` up front to hide filtering latency.
         max_launches: cap on groups launched in total (default 4 × n_groups + extra); when it is
             reached and nothing is in flight, fewer than `n_groups` groups are returned.
+        reward_threads: the pool sync rewards run in (default: one for this call).
         engine_fail_fast: an engine error raises instead of dropping the group (counted in
             `n_failed_groups` and `failures`).
 
@@ -298,6 +301,7 @@ async def collect_groups(
     send, recv = trio.open_memory_channel[tuple[str, PromptItem, list[Sample]]](math.inf)
     running: dict[int, tuple[PromptItem, list[Sample], GenerateContext]] = {}
     slot_lock = trio.Lock()
+    threads = reward_threads or RewardThreads()
 
     async def run_group(gid: int, prompt: PromptItem, done: list[Sample]) -> None:
         offset = len(done)
@@ -308,7 +312,7 @@ async def collect_groups(
             batch = to_score[:]
             to_score.clear()
             done.extend(await score_samples(reward_fn, batch, timeout_s=reward_timeout_s,
-                                            fail_fast=reward_fail_fast))  # fmt: skip
+                                            fail_fast=reward_fail_fast, threads=threads))  # fmt: skip
 
         try:
             async with trio.open_nursery() as scoring:

@@ -6,7 +6,8 @@ Contract:
   Prompts come from the DataBuffer; held (partial) groups are served first.
 - Generation goes through one engine or EnginePool from token ids; sampled ids and engine
   logprobs are kept as they came (never re-tokenized). A global CapacityLimiter bounds requests
-  in flight across engines. Rewards run as samples finish, each under a timeout.
+  in flight across engines. Rewards run as samples finish, each under a timeout; sync rewards
+  in the manager's own `RewardThreads` pool (a hung reward costs its sample only).
 - Groups failing the filter are replaced by new prompts (over-sampling); once the batch is full
   the surplus requests are aborted and the unfinished groups go back to the DataBuffer's holding
   area with their finished samples, tagged with the current weight version.
@@ -49,7 +50,9 @@ from rollouts.generation import (
     summarize_errors,
 )
 from rollouts.prompts import PromptItem
+from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
+from rollouts.stall import watch_event_loop
 from rollouts.types import RolloutBatch, Sample
 
 log = logging.getLogger("rollouts.manager")
@@ -93,6 +96,7 @@ class AsyncRolloutManager:
         self.current_version = current_version
         self.tokenizer = tokenizer
         self._limiter = trio.CapacityLimiter(config.max_concurrency)
+        self.reward_threads = RewardThreads(config.reward_threads, max_hung=config.reward_max_hung)
         self._nursery: trio.Nursery | None = None
         self._prefetch: trio.MemoryReceiveChannel | None = None
         self._prefetched = trio.Event()  # overlap mode: the batch being prefetched is complete
@@ -234,24 +238,8 @@ class AsyncRolloutManager:
     async def _collect(self, n_groups: int) -> CollectResult:
         cfg = self.config
         try:
-            result = await collect_groups(
-                GroupSource(self._next_prompt),
-                n_groups=n_groups,
-                n_samples=cfg.n_samples_per_prompt,
-                engine=self.engine,
-                sampling_params=cfg.sampling.params(),
-                reward_fn=self.reward_fn,
-                generate_fn=self.generate_fn,
-                group_filter=self.group_filter,
-                limiter=self._limiter,
-                extra_groups=cfg.extra_groups,
-                max_launches=math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups,
-                reward_timeout_s=cfg.reward_timeout_s,
-                reward_fail_fast=cfg.reward_fail_fast,
-                engine_fail_fast=cfg.engine_fail_fast,
-                rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
-                tokenizer=self.tokenizer,
-            )
+            async with watch_event_loop(cfg.stall_warning_s):  # names an async reward that blocks
+                result = await self._collect_groups(n_groups)
         except BaseException:
             self._cut_off = True
             raise
@@ -263,6 +251,28 @@ class AsyncRolloutManager:
         for prompt, samples in result.partial:
             self.data_buffer.hold([_held_record(prompt, samples)], version)
         return result
+
+    async def _collect_groups(self, n_groups: int) -> CollectResult:
+        cfg = self.config
+        return await collect_groups(
+            GroupSource(self._next_prompt),
+            n_groups=n_groups,
+            n_samples=cfg.n_samples_per_prompt,
+            engine=self.engine,
+            sampling_params=cfg.sampling.params(),
+            reward_fn=self.reward_fn,
+            generate_fn=self.generate_fn,
+            group_filter=self.group_filter,
+            limiter=self._limiter,
+            extra_groups=cfg.extra_groups,
+            max_launches=math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups,
+            reward_timeout_s=cfg.reward_timeout_s,
+            reward_fail_fast=cfg.reward_fail_fast,
+            reward_threads=self.reward_threads,
+            engine_fail_fast=cfg.engine_fail_fast,
+            rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
+            tokenizer=self.tokenizer,
+        )
 
     def _next_prompt(self) -> tuple[PromptItem, list[Sample]]:
         """Held groups first (dropping samples too stale to reuse), then fresh prompts."""
@@ -283,6 +293,7 @@ class AsyncRolloutManager:
             **self._staleness([s for g in groups for s in g]),
             "stale_groups_dropped": float(self._stale_dropped),
             "held_groups": float(self.data_buffer.n_held),
+            "reward_threads_hung": float(self.reward_threads.statistics().hung),
             **_engine_metrics(self.engine),
         }
         return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics,

@@ -12,9 +12,9 @@ loop; async rewards are awaited. Scoring a sample under a timeout (`score_sample
 samples of one finished request together (`score_samples`) live in `rollouts.scoring`.
 
 What is not covered: a sync reward that hangs cannot be killed. On timeout its thread is
-abandoned (`abandon_on_cancel=True`): the sample is marked failed at once, the thread runs on
-in the background and keeps its CapacityLimiter token until it returns. Pass a dedicated
-`limiter` to bound how many such threads can pile up.
+abandoned: the sample is marked failed at once and the thread runs on until it returns,
+counted by the `RewardThreads` pool it ran in (rollouts/reward_threads.py), which bounds both
+the reward threads running and the hung ones, apart from trio's shared thread pool.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeAlias
 
-import trio
-
 from rollouts.errors import ConfigError, DataError
+from rollouts.reward_threads import RewardThreads
 from rollouts.types import Sample
 
 RewardValue: TypeAlias = float | Mapping[str, float]
@@ -320,21 +319,26 @@ def split_reward(value: object) -> tuple[float, dict[str, float] | None]:
 
 
 async def call_reward(
-    reward_fn: RewardFn, sample: Sample, *, limiter: trio.CapacityLimiter | None = None
+    reward_fn: RewardFn, sample: Sample, *, threads: RewardThreads | None = None
 ) -> RewardValue:
     """Run `reward_fn` on `sample`: awaited if async, else in an abandonable worker thread.
 
-    A sync callable that returns an awaitable (e.g. a lambda wrapping an async function) has
-    that awaitable awaited in the event loop.
+    Sync rewards run in `threads` (default: a pool of their own for this call), never in
+    trio's shared thread pool. A sync callable that returns an awaitable (e.g. a lambda
+    wrapping an async function) has that awaitable awaited in the event loop.
     """
     if is_async_reward(reward_fn):
         return await reward_fn(sample)  # type: ignore[misc]
-    value = await trio.to_thread.run_sync(
-        reward_fn, sample, abandon_on_cancel=True, limiter=limiter
-    )
+    threads = threads or RewardThreads(1)
+    value = await threads.run_sync(reward_fn, sample, name=reward_name(reward_fn))
     if inspect.isawaitable(value):
         value = await value
     return value  # type: ignore[return-value]
+
+
+def reward_name(fn: object) -> str:
+    """The name a reward goes by in errors and logs."""
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def is_async_reward(fn: object) -> bool:
