@@ -51,7 +51,7 @@ from rollouts.generation import (
 )
 from rollouts.prompts import PromptItem
 from rollouts.reward_threads import RewardThreads
-from rollouts.rewards import RewardFn
+from rollouts.rewards import RewardFn, RolloutAlgorithm, shape_reward
 from rollouts.stall import watch_event_loop
 from rollouts.types import RolloutBatch, Sample
 
@@ -85,13 +85,13 @@ class AsyncRolloutManager:
         self.engine = engine
         self.data_buffer = data_buffer
         self.config = config
-        self.reward_fn = reward_fn
+        self.task_reward = reward_fn
+        self.reward_fn = reward_fn  # the task reward with the algorithm's shaping (use_algorithm)
         self.generate_fn = generate_fn
-        if group_filter is None:
-            group_filter = (
-                keep_if_reward_varies if config.filter_groups == "reward_varies" else keep_all
-            )
-        self.group_filter = group_filter
+        self._own_filter = group_filter
+        self.group_filter = group_filter or (
+            keep_if_reward_varies if config.filter_groups == "reward_varies" else keep_all
+        )
         self.transforms = tuple(transforms)
         self.current_version = current_version
         self.tokenizer = tokenizer
@@ -105,17 +105,18 @@ class AsyncRolloutManager:
         self._stale_dropped = 0
         self._cut_off = False  # a batch was interrupted: its requests may still run at the engine
 
-    def set_policy(self, *, reward_fn: RewardFn | None = None,
-                   group_filter: GroupFilter | None = None) -> None:  # fmt: skip
-        """Change the reward or the group filter for groups launched from now on.
+    def use_algorithm(self, algorithm: RolloutAlgorithm) -> None:
+        """Take reward shaping and group filtering from `algorithm` for groups launched from now on.
 
-        Used when the algorithm switches mid-run (e.g. GRPO → DAPO adds overlong shaping and
-        dynamic sampling); groups already in flight keep what they started with.
+        `run_rl_training` calls it before its first batch and whenever the algorithm changes
+        (e.g. GRPO → DAPO adds overlong shaping and dynamic sampling); groups already in flight
+        keep what they started with. The reward is `reward_fn` as given, plus the algorithm's
+        shaping (`rollouts.rewards.shape_reward`); the filter is the `group_filter` given, else
+        as `config.filter_groups` says ("auto": `algorithm.filter_zero_std`).
         """
-        if reward_fn is not None:
-            self.reward_fn = reward_fn
-        if group_filter is not None:
-            self.group_filter = group_filter
+        self.reward_fn = shape_reward(algorithm, self.task_reward)
+        if self._own_filter is None and self.config.filter_groups == "auto":
+            self.group_filter = keep_if_reward_varies if algorithm.filter_zero_std else keep_all
 
     def statistics(self) -> ManagerStatistics:
         """A snapshot: batches ready in the async producer's channel, stale groups dropped."""

@@ -23,7 +23,7 @@ import inspect
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from rollouts.errors import ConfigError, DataError
 from rollouts.reward_threads import RewardThreads
@@ -286,6 +286,30 @@ def add_overlong_shaping(
         return combine(await reward_fn(sample), sample)  # type: ignore[misc]
 
     return shaped_async
+
+
+class RolloutAlgorithm(Protocol):
+    """What the rollout side takes from an RL algorithm (`training.rl.AlgorithmConfig` is one)."""
+
+    @property
+    def filter_zero_std(self) -> bool:
+        """Dynamic sampling: drop groups whose rewards are all equal, over-sample to refill."""
+
+    @property
+    def overlong(self) -> Any:
+        """None, or DAPO's overlong shaping: `max_response_len`, `cache_len`, `penalty_factor`."""
+
+
+def shape_reward(algorithm: RolloutAlgorithm, reward_fn: RewardFn) -> RewardFn:
+    """`reward_fn` with the algorithm's reward shaping (DAPO's overlong penalty) applied."""
+    if algorithm.overlong is None:
+        return reward_fn
+    return add_overlong_shaping(
+        reward_fn,
+        max_response_len=algorithm.overlong.max_response_len,
+        cache_len=algorithm.overlong.cache_len,
+        penalty_factor=algorithm.overlong.penalty_factor,
+    )
 
 
 # ----- running a reward ------------------------------------------------------------------------
