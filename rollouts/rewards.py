@@ -174,8 +174,24 @@ def overlong_penalty(
 # ----- vector rewards and aggregators ----------------------------------------------------------
 
 
-def weighted_sum(weights: Mapping[str, float]) -> Aggregator:
-    """Σ weights[k] * components[k]; components without a weight are reported, not summed."""
+def weighted_sum(weights: Mapping[str, float] | Sequence[float]) -> Aggregator:
+    """Σ weights[k] * components[k]; components without a weight are reported, not summed.
+
+    A sequence of weights applies to the components in their order (e.g. those of a
+    `list_reward`, or of a `vector_reward` built from a list): `weighted_sum([0.4, 0.3, 0.3])`.
+    """
+    if not isinstance(weights, Mapping):
+        ordered = [float(w) for w in weights]
+
+        def aggregate_in_order(components: Mapping[str, float]) -> float:
+            if len(components) != len(ordered):
+                raise ValueError(
+                    f"weighted_sum: {len(ordered)} weights for {len(components)} components "
+                    f"{list(components)}"
+                )
+            return sum(w * v for w, v in zip(ordered, components.values(), strict=True))
+
+        return aggregate_in_order
 
     def aggregate(components: Mapping[str, float]) -> float:
         missing = sorted(set(weights) - set(components))
@@ -189,6 +205,16 @@ def weighted_sum(weights: Mapping[str, float]) -> Aggregator:
 def min_aggregate(components: Mapping[str, float]) -> float:
     """The smallest component: a sample is only as good as its worst criterion."""
     return min(components.values())
+
+
+def max_aggregate(components: Mapping[str, float]) -> float:
+    """The largest component: a sample is as good as its best criterion (optimistic)."""
+    return max(components.values())
+
+
+def mean_aggregate(components: Mapping[str, float]) -> float:
+    """The mean of the components."""
+    return sum(components.values()) / len(components)
 
 
 def gated(
@@ -229,15 +255,24 @@ def lexicographic(keys: Sequence[str], *, scale: float = 10.0) -> Aggregator:
     return aggregate
 
 
-def vector_reward(components: Mapping[str, RewardFn], aggregate: Aggregator) -> RewardFn:
+def vector_reward(components: Mapping[str, RewardFn] | Sequence[RewardFn],
+                  aggregate: Aggregator) -> RewardFn:  # fmt: skip
     """A reward returning each named component plus `aggregate(components)` under "total".
 
-    If any component is async the result is async too, and its sync components run in worker
-    threads (as in `score_sample`); otherwise it is a plain sync function.
+    `components` maps names to rewards, or is a list of rewards named after their functions
+    (`[correctness, helpfulness]` → "correctness", "helpfulness"). If any component is async
+    the result is async too, and its sync components run in worker threads (as in
+    `score_sample`); otherwise it is a plain sync function.
 
     Raises:
-        ConfigError: no components, or a component is named "total".
+        ConfigError: no components, a component is named "total", or two share a name.
     """
+    if not isinstance(components, Mapping):
+        names = [reward_name(fn) for fn in components]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"vector_reward: components {repeated} share a name; pass a mapping")
+        components = dict(zip(names, components, strict=True))
     if not components:
         raise ConfigError("vector_reward needs at least one component")
     if TOTAL in components:
@@ -258,6 +293,31 @@ def vector_reward(components: Mapping[str, RewardFn], aggregate: Aggregator) -> 
         return finish({k: scalar_reward(await call_reward(fn, sample), k) for k, fn in fns.items()})
 
     return vector_async
+
+
+def list_reward(reward_fn: Callable[[Sample], Sequence[float]], aggregate: Aggregator, *,
+                names: Sequence[str] | None = None) -> Callable[[Sample], dict[str, float]]:  # fmt: skip
+    """A reward that returns a list of values (the seeds' vector rewards) as a vector reward.
+
+    Component i is named `names[i]` (default "r0", "r1", ...); "total" is `aggregate` of them,
+    e.g. `list_reward(multi_objective, weighted_sum([0.4, 0.3, 0.2, 0.1]))` or
+    `list_reward(f, mean_aggregate)`.
+
+    Raises (in the returned reward, so the sample is marked failed):
+        ValueError: the list's length differs from `names`.
+    """
+
+    def from_list(sample: Sample) -> dict[str, float]:
+        values = list(reward_fn(sample))
+        keys = list(names) if names is not None else [f"r{i}" for i in range(len(values))]
+        if len(keys) != len(values):
+            raise ValueError(f"{reward_name(reward_fn)} returned {len(values)} values for "
+                             f"{len(keys)} names {keys}")  # fmt: skip
+        parts = {k: scalar_reward(v, k) for k, v in zip(keys, values, strict=True)}
+        return {**parts, TOTAL: float(aggregate(parts))}
+
+    from_list.__name__ = reward_name(reward_fn)
+    return from_list
 
 
 def add_overlong_shaping(
@@ -321,6 +381,12 @@ def scalar_reward(value: object, name: str = "reward") -> float:
     Raises:
         TypeError: not a real number. ValueError: NaN or infinite.
     """
+    if isinstance(value, list | tuple):
+        raise TypeError(
+            f"{name} returned a {type(value).__name__} of {len(value)} values, expected a float; "
+            "for several values wrap the reward: list_reward(fn, mean_aggregate), or return a "
+            f"mapping with {TOTAL!r}"
+        )
     if not isinstance(value, int | float):
         raise TypeError(f"{name} returned {type(value).__name__}, expected a float")
     out = float(value)
