@@ -28,6 +28,7 @@ from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
+from rollouts.thinking import thinking_template_kwargs
 from training.backend.checkpoint import find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
@@ -155,14 +156,16 @@ def _saved_config(checkpoint: Path) -> SFTRunConfig | None:
 
 
 def load_prompts(config: RLRunConfig, tokenizer: Any):
+    """(train prompts, held-out prompts), rendered with `model.enable_thinking` if set."""
     dc = config.data
+    kw = {"template_kwargs": thinking_template_kwargs(tokenizer, config.model.enable_thinking)}
     if dc.train_path is not None:
-        train = load_prompt_jsonl(dc.train_path, tokenizer, max_prompt_len=dc.max_prompt_len)
-        held = load_prompt_jsonl(dc.eval_path, tokenizer) if dc.eval_path else []
+        train_path, eval_path = dc.train_path, dc.eval_path
     else:
         files = dc.write_task_files()
-        train = load_prompt_jsonl(files.rl_train, tokenizer, max_prompt_len=dc.max_prompt_len)
-        held = load_prompt_jsonl(files.rl_eval, tokenizer)
+        train_path, eval_path = files.rl_train, files.rl_eval
+    train = load_prompt_jsonl(train_path, tokenizer, max_prompt_len=dc.max_prompt_len, **kw)
+    held = load_prompt_jsonl(eval_path, tokenizer, **kw) if eval_path else []
     return train, held[: config.train.eval_samples]
 
 
