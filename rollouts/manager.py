@@ -8,6 +8,9 @@ Contract:
   logprobs are kept as they came (never re-tokenized). A global CapacityLimiter bounds requests
   in flight across engines. Rewards run as samples finish, each under a timeout; sync rewards
   in the manager's own `RewardThreads` pool (a hung reward costs its sample only).
+- The reward is `reward_fn` plus the shaping of the algorithm given to `use_algorithm`
+  (`run_rl_training` calls it), and the filter follows that algorithm too unless one is given
+  or configured: DAPO gets its overlong penalty and dynamic sampling wherever it is used.
 - Groups failing the filter are replaced by new prompts (over-sampling); once the batch is full
   the surplus requests are aborted and the unfinished groups go back to the DataBuffer's holding
   area with their finished samples, tagged with the current weight version.

@@ -24,6 +24,16 @@ def make_batch(n: int, group_id: int = 0) -> list[Sample]:
     return [Sample((1, 2), (3,), (1,), group_id=group_id, index_in_group=i) for i in range(n)]
 
 
+async def one_batch(engine, tokenizer, reward_fn, **rollout):
+    """(manager, its first batch) for `reward_fn` on 64 prompts, 2-token answers."""
+    config = RolloutConfig(filter_groups="none", sampling=SamplingConfig(max_new_tokens=2),
+                           **rollout)  # fmt: skip
+    manager = AsyncRolloutManager(engine, DataBuffer(prompts(tokenizer, 64), seed=0), config,
+                                  reward_fn=reward_fn)  # fmt: skip
+    with trio.fail_after(60):
+        return manager, await manager.generate_batch()
+
+
 @pytest.fixture
 def release():
     """An event hung rewards wait on; set at the end so their threads return."""
@@ -42,12 +52,8 @@ async def test_hung_sync_rewards_leave_trios_shared_thread_pool_free(
             release.wait(30)
         return float(sample.index_in_group)
 
-    rollout = RolloutConfig(batch_size=4, n_samples_per_prompt=4, filter_groups="none",
-                            reward_timeout_s=0.2, sampling=SamplingConfig(max_new_tokens=2))  # fmt: skip
-    manager = AsyncRolloutManager(engine, DataBuffer(prompts(tiny_tokenizer, 64), seed=0), rollout,
-                                  reward_fn=hangs_on_the_first_sample)  # fmt: skip
-    with trio.fail_after(60):
-        batch = await manager.generate_batch()
+    manager, batch = await one_batch(engine, tiny_tokenizer, hangs_on_the_first_sample,
+                                     batch_size=4, n_samples_per_prompt=4, reward_timeout_s=0.2)  # fmt: skip
     hung = int(batch.metrics["samples_failed"])
     assert hung >= 4  # every group had one hung sample: refilled until the launch cap
     # the hung threads are counted in the rewards' own pool, not held in trio's shared one
@@ -102,12 +108,8 @@ async def test_an_async_reward_that_blocks_the_event_loop_is_named_in_a_warning(
         time.sleep(1.0)  # blocks trio's thread: nothing else runs meanwhile
         return 1.0
 
-    rollout = RolloutConfig(batch_size=1, n_samples_per_prompt=2, filter_groups="none",
-                            stall_warning_s=0.2, sampling=SamplingConfig(max_new_tokens=2))  # fmt: skip
-    manager = AsyncRolloutManager(engine, DataBuffer(prompts(tiny_tokenizer, 4), seed=0), rollout,
-                                  reward_fn=blocking_judge)  # fmt: skip
-    with trio.fail_after(60):
-        batch = await manager.generate_batch()
+    _, batch = await one_batch(engine, tiny_tokenizer, blocking_judge, batch_size=1,
+                               n_samples_per_prompt=2, stall_warning_s=0.2)  # fmt: skip
     assert [s.reward for s in batch.samples] == [1.0, 1.0]
     warnings = [r.getMessage() for r in caplog.records if r.name == "rollouts.stall"]
     assert warnings, "no stall was reported"

@@ -9,6 +9,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from rollouts.chat_turns import ChatTurns
 from rollouts.errors import ConfigError
 from rollouts.rewards import exact_match_reward
 from rollouts.scoring import score_sample
@@ -108,3 +109,16 @@ def test_sft_trains_the_empty_think_block_only_with_thinking_on(thinking_model_d
     (sample,) = prepared.data.train.get_prompts(1)
     trained = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
     assert tok.decode(trained).startswith(trained_start)
+
+
+@pytest.mark.parametrize(("kwargs", "header"), [({"enable_thinking": False}, "<think>\n\n</think>\n\n"),
+                                                ({}, "")])  # fmt: skip
+def test_multi_turn_episodes_render_each_next_turn_with_the_thinking_setting(
+    thinking_model_dir, kwargs, header
+):
+    tok = AutoTokenizer.from_pretrained(thinking_model_dir)
+    chat = ChatTurns.from_tokenizer(tok, kwargs)
+    sampled = tok.encode('<tool_call name="calculator">2+2</tool_call><|im_end|>')
+    appended = chat.appended_ids(sampled, [{"role": "tool", "content": "4"}])
+    assert tok.decode(appended).endswith("<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
+                                         + header)  # fmt: skip

@@ -288,7 +288,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
     log.info("resolved config:\n%s", config_to_yaml(config))
-    episodes = build_episode_setup(config.env, config.reward, resolve=resolve_callable)
+    thinking = config.model.enable_thinking  # checked against the template by load_prompts
+    episodes = build_episode_setup(
+        config.env, config.reward, resolve=resolve_callable,
+        template_kwargs={} if thinking is None else {"enable_thinking": thinking},
+    )  # fmt: skip
     reward_fn = extensions.reward_fn or episodes.reward_fn
     schedule = algorithm_schedule(config.algorithm, generation_budget(config))
     model_path = await resolve_start_model(config)
