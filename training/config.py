@@ -27,6 +27,11 @@ class ModelConfig(Strict):
     tiny_seed: int = 0
     tiny_size: Literal["tiny", "small"] = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    enable_thinking: bool | None = Field(
+        None,
+        description="thinking mode of chat templates that take it (Qwen3): passed to the "
+        "template for SFT samples and RL prompts; null: the template's default",
+    )
 
 
 class ArithmeticTaskConfig(Strict):

@@ -25,10 +25,11 @@ from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
 from rollouts.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
-from rollouts.generation import SampleTransform, keep_all, keep_if_reward_varies
+from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
+from rollouts.thinking import thinking_template_kwargs
 from training.backend.checkpoint import find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
@@ -90,17 +91,16 @@ def make_algorithm(preset: str, overrides: dict[str, Any], budget: int
 
 
 def algorithm_schedule(section: AlgorithmSection, budget: int) -> algorithms.AlgorithmSchedule:
-    """The configured preset (with overrides), switching to `then` at `switch_at_step`.
+    """The configured preset (with overrides), then each of `section.switches` from its step.
 
     `budget` is the episode's generation budget (`generation_budget`).
     """
     first = make_algorithm(section.preset, section.overrides, budget)
-    if section.then is None:
+    switches = {s.at_step: make_algorithm(s.preset, s.overrides, budget)
+                for s in section.all_switches()}  # fmt: skip
+    if not switches:
         return algorithms.constant_schedule(first)
-    if section.switch_at_step is None:
-        raise ConfigError("algorithm.then needs algorithm.switch_at_step")
-    then = make_algorithm(section.then, {}, budget)
-    return algorithms.switch_at(section.switch_at_step, first, then)
+    return algorithms.switch_at_steps(first, switches)
 
 
 async def resolve_start_model(config: RLRunConfig) -> str:
@@ -157,22 +157,17 @@ def _saved_config(checkpoint: Path) -> SFTRunConfig | None:
 
 
 def load_prompts(config: RLRunConfig, tokenizer: Any):
+    """(train prompts, held-out prompts), rendered with `model.enable_thinking` if set."""
     dc = config.data
+    kw = {"template_kwargs": thinking_template_kwargs(tokenizer, config.model.enable_thinking)}
     if dc.train_path is not None:
-        train = load_prompt_jsonl(dc.train_path, tokenizer, max_prompt_len=dc.max_prompt_len)
-        held = load_prompt_jsonl(dc.eval_path, tokenizer) if dc.eval_path else []
+        train_path, eval_path = dc.train_path, dc.eval_path
     else:
         files = dc.write_task_files()
-        train = load_prompt_jsonl(files.rl_train, tokenizer, max_prompt_len=dc.max_prompt_len)
-        held = load_prompt_jsonl(files.rl_eval, tokenizer)
+        train_path, eval_path = files.rl_train, files.rl_eval
+    train = load_prompt_jsonl(train_path, tokenizer, max_prompt_len=dc.max_prompt_len, **kw)
+    held = load_prompt_jsonl(eval_path, tokenizer, **kw) if eval_path else []
     return train, held[: config.train.eval_samples]
-
-
-def group_filter_for(algo: algorithms.AlgorithmConfig, setting: str):
-    """The rollout group filter: as configured, or ("auto") as the algorithm says."""
-    if setting == "reward_varies" or (setting == "auto" and algo.filter_zero_std):
-        return keep_if_reward_varies
-    return keep_all
 
 
 @contextlib.asynccontextmanager
@@ -294,7 +289,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
     log.info("resolved config:\n%s", config_to_yaml(config))
-    episodes = build_episode_setup(config.env, config.reward, resolve=resolve_callable)
+    thinking = config.model.enable_thinking  # checked against the template by load_prompts
+    episodes = build_episode_setup(
+        config.env, config.reward, resolve=resolve_callable,
+        template_kwargs={} if thinking is None else {"enable_thinking": thinking},
+    )  # fmt: skip
     reward_fn = extensions.reward_fn or episodes.reward_fn
     schedule = algorithm_schedule(config.algorithm, generation_budget(config))
     model_path = await resolve_start_model(config)
@@ -312,10 +311,10 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         seed=config.backend.seed,
     )  # fmt: skip
     steps = range(1, config.train.max_steps + 1)
-    needs_ref = any(schedule(s).needs_ref_logprobs for s in steps)
+    needs_ref = any(schedule(s, {}).needs_ref_logprobs for s in steps)
     reference = make_reference(backend) if needs_ref else None
     critic = None
-    if any(schedule(s).needs_critic for s in steps):
+    if any(schedule(s, {}).needs_critic for s in steps):
         critic_optim = config.critic_optim or config.optim.model_copy(
             update={"lr": config.optim.lr * 10}
         )
@@ -349,19 +348,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
 
             before = await evaluate() if held_out else {}
             log.info("held-out before RL: %s", before)
-            first = schedule(1)
-            manager = AsyncRolloutManager(
-                engine, buffer, config.rollout,
-                reward_fn=algorithms.shape_reward(first, reward_fn),
-                group_filter=group_filter_for(first, config.rollout.filter_groups),
+            manager = AsyncRolloutManager(  # the loop gives it each step's algorithm
+                engine, buffer, config.rollout, reward_fn=reward_fn,
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
-
-            def switch(algo: algorithms.AlgorithmConfig) -> None:
-                log.info("algorithm switch: %s", algo.name)
-                manager.set_policy(reward_fn=algorithms.shape_reward(algo, reward_fn),
-                                   group_filter=group_filter_for(algo, config.rollout.filter_groups))  # fmt: skip
 
             async with manager:
                 history = await run_rl_training(
@@ -376,7 +367,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
                     evaluate_fn=evaluate if held_out else None,
                     pause_mode=config.engines.pause_mode, on_batch=dump,
-                    resolved_config=config.model_dump(mode="json"), on_algorithm_switch=switch,
+                    resolved_config=config.model_dump(mode="json"),
                 )  # fmt: skip
     last = history[-1] if history else {}
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)

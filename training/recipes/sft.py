@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.tasks.arithmetic import is_correct
+from rollouts.thinking import thinking_template_kwargs
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.backend.tiny_model import ensure_tiny_model
 from training.config import ModelConfig, SFTRunConfig, config_to_yaml
@@ -95,7 +96,8 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
         accuracy_prompts = load_eval_prompts(files.accuracy)[: config.train.greedy_eval_samples]
     train_records = load_sft_jsonl(files.train)
     eval_records = load_sft_jsonl(files.eval) if files.eval else []
-    kw = dict(max_seq_len=dc.max_seq_len, overlong=dc.overlong)
+    kw = dict(max_seq_len=dc.max_seq_len, overlong=dc.overlong,
+              template_kwargs=thinking_template_kwargs(tokenizer, config.model.enable_thinking))  # fmt: skip
     train_samples, stats = tokenize_records(train_records, tokenizer, **kw)
     eval_samples, _ = tokenize_records(eval_records[: config.train.eval_samples], tokenizer, **kw)
     log.info("train data %s: %s", files.train, stats.summary())

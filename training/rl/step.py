@@ -66,6 +66,11 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
         "n_updates" and "kl_to_old_last" (how far the last update had moved from the
         behaviour policy).
     """
+    if not batch.groups:
+        raise ValueError(
+            "train_on_batch: the rollout batch has no groups (every sample failed or every "
+            f"group was filtered; sample errors: {dict(batch.failures) or 'none'})"
+        )
     if algorithm.needs_ref_logprobs and reference is None:
         raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
     if algorithm.needs_critic and critic is None:
