@@ -69,10 +69,27 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
             raise SystemExit(130) from None
         shutdown_distributed()
         return None
-    result = main()
+    try:
+        result = main()
+    except BaseException:
+        _release_workers_if_idle(ctx)
+        raise
     shutdown_workers(ctx)
     shutdown_distributed()
     return result
+
+
+def _release_workers_if_idle(ctx: DistContext, wait_s: float = 10.0) -> None:
+    """Rank 0 failed: if its trainer thread is free, tell the others to stop, so that they exit
+    cleanly and the job's failure is rank 0's own error. If the thread is stuck in a collective
+    the others are stuck too: rank 0's exit closes its sockets, which ends their waits."""
+    import concurrent.futures
+
+    assert ctx.executor is not None
+    try:
+        ctx.executor.submit(issue, ctx, "shutdown", None, {}).result(timeout=wait_s)
+    except (concurrent.futures.TimeoutError, RuntimeError):
+        log.warning("rank 0 could not release the other ranks; they stop when it exits")
 
 
 def serve_commands(ctx: DistContext) -> None:
