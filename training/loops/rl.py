@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 import trio
 
 from engines.weight_sync import pause_engines, sync_weights_to_engines
-from rollouts.errors import CheckpointError
+from rollouts.errors import CheckpointError, ConfigError
 from rollouts.nursery import open_nursery
 from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
@@ -35,7 +35,12 @@ from training.data.buffer import DataBuffer
 from training.loops.loggers import Logger
 from training.loops.sft import maybe_resume
 from training.rl.advantages import AdvantageFn
-from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
+from training.rl.algorithms import (
+    AlgorithmConfig,
+    PolicyLossFn,
+    compute_policy_loss,
+    constant_schedule,
+)
 from training.rl.kl import KLFn
 from training.rl.reference import (
     ReferenceUpdateFn,
@@ -119,7 +124,7 @@ async def run_rl_training(
     engines: Sequence[Any],
     config: RLLoopConfig,
     *,
-    algorithm: AlgorithmSchedule,
+    algorithm: AlgorithmConfig | AlgorithmSchedule,
     export_dir: str | Path,
     temperature: float = 1.0,
     old_from_rollout: bool = False,
@@ -150,7 +155,8 @@ async def run_rl_training(
         rollout_manager: has `async generate_batch() -> RolloutBatch`; its `async settle()`, if
             it has one, is awaited before each weight push (see `AsyncRolloutManager.settle`).
         engines: every engine that serves the policy; all receive each weight update.
-        algorithm: the algorithm at each step (a schedule allows switching mid-run).
+        algorithm: a preset (`grpo()`, `dapo(...)`) for the whole run, or a schedule
+            (step -> preset, e.g. `switch_at(50, grpo(), dapo())`) to switch mid-run.
         export_dir: where exported weights go for the engines to load (same filesystem).
         old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
         reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
@@ -178,6 +184,8 @@ async def run_rl_training(
     Returns:
         The metrics of each step this call ran.
     """
+    algorithm = as_schedule(algorithm)
+    check_rl_backend(backend)
     export_root = Path(export_dir)
     start = await maybe_resume(backend, data_buffer, config)
     if start > 0 and reference is not None:  # the reference continues where it was too
@@ -248,6 +256,24 @@ async def run_rl_training(
                 log.info("stop_fn ended the run after step %d", step)
                 break
     return history
+
+
+def as_schedule(algorithm: AlgorithmConfig | AlgorithmSchedule) -> AlgorithmSchedule:
+    """A schedule: `algorithm` itself, or a preset used at every step."""
+    if isinstance(algorithm, AlgorithmConfig):
+        return constant_schedule(algorithm)
+    return algorithm
+
+
+def check_rl_backend(backend: PyTorchTrainingBackend) -> None:
+    """Refuse a backend built for SFT (packed rows, SFT collate) before any rollout is made."""
+    if backend.pack_length is not None or backend._collate == backend._collate_sft:
+        raise ConfigError(
+            "run_rl_training: this backend batches SFT samples (PyTorchTrainingBackend's "
+            "defaults pack_length=256, collate_fn=None); build it with "
+            "training.rl_backend(model_path, checkpoint_dir=..., max_steps=...), or pass "
+            "pack_length=None, collate_fn=lambda xs: collate_rl(xs, pad_id=tokenizer.pad_token_id)"
+        )
 
 
 async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
