@@ -17,6 +17,7 @@ from training.backend import load_model_and_tokenizer as load_model_and_tokenize
 from training.backend.checkpoint import find_latest_checkpoint as find_latest_checkpoint
 from training.backend.model_io import load_model as load_model
 from training.backend.model_io import load_tokenizer as load_tokenizer
+from training.backend.tiny_model import ensure_tiny_model as ensure_tiny_model
 from training.config import OptimConfig as OptimConfig
 from training.config import SFTLoopConfig as SFTLoopConfig
 from training.config import SFTRunConfig as SFTRunConfig
@@ -34,6 +35,7 @@ from training.loops.loggers import ConsoleLogger as ConsoleLogger
 from training.loops.loggers import JsonlLogger as JsonlLogger
 from training.loops.loggers import Logger as Logger
 from training.loops.loggers import fan_out as fan_out
+from training.loops.loggers import setup_logging as setup_logging
 from training.loops.rl import CheckpointHook as CheckpointHook
 from training.loops.rl import StopFn as StopFn
 from training.loops.rl import run_rl_training as run_rl_training

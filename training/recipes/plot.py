@@ -137,7 +137,9 @@ def write_reward_png(values: Sequence[float], out_png: str | Path) -> Path | Non
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="Plot the metrics.jsonl of a run directory.")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Plot the metrics.jsonl of a run directory."
+    )
     parser.add_argument("run_dir", help="a run directory (or its metrics.jsonl)")
     parser.add_argument("--keys", default=None, help="comma-separated metrics (default: common)")
     parser.add_argument("--out", default=None, help="PNG path (default: beside metrics.jsonl)")
