@@ -1,7 +1,8 @@
 """The API a newcomer reaches for: package roots, the one-call quick start, a wrong backend
-named before any rollout, readable output."""
+named before any rollout, set-up that leaves the host's event loop free, readable output."""
 
 import io
+import itertools
 import json
 import struct
 import subprocess
@@ -9,11 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from rollouts.errors import ConfigError
 from training import PyTorchTrainingBackend, RLLoopConfig, grpo, run_rl_training, train_rl
-from training.config import OptimConfig
+from training.config import OptimConfig, SFTRunConfig, load_config
 from training.loops.loggers import ConsoleLogger
+from training.recipes.sft import run_sft_recipe
 
 
 def test_package_roots_export_the_loops_components_configs_and_extension_types():
@@ -62,6 +66,32 @@ def test_train_rl_trains_from_a_model_prompts_and_a_reward(tmp_path, tiny_model_
     assert seen and set(seen) <= {p["answer"] for p in prompts}
     rows = (tmp_path / "quick" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2]
+
+
+async def test_recipe_set_up_leaves_the_host_event_loop_free(tmp_path, tiny_model_dir):
+    rows = [{"prompt": f"{i} plus {i} is?", "completion": str(2 * i)} for i in range(1000)]
+    data = tmp_path / "big.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config(SFTRunConfig, None, [
+        f"model.path={tiny_model_dir}", f"data.train_path={data}", "train.max_steps=1",
+        "train.batch_size=4", f"output_dir={tmp_path / 'out'}"])  # fmt: skip
+    beats: list[float] = []
+
+    async def heartbeat() -> None:  # the host app's own task
+        while True:
+            beats.append(trio.current_time())
+            await trio.sleep(0.01)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(heartbeat)
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        await run_sft_recipe(config)  # loads the model, tokenizes 1,000 records, one step
+        end = trio.current_time()
+        nursery.cancel_scope.cancel()
+    times = [start, *(b for b in beats if b > start), end]
+    longest_gap = max(b - a for a, b in itertools.pairwise(times))
+    assert longest_gap < (end - start) / 4  # no part of the set-up held the loop
 
 
 def test_console_off_a_terminal_prints_one_line_per_step(caplog):
