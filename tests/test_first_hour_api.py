@@ -98,10 +98,11 @@ def test_console_off_a_terminal_prints_one_line_per_step(caplog):
     caplog.set_level("INFO", logger="rollouts")
     console = ConsoleLogger(3, every=1, keys=("reward_mean",), stream=io.StringIO(), tty=False)
     for step in (1, 2, 3):
-        console(step, {"reward_mean": step / 10, **({"eval_accuracy": 0.5} if step == 2 else {})})
+        console(step, {"reward_mean": step / 10, "samples_failed": float(step == 3),
+                       **({"eval_accuracy": 0.5} if step == 2 else {})})  # fmt: skip
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["step 1/3 reward_mean=0.1", "step 2/3 reward_mean=0.2 eval_accuracy=0.5",
-                     "step 3/3 reward_mean=0.3"]  # fmt: skip
+                     "step 3/3 reward_mean=0.3 samples_failed=1"]  # fmt: skip
 
 
 def test_console_on_a_terminal_keeps_evaluations_visible_above_the_bar():

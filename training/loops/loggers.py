@@ -115,16 +115,22 @@ class ConsoleLogger:
             self._bar = tqdm(total=total_steps, initial=initial, dynamic_ncols=True,
                              file=self._stream, unit="step")  # fmt: skip
 
+    # Shown only when not zero: failures a person must notice (a reward that raised, an
+    # engine that failed), which are metrics rather than errors.
+    WHEN_NONZERO = ("samples_failed", "groups_failed")
+
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
         evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
+        failed = tuple(k for k in self.WHEN_NONZERO if metrics.get(k))
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix_str(format_metrics(metrics, self.keys), refresh=True)
+            self._bar.set_postfix_str(format_metrics(metrics, (*self.keys, *failed)),
+                                      refresh=True)  # fmt: skip
             if evals:
                 self._bar.write(f"step {step}: {format_metrics(evals, tuple(evals))}",
                                 file=self._stream)  # fmt: skip
         elif step % self.every == 0 or evals:
-            keys = (*self.keys, *(k for k in evals if k not in self.keys))
+            keys = (*self.keys, *(k for k in evals if k not in self.keys), *failed)
             log.info("step %d/%d %s", step, self.total, format_metrics(metrics, keys))
 
     def close(self) -> None:
