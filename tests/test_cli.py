@@ -13,6 +13,7 @@ import pytest
 
 from engines import find_free_port
 from rollouts.errors import DataError, EngineError
+from tests.test_embed_example import engine_processes_for
 from training.recipes.cli import print_errors
 
 ROOT = Path(__file__).parent.parent
@@ -124,19 +125,6 @@ def wait_for_rows(path: Path, n: int, proc: subprocess.Popen, deadline_s: float 
     raise AssertionError(f"{path} did not reach {n} rows within {deadline_s} s")
 
 
-def engine_pids(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "engines.local" in cmdline and marker in cmdline:
-                pids.append(int(entry.name))
-    return pids
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, tiny_model_dir, signum):
     out = tmp_path / "out"
@@ -159,7 +147,7 @@ def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, tiny_mod
     assert f"last checkpoint: {out}/checkpoints/step_" in stopped
     resume = next(line for line in stderr.splitlines() if line.startswith("resume with: "))
     assert resume.startswith("resume with: rollouts rl ") and resume.endswith(" --resume")
-    assert engine_pids(str(tiny_model_dir)) == []  # the launched engine was stopped
+    assert engine_processes_for(str(tiny_model_dir)) == []  # the launched engine was stopped
     # What a person reads: one line per step, no HF save bars or per-step sync lines.
     assert "Writing model shards" not in stderr and "synced weights" not in stderr
     steps_logged = len((out / "metrics.jsonl").read_text().splitlines())
