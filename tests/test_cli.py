@@ -184,3 +184,19 @@ def test_rollouts_script_is_installed_with_the_package():
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "rollouts"]
     assert script.value == "training.recipes.cli:main"
     assert os.access(ROLLOUTS, os.X_OK)
+
+
+def test_rollouts_eval_scores_a_model_on_prompts_through_a_launched_engine(
+    tmp_path, tiny_model_dir
+):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n"
+                            for i in range(6)))  # fmt: skip
+    proc = rollouts("eval", "--model", str(tiny_model_dir), "--data", str(data), "--limit", "4",
+                    "--reward", "rollouts.tasks.arithmetic:correctness_reward", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fields = dict(kv.split("=") for kv in proc.stdout.split())
+    assert 0 <= float(fields["accuracy"]) <= 1 and float(fields["n_prompts"]) == 4
+    assert engine_processes_for(str(tiny_model_dir)) == []
+    missing = rollouts("eval", "--model", str(tiny_model_dir), "--data", "none.jsonl", cwd=tmp_path)
+    assert_error_only(missing, "--data: none.jsonl: no such file")
