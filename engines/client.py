@@ -309,9 +309,12 @@ class SGLangEngine:
         )
 
     async def abort_all(self) -> None:
+        """Abort every request on the engine; one attempt: an engine that cannot be reached
+        (often one being stopped at the same shutdown) has nothing left to abort."""
         body = {"abort_all": True}
         timeout = self.timeouts.control_s
-        await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True)
+        await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True,
+                                 retries=0)  # fmt: skip
 
     async def _info(self, name: str) -> Any:
         """GET `/{name}` (0.5.23), falling back to the deprecated `/get_{name}` on a 404."""
