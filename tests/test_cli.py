@@ -134,13 +134,15 @@ def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, tiny_mod
             "train.eval_every=4", "train.checkpoint_every=3", "backend.num_threads=1",
             "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
             f"data.task_dir={tmp_path / 'data'}"]  # fmt: skip
-    proc = subprocess.Popen([str(ROLLOUTS), *base, "--max-steps", "500"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen([str(ROLLOUTS), *base, "--max-steps", "500"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
     wait_for_rows(out / "metrics.jsonl", 5, proc)
-    proc.send_signal(signum)
+    os.killpg(proc.pid, signum)  # to the whole process group, as a terminal's Ctrl-C does
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "ExceptionGroup" not in stderr
+    assert "abort_request" not in stderr  # the engine was not killed under the trainer's feet
     name = signal.Signals(signum).name
     stopped = next(line for line in stderr.splitlines() if line.startswith("stopped by"))
     assert stopped.startswith(f"stopped by {name} after step ")
