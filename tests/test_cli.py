@@ -202,3 +202,20 @@ def test_rollouts_eval_scores_a_model_on_prompts_through_a_launched_engine(
     assert engine_processes_for(str(tiny_model_dir)) == []
     missing = rollouts("eval", "--model", str(tiny_model_dir), "--data", "none.jsonl", cwd=tmp_path)
     assert_error_only(missing, "--data: none.jsonl: no such file")
+
+
+async def test_a_launched_engine_is_out_of_reach_of_the_terminals_ctrl_c(tiny_model_dir):
+    from engines import launch_engine
+
+    async with launch_engine(model_path=tiny_model_dir, extra_args=["--num-threads", "1"],
+                             startup_timeout_s=300) as server:  # fmt: skip
+        assert os.getpgid(server.pid) != os.getpgid(0)  # Ctrl-C signals our group, not its
+
+
+async def test_abort_all_on_an_unreachable_engine_fails_at_once_without_retries(caplog):
+    from engines import EngineUnavailableError, SGLangEngine
+
+    async with SGLangEngine(f"http://127.0.0.1:{find_free_port('127.0.0.1')}") as engine:
+        with pytest.raises(EngineUnavailableError):
+            await engine.abort_all()
+    assert not [r for r in caplog.records if "retry" in r.getMessage()]
