@@ -45,10 +45,10 @@ test: setup lint  ## lint, then the test suite
 	$(PY) -m pytest -q
 
 sft: setup  ## SFT the tiny model on the synthetic arithmetic task
-	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
+	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --overwrite
 
 rl: setup  ## GRPO on the SFT'd tiny model against a launched local engine
-	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml
+	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml --overwrite
 
 demo: setup  ## the main job on the embedded default: SFT, then RL, of the tiny model
 	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml

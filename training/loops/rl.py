@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 import trio
 
 from engines.weight_sync import pause_engines, sync_weights_to_engines
-from rollouts.errors import CheckpointError, RolloutsError
+from rollouts.errors import CheckpointError, ConfigError, RolloutsError
 from rollouts.generation import summarize_errors
 from rollouts.nursery import open_nursery
 from rollouts.types import RolloutBatch
@@ -41,6 +41,7 @@ from training.rl.algorithms import (
     AlgorithmSchedule,
     PolicyLossFn,
     compute_policy_loss,
+    constant_schedule,
 )
 from training.rl.kl import KLFn
 from training.rl.reference import (
@@ -124,7 +125,7 @@ async def run_rl_training(
     engines: Sequence[Any],
     config: RLLoopConfig,
     *,
-    algorithm: AlgorithmSchedule,
+    algorithm: AlgorithmConfig | AlgorithmSchedule,
     export_dir: str | Path,
     temperature: float = 1.0,
     old_from_rollout: bool = False,
@@ -158,10 +159,11 @@ async def run_rl_training(
             and whenever the algorithm changes (reward shaping and group filtering follow the
             algorithm: `dapo()` gets its overlong penalty and dynamic sampling).
         engines: every engine that serves the policy; all receive each weight update.
-        algorithm: the schedule: (step, the previous step's metrics) -> that step's algorithm
-            (`training.rl.algorithms.AlgorithmSchedule`); it is called once per step, right
-            after the previous step is logged. In overlap and async modes the rollout side
-            follows a switch from the batch generated after it.
+        algorithm: a preset (`grpo()`, `dapo(...)`) for the whole run, or a schedule: (step,
+            the previous step's metrics) -> that step's algorithm
+            (`training.rl.algorithms.AlgorithmSchedule`, e.g. `switch_at(50, grpo(), dapo())`);
+            it is called once per step, right after the previous step is logged. In overlap
+            and async modes the rollout side follows a switch from the batch generated after it.
         export_dir: where exported weights go for the engines to load (same filesystem).
         old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
         reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
@@ -189,6 +191,8 @@ async def run_rl_training(
     Returns:
         The metrics of each step this call ran.
     """
+    algorithm = as_schedule(algorithm)
+    check_rl_backend(backend)
     export_root = Path(export_dir)
     start = await maybe_resume(backend, data_buffer, config)
     if start > 0 and reference is not None:  # the reference continues where it was too
@@ -306,6 +310,24 @@ def _why_empty(batch: RolloutBatch) -> str:
     if batch.failures:
         return f"{counts}; sample errors: {summarize_errors(batch.failures)}"
     return counts
+
+
+def as_schedule(algorithm: AlgorithmConfig | AlgorithmSchedule) -> AlgorithmSchedule:
+    """A schedule: `algorithm` itself, or a preset used at every step."""
+    if isinstance(algorithm, AlgorithmConfig):
+        return constant_schedule(algorithm)
+    return algorithm
+
+
+def check_rl_backend(backend: PyTorchTrainingBackend) -> None:
+    """Refuse a backend built for SFT (packed rows, SFT collate) before any rollout is made."""
+    if backend.pack_length is not None or backend._collate == backend._collate_sft:
+        raise ConfigError(
+            "run_rl_training: this backend batches SFT samples (PyTorchTrainingBackend's "
+            "defaults pack_length=256, collate_fn=None); build it with "
+            "training.rl_backend(model_path, checkpoint_dir=..., max_steps=...), or pass "
+            "pack_length=None, collate_fn=partial(collate_rl, pad_id=tokenizer.pad_token_id)"
+        )
 
 
 async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],

@@ -19,8 +19,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from engines import EnginePool, SGLangEngine
-from engines.client import EngineTimeouts
+from engines.client import EngineTimeouts, probe_engines
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
 from rollouts.errors import ConfigError
@@ -31,13 +33,14 @@ from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
 from rollouts.thinking import thinking_template_kwargs
 from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.model_io import check_model_path
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import SFTRunConfig, config_to_yaml, load_config
+from training.config import OptimConfig, SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
 from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.loops.rl import CheckpointHook, StopFn, push_weights, run_rl_training
 from training.recipes.rl_env import build_episode_setup
-from training.recipes.sft import run_sft_recipe, sft_data_files
+from training.recipes.sft import check_input_file, run_sft_recipe, sft_data_files
 from training.rl import algorithms
 from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import PolicyLossFn
@@ -219,6 +222,87 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
             yield pool, clients
 
 
+async def check_rl_inputs(config: RLRunConfig) -> None:
+    """What can fail fast, before any model loads: input files, the model path, the engines.
+
+    Raises:
+        ConfigError: a data file is missing.
+        ModelLoadError: `model.path` names no directory.
+        EngineUnavailableError: nothing answers at an `--engine-url` / `--router-url`.
+    """
+    dc = config.data
+    if dc.train_path is not None:
+        check_input_file("data.train_path", dc.train_path)
+    if dc.eval_path is not None:
+        check_input_file("data.eval_path", dc.eval_path)
+    if config.model.path is not None:
+        check_model_path(config.model.path)
+    ec = config.engines
+    if ec.urls:
+        await probe_engines(ec.urls, api_key=ec.api_key)
+    if ec.router_url:
+        await probe_engines([ec.router_url], api_key=ec.api_key, flag="--router-url")
+
+
+def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps: int,
+               optim: OptimConfig | None = None, tokenizer: Any = None,
+               micro_batch_tokens: int = 8192, keep_last: int | None = 2,
+               num_threads: int | None = None, seed: int = 0, dtype: str = "float32",
+               device: str = "cpu") -> PyTorchTrainingBackend:  # fmt: skip
+    """A `PyTorchTrainingBackend` that trains on RL batches (what `run_rl_training` needs).
+
+    RL examples are one row per sample (or per group sharing a prompt), never packed SFT rows,
+    so the backend batches with `collate_rl` and `pack_length=None`. Blocking (loads the
+    model): from async code call it in a worker thread.
+
+    Args:
+        model_path: an HF model directory (or hub id); the tokenizer is loaded from it unless
+            given.
+        checkpoint_dir: where checkpoints go (and where resume looks).
+        max_steps: the run's length (the LR schedule's horizon).
+        optim: optimizer settings (default `OptimConfig()`).
+    """
+    tokenizer = load_tokenizer(model_path) if tokenizer is None else tokenizer
+    pad_id = tokenizer.pad_token_id
+    return PyTorchTrainingBackend(
+        partial(load_model, str(model_path), dtype=dtype, device=device), tokenizer,
+        optim=optim or OptimConfig(), max_steps=max_steps, checkpoint_dir=checkpoint_dir,
+        micro_batch_tokens=micro_batch_tokens, pack_length=None,
+        collate_fn=partial(collate_rl, pad_id=pad_id), keep_last=keep_last,
+        num_threads=num_threads, seed=seed,
+    )  # fmt: skip
+
+
+def build_rl_models(config: RLRunConfig, model_path: str, tokenizer: Any,
+                    schedule: algorithms.AlgorithmSchedule) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(policy backend, reference or None, critic or None), as the schedule's algorithms need.
+
+    Blocking (loads model copies): call it in a worker thread from async code.
+    """
+    out = Path(config.output_dir)
+    backend = rl_backend(model_path, tokenizer=tokenizer, optim=config.optim,
+                         max_steps=config.train.max_steps, checkpoint_dir=out / "checkpoints",
+                         micro_batch_tokens=config.backend.micro_batch_tokens,
+                         keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
+                         seed=config.backend.seed, dtype=config.model.dtype,
+                         device=config.backend.device)  # fmt: skip
+    steps = range(1, config.train.max_steps + 1)
+    needs_ref = any(schedule(s, {}).needs_ref_logprobs for s in steps)
+    reference = make_reference(backend) if needs_ref else None
+    critic = None
+    if any(schedule(s, {}).needs_critic for s in steps):
+        critic_optim = config.critic_optim or config.optim.model_copy(
+            update={"lr": config.optim.lr * 10}
+        )
+        critic = make_critic(model_path, tokenizer, optim=critic_optim,
+                             max_steps=config.train.max_steps, checkpoint_dir=out / "critic",
+                             micro_batch_tokens=config.backend.micro_batch_tokens,
+                             keep_last=config.train.keep_last,
+                             num_threads=config.backend.num_threads, dtype=config.model.dtype,
+                             device=config.backend.device)  # fmt: skip
+    return backend, reference, critic
+
+
 def _closing(resource: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if resource is None else contextlib.closing(resource)
 
@@ -285,10 +369,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             condition and checkpoint hook (defaults: as configured).
     """
     t0 = time.perf_counter()
+    await check_rl_inputs(config)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
-    log.info("resolved config:\n%s", config_to_yaml(config))
+    log.debug("resolved config:\n%s", config_to_yaml(config))
     thinking = config.model.enable_thinking  # checked against the template by load_prompts
     episodes = build_episode_setup(
         config.env, config.reward, resolve=resolve_callable,
@@ -298,32 +383,14 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     schedule = algorithm_schedule(config.algorithm, generation_budget(config))
     model_path = await resolve_start_model(config)
 
-    tokenizer = load_tokenizer(model_path)
-    train_prompts, held_out = load_prompts(config, tokenizer)
+    # Blocking set-up (tokenizer, prompts, model copies) in a worker thread: a host app's
+    # other tasks keep running meanwhile.
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_path)
+    train_prompts, held_out = await trio.to_thread.run_sync(load_prompts, config, tokenizer)
     buffer = DataBuffer(train_prompts, seed=config.data.shuffle_seed)
-    pad_id = tokenizer.pad_token_id
-    backend = PyTorchTrainingBackend(
-        partial(load_model, model_path, dtype=config.model.dtype, device=config.backend.device),
-        tokenizer, optim=config.optim, max_steps=config.train.max_steps,
-        checkpoint_dir=out / "checkpoints", micro_batch_tokens=config.backend.micro_batch_tokens,
-        pack_length=None, collate_fn=partial(collate_rl, pad_id=pad_id),
-        keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
-        seed=config.backend.seed,
-    )  # fmt: skip
-    steps = range(1, config.train.max_steps + 1)
-    needs_ref = any(schedule(s, {}).needs_ref_logprobs for s in steps)
-    reference = make_reference(backend) if needs_ref else None
-    critic = None
-    if any(schedule(s, {}).needs_critic for s in steps):
-        critic_optim = config.critic_optim or config.optim.model_copy(
-            update={"lr": config.optim.lr * 10}
-        )
-        critic = make_critic(model_path, tokenizer, optim=critic_optim,
-                             max_steps=config.train.max_steps, checkpoint_dir=out / "critic",
-                             micro_batch_tokens=config.backend.micro_batch_tokens,
-                             keep_last=config.train.keep_last,
-                             num_threads=config.backend.num_threads, dtype=config.model.dtype,
-                             device=config.backend.device)  # fmt: skip
+    backend, reference, critic = await trio.to_thread.run_sync(
+        build_rl_models, config, model_path, tokenizer, schedule
+    )
     if config.train.resume == "never":
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "rollouts.jsonl").unlink(missing_ok=True)
