@@ -51,8 +51,8 @@ rl: setup  ## GRPO on the SFT'd tiny model against a launched local engine
 	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml --overwrite
 
 demo: setup  ## the main job on the embedded default: SFT, then RL, of the tiny model
-	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
-	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml
+	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --overwrite
+	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml --overwrite
 
 # The bench extra (TRL, accelerate, datasets, matplotlib) is only for benchmarks: `make test`
 # never installs it. torch stays pinned so that nothing pulls a CUDA build.

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,11 +143,14 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(tiny_model_dir, tmp_pat
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines = []
+    deadline = threading.Timer(240, proc.kill)  # the wait for training to start has a deadline
+    deadline.start()
     try:
-        for line in proc.stdout:  # wait until training runs
+        for line in proc.stdout:  # wait until training runs ("step 3/100000 ..." off a tty)
             lines.append(line)
-            if " step 3 " in line:
+            if re.search(r"\bstep 3\b", line):
                 break
+        deadline.cancel()
         victim = _rank_pid(proc.pid, 1)
         assert victim is not None, "".join(lines[-20:])
         os.kill(victim, signal.SIGKILL)
@@ -153,6 +158,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(tiny_model_dir, tmp_pat
         rest, _ = proc.communicate(timeout=90)
         elapsed = time.monotonic() - t0
     finally:
+        deadline.cancel()
         proc.kill()
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end after rank 1 died"
     assert proc.returncode != 0
