@@ -114,9 +114,7 @@ class StateOps:
 
     def _local_write_shards(self, tmp: Path) -> None:
         st.save_sharded(self.model, self.optimizer, tmp / ckpt.DCP_DIR, self._dist)
-        full = st.full_model_state(self.model)
-        if self._dist is None or self._dist.rank == 0:
-            ckpt.export_hf(self.model, self.tokenizer, tmp, state_dict=full)
+        self._local_export(tmp)
         st.barrier(self._dist)
 
     @staticmethod

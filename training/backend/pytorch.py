@@ -43,6 +43,7 @@ from training.backend.model_io import load_model as load_model
 from training.backend.model_io import load_model_and_tokenizer as load_model_and_tokenizer
 from training.backend.model_io import load_tokenizer as load_tokenizer
 from training.backend.persistence import StateOps
+from training.backend.state import merge_metrics as merge_metrics
 from training.config import OptimConfig
 from training.data.packing import (
     forward_logits,
@@ -477,16 +478,3 @@ class PyTorchTrainingBackend(StateOps):
 def _fused_adam_ok(params: Sequence[torch.Tensor]) -> bool:
     """torch's fused AdamW runs floating-point parameters on CPU and CUDA."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-
-
-def merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
-    """Add `weight` × each numeric metric into `into`; `_max` / `_min` keys keep the extreme."""
-    for key, value in metrics.items():
-        if not isinstance(value, int | float):
-            continue
-        if key.endswith("_max"):
-            into[key] = max(into.get(key, float("-inf")), float(value))
-        elif key.endswith("_min"):
-            into[key] = min(into.get(key, float("inf")), float(value))
-        else:
-            into[key] = into.get(key, 0.0) + float(value) * weight

@@ -136,13 +136,7 @@ def combine_step_metrics(results: list[dict[str, Any]]) -> dict[str, float]:
     by the global normaliser, so they add up; `_max` / `_min` take the extreme; counts add."""
     merged: dict[str, float] = {}
     for part in results:
-        for key, value in part["weighted"].items():
-            if key.endswith("_max"):
-                merged[key] = max(merged.get(key, float("-inf")), value)
-            elif key.endswith("_min"):
-                merged[key] = min(merged.get(key, float("inf")), value)
-            else:
-                merged[key] = merged.get(key, 0.0) + value
+        merge_metrics(merged, part["weighted"], 1.0)
 
     def total(key: str) -> int:
         return sum(int(part[key]) for part in results)
@@ -156,3 +150,16 @@ def combine_step_metrics(results: list[dict[str, Any]]) -> dict[str, float]:
         "n_microbatches": total("n_microbatches"),
         "time_forward_backward_s": max(part["time_forward_backward_s"] for part in results),
     }
+
+
+def merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
+    """Add `weight` × each numeric metric into `into`; `_max` / `_min` keys keep the extreme."""
+    for key, value in metrics.items():
+        if not isinstance(value, int | float):
+            continue
+        if key.endswith("_max"):
+            into[key] = max(into.get(key, float("-inf")), float(value))
+        elif key.endswith("_min"):
+            into[key] = min(into.get(key, float("inf")), float(value))
+        else:
+            into[key] = into.get(key, 0.0) + float(value) * weight
