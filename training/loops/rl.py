@@ -45,7 +45,9 @@ from training.rl.algorithms import (
 )
 from training.rl.kl import KLFn
 from training.rl.reference import (
+    BaseModelReference,
     ReferenceUpdateFn,
+    check_reference_rule,
     frozen,
     load_reference_state,
     reference_state,
@@ -129,7 +131,7 @@ async def run_rl_training(
     export_dir: str | Path,
     temperature: float = 1.0,
     old_from_rollout: bool = False,
-    reference: PyTorchTrainingBackend | None = None,
+    reference: PyTorchTrainingBackend | BaseModelReference | None = None,
     reference_update: ReferenceUpdateFn = frozen,
     critic: PyTorchTrainingBackend | None = None,
     advantage_fn: AdvantageFn | None = None,
@@ -166,7 +168,8 @@ async def run_rl_training(
             and async modes the rollout side follows a switch from the batch generated after it.
         export_dir: where exported weights go for the engines to load (same filesystem).
         old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
-        reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
+        reference: frozen reference policy for KL / DPO (needed only if the algorithm says so);
+            `make_reference(backend)` builds the right one (a LoRA policy's is its base model).
         reference_update: how the reference follows the policy (frozen, EMA, periodic or
             KL-triggered reset); sees each step's metrics, its own are merged into them.
         critic: PPO's value model (`training.rl.critic.make_critic`), trained beside the policy
@@ -193,9 +196,11 @@ async def run_rl_training(
     """
     algorithm = as_schedule(algorithm)
     check_rl_backend(backend)
+    check_reference_rule(reference, reference_update)
     export_root = Path(export_dir)
     start = await maybe_resume(backend, data_buffer, config)
-    if start > 0 and reference is not None:  # the reference continues where it was too
+    stateful_reference = reference is not None and not isinstance(reference, BaseModelReference)
+    if start > 0 and stateful_reference:  # the reference continues where it was too
         await _restore_reference(backend, reference, reference_update)
     if start > 0 and critic is not None:
         await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
@@ -336,7 +341,7 @@ async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[
                       reference_update: ReferenceUpdateFn) -> None:  # fmt: skip
     extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
     tensors = {}
-    if reference is not None:
+    if reference is not None and not isinstance(reference, BaseModelReference):
         state = partial(reference_state, reference, reference_update)
         tensors["reference"] = await reference.call(state).result()
     path = await backend.save_checkpoint(step, metrics, extra_state=extra, extra_tensors=tensors)
