@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 from tests.test_distributed import ROOT, launch
 
+pytestmark = pytest.mark.slow  # five process launches, ~2 min on two busy cores
+
 MODES = ("sft-lora", "grpo-token-mean-lora")
 
 
@@ -52,7 +54,8 @@ def sft(world: int, out: Path, steps: int, *extra: str) -> dict[int, float]:
                   "--output-dir", str(out), "--max-steps", str(steps), "train.log_every=1",
                   "train.eval_every=1000", "train.checkpoint_every=2", "train.eval_samples=16",
                   "train.greedy_eval_samples=0", "backend.num_threads=1", "train.batch_size=16",
-                  "model.lora.rank=4", "optim.lr=1e-2", *extra, world=world,
+                  "model.lora.rank=4", "optim.lr=1e-2", "data.arithmetic.n_sft=400",
+                  "data.arithmetic.n_eval=50", *extra, world=world,
                   cwd=out.parent)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())}
