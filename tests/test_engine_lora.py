@@ -396,3 +396,90 @@ def test_launch_flags_are_sglangs():
     assert lora_version_name("policy", 3) == "policy-v3"
     args = LoraLaunch(8, "all-linear").args()  # peft's spelling becomes SGLang's
     assert "all" in args and "all-linear" not in args
+
+
+async def test_launch_engine_passes_the_lora_flags_to_the_local_engine(
+    tiny_model_dir, adapters, references, tmp_path
+):
+    from engines import launch_engine
+
+    lora = LoraLaunch(max_lora_rank=8, max_loras_per_batch=3)
+    async with (
+        launch_engine(kind="local", model_path=tiny_model_dir, log_path=tmp_path / "e.log",
+                      lora=lora) as launched,
+        SGLangEngine(launched.url, max_retries=0) as engine,
+    ):  # fmt: skip
+        info = await engine.server_info()
+        assert (info["enable_lora"], info["max_lora_rank"], info["max_loras_per_batch"]) == (
+            True, 8, 3,
+        )  # fmt: skip
+        assert info["lora_target_modules"] == ["all"]
+        await engine.load_lora_adapter("a2", adapters["a2"])
+        assert_matches(await engine.generate(PROMPTS[1], GREEDY, lora_path="a2"),
+                       references["a2", 1])  # fmt: skip
+        with pytest.raises(LoraAdapterError, match="rank 16"):
+            await engine.load_lora_adapter("big", adapters["rank16"])
+
+
+async def test_max_loras_per_batch_bounds_the_adapters_running_together(
+    tiny_model_dir, adapters, references
+):
+    """`--max-loras-per-batch 2` (the base model counts): a third adapter waits its turn."""
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1, **{**LORA, "max_loras_per_batch": 2})
+        as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):  # fmt: skip
+        for name in ("a1", "a2"):
+            await engine.load_lora_adapter(name, adapters[name])
+        scheduler = server.state.scheduler
+        seen: set[int] = set()
+        results: dict[int, object] = {}
+        rows = [(None, 0), ("a1", 1), ("a2", 2), ("a1", 0), ("a2", 1), (None, 2)]
+
+        async def one(k: int, name: str | None, i: int) -> None:
+            results[k] = await engine.generate(PROMPTS[i], GREEDY, lora_path=name)
+
+        async with trio.open_nursery() as nursery:
+            for k, (name, i) in enumerate(rows):
+                nursery.start_soon(one, k, name, i)
+
+            async def watch() -> None:
+                while True:
+                    seen.add(len({s.item.lora_name for s in scheduler.running if not s.finished}))
+                    await trio.sleep(0)
+
+            nursery.start_soon(watch)
+            while len(results) < len(rows):
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert max(seen) == 2
+        for k, (name, i) in enumerate(rows):
+            assert_matches(results[k], references[name, i])
+
+
+async def test_the_router_sends_the_workers_active_adapter_through_the_gateway(
+    tiny_model_dir, adapters, references
+):
+    from engines.router import RouterEngine
+    from engines.testing.gateway import open_gateway
+
+    async with trio.open_nursery() as nursery:
+        workers = [await nursery.start(run_engine, tiny_model_dir, find_free_port())
+                   for _ in range(2)]  # fmt: skip
+        clients = [SGLangEngine(w.url, max_retries=0) for w in workers]
+        async with (
+            open_gateway([w.url for w in workers]) as (url, _),
+            RouterEngine(SGLangEngine(url, max_retries=0), clients) as router,
+            clients[0],
+            clients[1],
+        ):
+            await sync_lora_to_engines(router.workers, adapters["a1"], "policy-v1", "v1")
+            assert router.active_lora == "policy-v1"
+            assert_matches(await router.generate(PROMPTS[0], GREEDY), references["a1", 0])
+            batch = await router.generate_batch(
+                [PROMPTS[1], PROMPTS[1]], GREEDY, lora_path=["policy-v1", None]
+            )
+            assert_matches(batch[0], references["a1", 1])
+            assert_matches(batch[1], references[None, 1])
+        nursery.cancel_scope.cancel()

@@ -76,7 +76,16 @@ class LoraAdapters:
         self.target_modules = normalized_targets(list(target_modules))
         self.names: dict[str, str] = {}  # loaded adapter -> path
 
-    def check(self, name: str, config: dict[str, Any]) -> None:
+    def check(self, name: str, config: dict[str, Any], path: str) -> None:
+        added = os.path.join(path, "added_tokens.json")
+        if os.path.exists(added):
+            vocab = int(self.base.config.vocab_size)
+            with open(added) as f:
+                if any(int(i) >= vocab for i in json.load(f).values()):
+                    raise LoraLoadError(
+                        f"Failed to load {name} because LoRA serving currently doesn't support "
+                        "adapters that add tokens to the vocabulary"
+                    )
         if config.get("use_dora"):
             raise LoraLoadError(
                 f"Failed to load {name} because LoRA serving currently doesn't support DoRA "
@@ -96,7 +105,7 @@ class LoraAdapters:
     def load(self, name: str, path: str) -> None:
         from peft import PeftModel
 
-        self.check(name, read_adapter_config(path))
+        self.check(name, read_adapter_config(path), path)
         try:
             if self.peft is None:
                 self.peft = PeftModel.from_pretrained(
