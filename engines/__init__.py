@@ -18,6 +18,8 @@ from .launch import EngineLaunchError as EngineLaunchError
 from .launch import LaunchedEngine as LaunchedEngine
 from .launch import find_free_port as find_free_port
 from .launch import launch_engine as launch_engine
+from .lora import LoraAdapterError as LoraAdapterError
+from .lora import LoraLaunch as LoraLaunch
 from .pool import EnginePool as EnginePool
 from .pool import EngineStats as EngineStats
 from .pool import PoolStatistics as PoolStatistics
@@ -36,5 +38,7 @@ from .types import PauseMode as PauseMode
 from .types import ScoreResult as ScoreResult
 from .types import WeightSpan as WeightSpan
 from .types import WeightSyncError as WeightSyncError
+from .weight_sync import lora_version_name as lora_version_name
 from .weight_sync import pause_engines as pause_engines
+from .weight_sync import sync_lora_to_engines as sync_lora_to_engines
 from .weight_sync import sync_weights_to_engines as sync_weights_to_engines

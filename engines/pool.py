@@ -43,7 +43,7 @@ from .types import (
     InferenceEngine,
     ScoreResult,
 )
-from .weight_sync import sync_weights_to_engines
+from .weight_sync import sync_lora_to_engines, sync_weights_to_engines
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,17 @@ def _failover(exc: EngineError) -> bool:
     )
 
 
+def _lost_adapter(engine: Any, exc: EngineError) -> bool:
+    """A 400 for an adapter the last LoRA sync gave this engine: it restarted without it."""
+    lora = getattr(engine, "expected_lora", None)
+    return (
+        lora is not None
+        and exc.status == 400
+        and "LoRA adapter" in str(exc)
+        and ("never been loaded" in str(exc) or "not loaded" in str(exc))
+    )
+
+
 def _versions(result: Any) -> list[str | None]:
     items = result if isinstance(result, list) else [result]
     return [getattr(r, "weight_version", None) for r in items if not getattr(r, "aborted", False)]
@@ -141,6 +152,12 @@ class EnginePool:
     @property
     def engines(self) -> list[InferenceEngine]:
         return [s.engine for s in self._slots]
+
+    @property
+    def active_lora(self) -> str | None:
+        """The adapter the engines generate with (the newest an engine has); None = base."""
+        names = [getattr(s.engine, "active_lora", None) for s in self._slots]
+        return next((n for n in names if n is not None), None)
 
     async def __aenter__(self) -> EnginePool:
         self._nursery_manager = trio.open_nursery()
@@ -228,9 +245,12 @@ class EnginePool:
         engine = slot.engine
         try:
             expected = getattr(engine, "expected_weights", None)
-            if expected is not None:
-                with trio.fail_after(self.rejoin_timeout_s):
+            lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
+            with trio.fail_after(self.rejoin_timeout_s):
+                if expected is not None and expected[0] is not None:
                     await sync_weights_to_engines([engine], expected[0], expected[1])
+                if expected is not None and lora is not None:
+                    await sync_lora_to_engines([engine], lora[1], lora[0], expected[1])
             logger.info("engine %s is back%s", engine.url,
                         f" and serves weights {expected[1]}" if expected else "")  # fmt: skip
             slot.healthy = True
@@ -286,14 +306,17 @@ class EnginePool:
                 result = await fn(slot.engine)
                 self._check_weights(slot, result)
             except EngineError as exc:
+                if _lost_adapter(slot.engine, exc):
+                    exc = StaleWeightsError(f"lost its LoRA adapter (restarted?): {exc}",
+                                            url=slot.engine.url)  # fmt: skip
                 slot.fail(exc)
                 if isinstance(exc, EngineUnavailableError):
                     self._mark_down(slot, exc)
                 if not _failover(exc) or len(failed_on) >= self.max_failovers:
-                    raise
+                    raise exc from None
                 no_other = all(s in failed_on or s is slot for s in self._slots)
                 if no_other and not isinstance(exc, EngineUnavailableError):
-                    raise  # a 5xx or timeout with nowhere else to go: the caller drops it
+                    raise exc from None  # a 5xx or timeout with nowhere else: the caller drops it
                 failed_on.add(slot)
                 with trio.move_on_after(1.0):  # the old engine may still run it: best effort
                     for r in rids:
@@ -358,9 +381,11 @@ class EnginePool:
         )
 
     async def score(
-        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0
+        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0, **kwargs: Any
     ) -> ScoreResult:
-        return await self._call(lambda e: e.score(input_ids, start, temperature=temperature), None)
+        return await self._call(
+            lambda e: e.score(input_ids, start, temperature=temperature, **kwargs), None
+        )
 
     async def abort(self, rid: str) -> None:
         """Abort `rid` on the engine running it (on every engine if unknown)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -35,6 +35,7 @@ from typing import Any, Literal
 import trio
 
 from .params import GenerateItem
+from .sampling_params import BadRequestError
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class Scheduler:
         weight_version: str,
         max_running_requests: int = 128,
         max_prefill_tokens: int = 8192,
+        max_loras_per_batch: int = 8,
     ) -> None:
         self.runner = runner
         self._decode = decode  # (token ids, skip_special_tokens) -> text
@@ -116,6 +118,12 @@ class Scheduler:
         self._update_lock = _ReadWriteLock()
         self.generated_tokens = 0
         self.last_gen_throughput = 0.0
+        # LoRA: the registry (set by the server when --enable-lora), distinct adapters per
+        # running batch (SGLang counts the base model as one), requests using each adapter
+        self.lora: Any = None
+        self.max_loras_per_batch = max_loras_per_batch
+        self.lora_in_use: Counter[str] = Counter()
+        self._lora_released = trio.Event()
 
     # ----- the loop -------------------------------------------------------------------------
 
@@ -151,17 +159,27 @@ class Scheduler:
                 self._step_done.set()
 
     def _admit(self) -> list[Sequence]:
+        """Waiting sequences in order, within the request, prefill-token and adapter bounds; a
+        sequence whose adapter would exceed `max_loras_per_batch` waits (SGLang skips it too)."""
         admit: list[Sequence] = []
+        deferred: list[Sequence] = []
+        adapters = {s.item.lora_name for s in self.running}
         longest = 0
         while self.waiting and len(self.running) + len(admit) < self.max_running_requests:
             seq = self.waiting[0]
             if seq.finished:
                 self.waiting.popleft()
                 continue
+            lora = seq.item.lora_name
+            if lora not in adapters and len(adapters) >= self.max_loras_per_batch:
+                deferred.append(self.waiting.popleft())
+                continue
             longest = max(longest, len(seq.prefill_ids))
             if admit and longest * (len(admit) + 1) > self.max_prefill_tokens:
                 break
+            adapters.add(lora)
             admit.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(deferred))
         return admit
 
     def _apply(self, out: Any, elapsed: float) -> None:
@@ -219,19 +237,46 @@ class Scheduler:
         """Queue the items; yield their sequences. Unfinished ones are aborted on exit."""
         async with self._update_lock.read() if lock else _null():
             seqs = [Sequence(item) for item in items]
-            if self.paused:
-                self.held += seqs
-                try:
-                    while self.paused and not all(s.finished for s in seqs):
-                        await _wait_any(self._resumed, seqs)
-                finally:
-                    self.held = [s for s in self.held if s not in seqs]
-            self.waiting.extend(s for s in seqs if not s.finished)
-            self._wake()
+            adapters = [s.item.lora_name for s in seqs if s.item.lora_name is not None]
+            if adapters:
+                if self.lora is None:
+                    raise BadRequestError("LoRA adapters are not enabled on this server.")
+                self.lora.check_loaded(adapters)
+            self.lora_in_use.update(adapters)
             try:
-                yield seqs
+                async with self._queued(seqs) as queued:
+                    yield queued
             finally:
-                self.abort_sequences([s for s in seqs if not s.finished])
+                self.lora_in_use.subtract(adapters)
+                if adapters:
+                    self._lora_released.set()
+                    self._lora_released = trio.Event()
+
+    @asynccontextmanager
+    async def _queued(self, seqs: list[Sequence]) -> AsyncIterator[list[Sequence]]:
+        if self.paused:
+            self.held += seqs
+            try:
+                while self.paused and not all(s.finished for s in seqs):
+                    await _wait_any(self._resumed, seqs)
+            finally:
+                self.held = [s for s in self.held if s not in seqs]
+        self.waiting.extend(s for s in seqs if not s.finished)
+        self._wake()
+        try:
+            yield seqs
+        finally:
+            self.abort_sequences([s for s in seqs if not s.finished])
+
+    async def wait_lora_unused(self, name: str) -> None:
+        """Until no request uses adapter `name` (SGLang waits the same way before unloading)."""
+        while self.lora_in_use[name] > 0:
+            await self._lora_released.wait()
+        del self.lora_in_use[name]
+
+    async def run_on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the model thread, between two steps (adapter loads and deletes)."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     def abort_sequences(self, seqs: Iterable[Sequence]) -> int:
         count = 0
