@@ -2,19 +2,29 @@
 
 Properties: the KL to that reference is exactly 0 at step 1 (LoRA's B starts at 0) and grows
 once the adapter trained; online DPO's reference logprobs are the base model's; an update rule
-other than `frozen` is refused before any rollout.
+other than `frozen` is refused before any rollout; the RL loop pushes each version as an
+adapter to a real local engine, which then generates with the trained adapter's logprobs and
+keeps at most `keep` versions loaded.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import httpx
 import pytest
+import torch
 
+from engines import SGLangEngine
+from engines.local import open_local_engine
+from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.errors import ConfigError
-from tests.rl_helpers import batch_of
+from rollouts.manager import AsyncRolloutManager
+from tests.rl_helpers import batch_of, index_reward, prompts
+from training.backend.model_io import eval_mode
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.config import LoraSettings, OptimConfig
+from training.data.buffer import DataBuffer
 from training.loops.rl import run_rl_training
 from training.rl.algorithms import grpo, online_dpo
 from training.rl.batch import collate_rl
@@ -76,3 +86,49 @@ async def test_a_lora_reference_refuses_update_rules_other_than_frozen(tiny_mode
         n_params = sum(p.numel() for p in backend.model.parameters())
     base = sum(p.numel() for p in load_model(tiny_model_dir).parameters())
     assert n_params < 1.05 * base  # one model in memory: base + adapter, no reference copy
+
+
+def trainer_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    """log p(output[i] | prompt + output[:i]) under `model` (one forward pass)."""
+    with torch.no_grad(), eval_mode(model):
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, :-1]
+    logp = torch.log_softmax(logits.float(), -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
+
+
+async def test_rl_pushes_versioned_adapters_the_engine_generates_with(tiny_model_dir, tmp_path):
+    lora = LoraSettings(rank=4, keep=2)
+    engine_lora = {"enable_lora": True, "max_lora_rank": 4, "lora_target_modules": ("all",)}
+    rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                            sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1, **engine_lora) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):
+        with lora_rl_backend(tiny_model_dir, tmp_path, lora=lora) as backend:
+            buffer = DataBuffer(prompts(backend.tokenizer), seed=0)
+            manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=index_reward,
+                                          current_version=lambda: backend.weight_version)  # fmt: skip
+            history = await run_rl_training(
+                backend, buffer, manager, [engine], RLLoopConfig(max_steps=4),
+                algorithm=grpo(kl_coef=0.05), export_dir=tmp_path / "weights",
+                reference=make_reference(backend),
+            )  # fmt: skip
+            prompt = list(prompts(backend.tokenizer)[0].prompt_ids)
+            greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+            adapted = await engine.generate(prompt, greedy)
+            base = await engine.generate(prompt, greedy, lora_path=None)
+            want = await backend.call(
+                lambda: trainer_logprobs(backend.model, prompt, list(adapted.output_ids))
+            ).result()
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            cards = (await http.get("/v1/models")).json()["data"]
+    assert [m["weight_version"] for m in history] == [1, 2, 3, 4]
+    assert history[0]["kl"] == 0.0 and history[-1]["kl"] > 0
+    assert engine.active_lora == "policy-v4" and adapted.weight_version == "4"
+    assert sorted(c["id"] for c in cards if c.get("parent")) == ["policy-v3", "policy-v4"]
+    assert max(abs(a - b) for a, b in zip(adapted.output_logprobs, want, strict=True)) < 1e-4
+    assert adapted.output_logprobs != base.output_logprobs  # the adapter, not the base, served
+    exported = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert exported == ["v000002", "v000003", "v000004"]
+    assert not (tmp_path / "weights" / "v000004" / "model.safetensors").exists()

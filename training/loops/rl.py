@@ -25,7 +25,12 @@ from typing import Any, TypeAlias
 
 import trio
 
-from engines.weight_sync import pause_engines, sync_weights_to_engines
+from engines.weight_sync import (
+    lora_version_name,
+    pause_engines,
+    sync_lora_to_engines,
+    sync_weights_to_engines,
+)
 from rollouts.errors import CheckpointError, ConfigError, RolloutsError
 from rollouts.generation import summarize_errors
 from rollouts.nursery import open_nursery
@@ -66,7 +71,9 @@ CheckpointHook: TypeAlias = Callable[[int, Path, Mapping[str, Any]], None]
 
 async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
                        *, pause_mode: str = "abort", keep: int = 2) -> float:  # fmt: skip
-    """Export the current weights (HF layout) and load them into every engine.
+    """Export the current weights (HF layout) and load them into every engine; with LoRA
+    (`backend.lora`) export only the adapter and load it as `<name>-v<version>` (see
+    `start_push`).
 
     Returns:
         Seconds for export + sync.
@@ -95,18 +102,31 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     with its next step instead of waiting for the engines to load (update, verify and resume:
     ~10 ms a step over loopback for the tiny model, more for real ones). A failure raises
     `WeightSyncError` in `nursery`.
+
+    With LoRA the export is the adapter alone (peft's layout) and each engine loads it with
+    `/load_lora_adapter` as `<lora.name>-v<version>`, makes it the adapter its generation
+    requests name, and unloads the versions beyond the newest `lora.keep`; the weight version
+    label moves as for full weights, so staleness accounting is the same.
     """
     version = backend.weight_version
     path = await backend.export_weights(export_root / f"v{version:06d}")
     await pause_engines(engines, pause_mode)
     pending = PendingPush()
+    lora = backend.lora
 
     async def finish() -> None:
         t0 = time.perf_counter()
         try:
-            await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode,
-                                          paused=True)  # fmt: skip
-            _prune_exports(export_root, keep)
+            if lora is None:
+                await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode,
+                                              paused=True)  # fmt: skip
+            else:
+                await sync_lora_to_engines(engines, path, lora_version_name(lora.name, version),
+                                           str(version), keep=lora.keep, pause_mode=pause_mode,
+                                           paused=True)  # fmt: skip
+            # An adapter still loaded may be reloaded from its path (SGLang does so for a name
+            # unloaded and asked for again): keep the exports of every loaded version.
+            _prune_exports(export_root, keep if lora is None else max(keep, lora.keep + 1))
         finally:
             pending.engines_s = time.perf_counter() - t0
             pending.done.set()

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from engines import EnginePool, SGLangEngine
+from engines import EnginePool, LoraLaunch, SGLangEngine
 from engines.client import EngineTimeouts, probe_engines
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
@@ -215,7 +215,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                 launched = await stack.enter_async_context(supervise_engine(
                     kind="local", model_path=model_path, extra_args=args,
                     log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
-                    max_relaunches=ec.max_relaunches,
+                    max_relaunches=ec.max_relaunches, lora=lora_launch(config),
                 ))  # fmt: skip
                 urls.append(launched.url)
         clients = [
@@ -232,6 +232,19 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
             yield router, clients
         else:
             yield pool, clients
+
+
+def lora_launch(config: RLRunConfig) -> LoraLaunch | None:
+    """The engine flags that serve the policy's adapters (`model.lora`), or None.
+
+    Room for the `keep` versions left loaded plus the base model in one batch (SGLang counts
+    the base as one of `--max-loras-per-batch`).
+    """
+    lora = config.model.lora
+    if lora is None:
+        return None
+    return LoraLaunch(max_lora_rank=lora.rank, target_modules=lora.target_modules,
+                      max_loras_per_batch=lora.keep + 1)  # fmt: skip
 
 
 async def check_rl_inputs(config: RLRunConfig) -> None:
