@@ -17,8 +17,8 @@ plain local engine and for a rank-R adapter on a local engine started with the L
 `keep`). Each repeat trains one untimed step on both sides, then times both pushes in
 alternating order. Bytes = the files written per push.
 
-    .venv/bin/python benchmarks/lora.py [--sizes tiny,small] [--steps 400] [--rank 8]
-        [--repeats 5] [--quick]
+    .venv/bin/python benchmarks/lora.py [--sft-sizes tiny,small] [--push-sizes tiny,small]
+        [--steps 800] [--greedy 500] [--rank 8] [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def sft_child(size: str, steps: int, greedy: int, overrides: list[str], out: str
 def measure_sft(args) -> tuple[list[list], list[str]]:
     rows, notes = [], []
     sides = sft_sides(args.rank, args.lr_factor)
-    for size in args.sizes.split(","):
+    for size in args.sft_sizes.split(","):
         results: dict[str, dict] = {}
         for name, overrides in sides.items():
             with tempfile.TemporaryDirectory() as tmp:
@@ -165,7 +165,7 @@ def push_table(args) -> tuple[list[list], list[str]]:
     import trio
 
     rows, notes = [], []
-    for size in args.sizes.split(","):
+    for size in args.push_sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             res = trio.run(measure_push, size, args, Path(tmp))
         med = {side: harness.median(v) for side, v in res["times"].items()}
@@ -186,13 +186,13 @@ def push_table(args) -> tuple[list[list], list[str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="tiny,small")
-    p.add_argument("--steps", type=int, default=400, help="SFT optimizer steps, every side")
+    p.add_argument("--sft-sizes", default="tiny,small", help="models for the SFT comparison")
+    p.add_argument("--push-sizes", default="tiny,small", help="models for the push comparison")
+    p.add_argument("--steps", type=int, default=800, help="SFT steps, every side (the recipe's)")
     p.add_argument("--greedy", type=int, default=500, help="held-out prompts for accuracy")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr-factor", type=float, default=5.0, help="the third side's lr multiple")
     p.add_argument("--repeats", type=int, default=5, help="weight pushes per side")
-    p.add_argument("--skip-sft", action="store_true")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny, 20 steps, 1 repeat")
     p.add_argument("--child-sft", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -201,10 +201,11 @@ def main() -> int:
         harness.emit(sft_child(size, int(steps), int(greedy), json.loads(overrides), out))
         return 0
     if args.quick:
-        harness.apply_quick(args, p, sizes="tiny", steps=20, greedy=50, repeats=1)
+        harness.apply_quick(args, p, sft_sizes="tiny", push_sizes="tiny", steps=20, greedy=50,
+                            repeats=1)  # fmt: skip
     started = time.time()
     parts, notes = [], []
-    if not args.skip_sft:
+    if args.sft_sizes:
         rows, sft_notes = measure_sft(args)
         parts += [f"SFT recipe (`configs/sft_tiny.yaml`), {args.steps} steps of 32 samples, "
                   f"held-out greedy accuracy on {args.greedy} prompts.",
