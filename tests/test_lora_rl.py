@@ -23,14 +23,15 @@ from rollouts.manager import AsyncRolloutManager
 from tests.rl_helpers import batch_of, index_reward, prompts
 from training.backend.model_io import eval_mode
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import LoraSettings, OptimConfig
+from training.config import LoraSettings, OptimConfig, load_config
 from training.data.buffer import DataBuffer
 from training.loops.rl import run_rl_training
+from training.recipes.rl import lora_launch
 from training.rl.algorithms import grpo, online_dpo
 from training.rl.batch import collate_rl
 from training.rl.reference import BaseModelReference, ema_update, make_reference
 from training.rl.step import train_on_batch
-from training.rl_config import RLLoopConfig
+from training.rl_config import RLLoopConfig, RLRunConfig
 
 REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2], [0.3, 0.0, 1.0, 0.0], [1.0, 0.9, 0.0, 0.1]]
 LORA = LoraSettings(rank=4)
@@ -132,3 +133,13 @@ async def test_rl_pushes_versioned_adapters_the_engine_generates_with(tiny_model
     exported = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert exported == ["v000002", "v000003", "v000004"]
     assert not (tmp_path / "weights" / "v000004" / "model.safetensors").exists()
+
+
+def test_launched_engines_get_the_lora_flags_of_model_lora():
+    cfg = load_config(RLRunConfig, "configs/rl_tiny.yaml", ["model.lora.rank=16", "model.lora.keep=3",
+                                                            "model.lora.target_modules=[q_proj,v_proj]"])  # fmt: skip
+    assert lora_launch(cfg).args() == [
+        "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj",
+        "--max-loras-per-batch", "4",  # the 3 versions kept + the base model
+    ]  # fmt: skip
+    assert lora_launch(load_config(RLRunConfig, "configs/rl_tiny.yaml")) is None

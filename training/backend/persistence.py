@@ -160,7 +160,7 @@ class StateOps:
             return out
         if rank0 and self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(out))
-        if self.lora is not None and self.lora.merged_export:
+        if self.lora.merged_export:
             full = st.full_model_state(self.model)
             if rank0:
                 rebuild = None
