@@ -45,6 +45,7 @@ SECTIONS = (
     "checkpoint_kill",
     "distributed_scaling",
     "lora",
+    "lora_small",
 )
 
 

@@ -76,7 +76,7 @@ def sft_child(size: str, steps: int, greedy: int, overrides: list[str], out: str
 def measure_sft(args) -> tuple[list[list], list[str]]:
     rows, notes = [], []
     sides = sft_sides(args.rank, args.lr_factor)
-    for size in args.sft_sizes.split(","):
+    for size in [s for s in args.sft_sizes.split(",") if s]:
         results: dict[str, dict] = {}
         for name, overrides in sides.items():
             with tempfile.TemporaryDirectory() as tmp:
@@ -86,13 +86,17 @@ def measure_sft(args) -> tuple[list[list], list[str]]:
                 ], timeout_s=4 * 3600)  # fmt: skip
             r = results[name]
             print(f"{size} {name}: {r}", flush=True)
-            rows.append([size, name, r["lr"], r["accuracy"] * 100, r["eval_loss"],
+            accuracy = float("nan") if r["accuracy"] is None else r["accuracy"] * 100
+            rows.append([size, name, r["lr"], accuracy, r["eval_loss"],
                          r["rss_mb"], r["checkpoint_bytes"] / 2**20, r["wall_s"]])  # fmt: skip
         full, lora = results["full"], results[f"lora r={args.rank}"]
+        reached = ""
+        if full["accuracy"] is not None:
+            reached = (f"LoRA r={args.rank} at the recipe's lr reaches "
+                       f"{lora['accuracy'] * 100:.1f} % held-out vs {full['accuracy'] * 100:.1f} "
+                       f"% full after {args.steps} steps; ")  # fmt: skip
         notes.append(
-            f"- {size}: LoRA r={args.rank} at the recipe's lr reaches "
-            f"{lora['accuracy'] * 100:.1f} % held-out vs {full['accuracy'] * 100:.1f} % full "
-            f"after {args.steps} steps; trainer peak RSS {lora['rss_mb']:.0f} vs "
+            f"- {size}: {reached}trainer peak RSS {lora['rss_mb']:.0f} vs "
             f"{full['rss_mb']:.0f} MiB ({lora['rss_mb'] / full['rss_mb']:.2f}x); last checkpoint "
             f"{lora['checkpoint_bytes'] / 2**20:.2f} vs {full['checkpoint_bytes'] / 2**20:.1f} MiB."
         )
@@ -165,7 +169,7 @@ def push_table(args) -> tuple[list[list], list[str]]:
     import trio
 
     rows, notes = [], []
-    for size in args.push_sizes.split(","):
+    for size in [s for s in args.push_sizes.split(",") if s]:
         with tempfile.TemporaryDirectory() as tmp:
             res = trio.run(measure_push, size, args, Path(tmp))
         med = {side: harness.median(v) for side, v in res["times"].items()}
@@ -178,7 +182,8 @@ def push_table(args) -> tuple[list[list], list[str]]:
             f"- {size} ({res['n_params'] / 1e6:.1f} M parameters): a LoRA push writes "
             f"{nbytes['lora'] / 2**10:.0f} KiB vs {nbytes['full'] / 2**10:.0f} KiB "
             f"({nbytes['full'] / nbytes['lora']:.0f}x less) and takes {med['lora'] * 1000:.0f} ms "
-            f"vs {med['full'] * 1000:.0f} ms ({med['full'] / med['lora']:.2f}x); the engine ends "
+            f"vs {med['full'] * 1000:.0f} ms ({med['lora'] / med['full']:.2f}x the full push's "
+            "time); the engine ends "
             f"serving {res['active']} with {', '.join(res['loaded'])} loaded (keep 2)."
         )
     return rows, notes
@@ -193,6 +198,7 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr-factor", type=float, default=5.0, help="the third side's lr multiple")
     p.add_argument("--repeats", type=int, default=5, help="weight pushes per side")
+    p.add_argument("--section", default="lora", help="RESULTS.md section (key) to write")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny, 20 steps, 1 repeat")
     p.add_argument("--child-sft", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -212,13 +218,17 @@ def main() -> int:
                   harness.md_table(["model", "side", "lr", "held-out acc %", "eval loss",
                                     "peak RSS MiB", "checkpoint MiB", "wall s"], rows)]  # fmt: skip
         notes += sft_notes
-    rows, push_notes = push_table(args)
-    parts += [f"RL weight push (`push_weights`, 1 local engine each, {args.repeats} repeats).",
-              harness.md_table(["model", "push", "KiB per push", "ms (median)",
-                                f"runs (ms, {args.repeats} repeats)"], rows)]  # fmt: skip
-    notes += push_notes
-    harness.publish("lora", "LoRA vs full fine-tuning (issue 17)", "LoRA", parts, notes,
-                    quick=args.quick, started=started)  # fmt: skip
+    if args.push_sizes:
+        rows, push_notes = push_table(args)
+        parts += [f"RL weight push (`push_weights`, 1 local engine each, {args.repeats} repeats).",
+                  harness.md_table(["model", "push", "KiB per push", "ms (median)",
+                                    f"runs (ms, {args.repeats} repeats)"], rows)]  # fmt: skip
+        notes += push_notes
+    title = "LoRA vs full fine-tuning (issue 17)"
+    if args.section != "lora":
+        title += f": {args.sft_sizes or '-'} SFT, {args.push_sizes or '-'} push"
+    harness.publish(args.section, title, "LoRA", parts, notes, quick=args.quick,
+                    started=started)  # fmt: skip
     return 0
 
 
