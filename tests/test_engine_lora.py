@@ -483,3 +483,33 @@ async def test_the_router_sends_the_workers_active_adapter_through_the_gateway(
             assert_matches(batch[0], references["a1", 1])
             assert_matches(batch[1], references[None, 1])
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_to_an_engine_restarted_without_its_adapter_fails_over(
+    tiny_model_dir, adapters, references
+):
+    """Before the prober notices a restart, the engine answers 400 "never been loaded" for the
+    active adapter: the pool treats that as stale weights and retries on another engine."""
+    ports = [find_free_port(), find_free_port()]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_engine, tiny_model_dir, ports[0])
+        doomed = trio.CancelScope()
+
+        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with doomed:
+                await run_engine(tiny_model_dir, ports[1], task_status=task_status)
+
+        await nursery.start(run_doomed)
+        a = SGLangEngine(f"http://127.0.0.1:{ports[0]}", max_retries=0)
+        b = SGLangEngine(f"http://127.0.0.1:{ports[1]}", max_retries=0)
+        async with a, b, EnginePool([a, b], probe_interval_s=600) as pool:
+            await sync_lora_to_engines([a, b], adapters["a1"], "policy-v1", "v1")
+            doomed.cancel()
+            await trio.sleep(0.2)
+            await nursery.start(run_engine, tiny_model_dir, ports[1])  # back, no adapter
+            for _ in range(4):
+                assert_matches(await pool.generate(PROMPTS[0], GREEDY), references["a1", 0])
+            stats = pool.statistics().engines
+            assert stats[1].failures == {"stale weights": 1} and not stats[1].healthy
+            assert stats[0].done == 4
+        nursery.cancel_scope.cancel()

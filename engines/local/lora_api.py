@@ -71,3 +71,14 @@ def openai_lora_path(body: dict[str, Any], served_model_name: str) -> Any:
     """The `lora_path` of an OpenAI request: the adapter in `model` first, else the request's
     own `lora_path` field (SGLang's `_resolve_lora_path`)."""
     return adapter_from_model(body.get("model"), served_model_name) or body.get("lora_path")
+
+
+def adapter_cards(state: EngineState, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """`/v1/models` entries for the loaded adapters: SGLang 0.5.23 lists each with its path as
+    `root` and the served model as `parent` (`http_server.py::available_models`)."""
+    if state.lora is None or not state.lora.enabled:
+        return []
+    return [
+        {**base, "id": name, "root": path, "parent": base["id"], "max_model_len": None}
+        for name, path in state.lora.loaded_adapters().items()
+    ]

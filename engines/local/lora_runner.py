@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -121,7 +122,9 @@ class LoraAdapters:
         self._settle()
 
     def delete(self, name: str) -> None:
-        self.peft.delete_adapter(name)
+        with warnings.catch_warnings():  # "X was active which is now deleted": _settle picks one
+            warnings.simplefilter("ignore", UserWarning)
+            self.peft.delete_adapter(name)
         del self.names[name]
         self._settle()
 

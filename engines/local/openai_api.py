@@ -22,7 +22,7 @@ from .asgi import (
     object_error,
     sse_event,
 )
-from .lora_api import openai_lora_path
+from .lora_api import adapter_cards, openai_lora_path
 from .native_api import not_ready, read_json, stream_sequences, wait_finished
 from .params import MAX_CHARS_PER_TOKEN, GenerateRequest
 from .sampling_params import BadRequestError, RequestValidationError
@@ -94,19 +94,9 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             "max_model_len": max_len,
         }
 
-    def adapter_cards() -> list[dict[str, Any]]:
-        """SGLang 0.5.23 lists each loaded LoRA adapter as a card with its base as `parent`."""
-        if state.lora is None or not state.lora.enabled:
-            return []
-        base = card()
-        return [
-            {**base, "id": name, "root": path, "parent": base["id"], "max_model_len": None}
-            for name, path in state.lora.loaded_adapters().items()
-        ]
-
     @app.route("/v1/models")
     async def list_models(request: Request) -> Response:
-        return json_response({"object": "list", "data": [card(), *adapter_cards()]})
+        return json_response({"object": "list", "data": [card(), *adapter_cards(state, card())]})
 
     @app.route("/v1/models/{id}")
     async def get_model(request: Request) -> Response:

@@ -20,6 +20,10 @@ Contract:
   thread, so it never overlaps a step. On failure the old weights, `model_path` and
   `weight_version` stay.
 
+- LoRA (lora_registry.py): a sequence joins the batch only if the distinct adapters running
+  (the base model counts as one) stay within `max_loras_per_batch`, else it waits, as in
+  SGLang; `submit` counts the requests using each adapter, and an unload waits for them.
+
 Not covered: priorities, preemption under memory pressure, a radix prefix cache.
 """
 
