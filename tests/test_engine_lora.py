@@ -23,6 +23,7 @@ adapter run by `PeftModel` in this process. SGLang behaviours checked, with thei
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -513,3 +514,29 @@ async def test_a_request_to_an_engine_restarted_without_its_adapter_fails_over(
             assert stats[1].failures == {"stale weights": 1} and not stats[1].healthy
             assert stats[0].done == 4
         nursery.cancel_scope.cancel()
+
+
+async def test_max_loaded_loras_evicts_the_least_recently_used_and_reloads_it_on_demand(
+    tiny_model_dir, adapters, references
+):
+    options = {**LORA, "max_loras_per_batch": 2, "max_loaded_loras": 2}
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1, **options) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):
+        await engine.load_lora_adapter("a1", adapters["a1"])
+        await engine.load_lora_adapter("a2", adapters["a2"])
+        await engine.generate(PROMPTS[0], GREEDY, lora_path="a1")  # a2 is now the LRU one
+        loaded = await engine.load_lora_adapter("b1", adapters["a1"])
+        assert loaded == {"a1": str(adapters["a1"]), "b1": str(adapters["a1"])}
+        assert_matches(await engine.generate(PROMPTS[2], GREEDY, lora_path="a2"),
+                       references["a2", 2])  # fmt: skip
+        assert set(await loaded_on(server.url)) == {"b1", "a2"}  # a1 was the LRU one then
+        # streaming takes the same adapter path
+        body = {"input_ids": PROMPTS[1], "sampling_params": GREEDY, "lora_path": "b1",
+                "stream": True}  # fmt: skip
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            response = await http.post("/generate", json=body)
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["output_ids"] == references["a1", 1][0]
