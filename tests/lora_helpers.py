@@ -7,6 +7,7 @@ both modules share one set.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -22,8 +23,15 @@ GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 LORA = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ("all",)}
 
 
+@contextlib.contextmanager
 def one_thread():
+    """Reference computations on one torch thread (a shared 2-core machine), restored after."""
+    previous = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def make_adapter(base_dir: Path, out: Path, seed: int, rank: int = 4) -> Path:
@@ -71,7 +79,7 @@ def peft_reference(base_dir: Path, adapter: Path | None):
 def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs, one full forward pass per token (no cache)."""
     ids, logprobs = list(prompt), []
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         for _ in range(steps):
             row = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
             token = int(row.argmax())
@@ -84,7 +92,6 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]
 def references_fixture(tiny_model_dir, adapters):
     """(tokens, logprobs) per (adapter or None, prompt index), from PeftModel in this process."""
     if "references" not in _SESSION:
-        one_thread()
         out = {}
         for name in (None, "a1", "a2"):
             model = peft_reference(tiny_model_dir, adapters[name] if name else None)

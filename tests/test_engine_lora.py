@@ -38,7 +38,6 @@ from lora_helpers import (  # noqa: F401  (fixtures)
     greedy,
     loaded_on,
     lora_engine_fixture,
-    one_thread,
     peft_reference,
     post,
     references_fixture,
@@ -204,7 +203,6 @@ async def test_base_weight_update_keeps_adapters_applied_on_the_new_base(
     _, engine = lora_engine
     await engine.load_lora_adapter("a1", adapters["a1"])
     await engine.update_weights_from_disk(tiny_model_dir_seed1, "w1")
-    one_thread()
     reference = peft_reference(tiny_model_dir_seed1, adapters["a1"])
     result = await engine.generate(PROMPTS[0], GREEDY, lora_path="a1")
     assert_matches(result, greedy(reference, PROMPTS[0], GREEDY["max_new_tokens"]))
