@@ -76,6 +76,7 @@ class LoraAdapters:
         self.max_lora_rank = max_lora_rank
         self.target_modules = normalized_targets(list(target_modules))
         self.names: dict[str, str] = {}  # loaded adapter -> path
+        self._active: str | None = None  # the adapter peft's layers apply without adapter_names
 
     def check(self, name: str, config: dict[str, Any], path: str) -> None:
         added = os.path.join(path, "added_tokens.json")
@@ -129,16 +130,29 @@ class LoraAdapters:
         self._settle()
 
     def _settle(self) -> None:
-        """Keep an adapter active (peft's forward reads its config), nothing trainable, eval."""
-        if self.names and self.peft.active_adapter not in self.names:
-            self.peft.set_adapter(next(iter(self.names)))
+        """After a load or delete: one adapter active in every layer (peft's forward reads its
+        config; peft's own record can name a deleted one), nothing trainable, eval mode."""
+        self._active = None
+        if self.names:
+            self._activate(next(iter(self.names)))
         self.peft.requires_grad_(False)
         self.peft.eval()
 
+    def _activate(self, name: str) -> None:
+        if self._active != name:
+            self.peft.set_adapter(name, inference_mode=True)
+            self._active = name
+
     def forward(self, names: list[str | None], **kwargs: Any) -> Any:
-        if self.peft is None:
+        """Rows go through peft's `adapter_names`, except a batch that is all one adapter:
+        that adapter is made active and the plain path runs, without the per-adapter split
+        (tiny model, 32 requests: ~1.25x the tokens/s)."""
+        if self.peft is None or not self.names:  # no adapter holds weights
             return self.base(**kwargs)
-        if not self.names:  # every adapter was deleted: no LoRA layer holds weights
+        distinct = set(names)
+        if len(distinct) == 1 and None not in distinct:
+            (name,) = distinct
+            self._activate(name)
             return self.base(**kwargs)
         return self.peft(**kwargs, adapter_names=[n or BASE for n in names])
 
