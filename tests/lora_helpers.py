@@ -8,6 +8,7 @@ both modules share one set.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from pathlib import Path
 
 import httpx
@@ -49,6 +50,17 @@ def make_adapter(base_dir: Path, out: Path, seed: int, rank: int = 4) -> Path:
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     peft_model.save_pretrained(out)
+    return out
+
+
+def misfit_adapter(source: Path, out: Path) -> Path:
+    """A copy of `source` whose tensors lose a column: they fit no module of the model."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    tensors = load_file(out / "adapter_model.safetensors")
+    save_file({k: v[:, :-1].contiguous() for k, v in tensors.items()},
+              out / "adapter_model.safetensors")  # fmt: skip
     return out
 
 

@@ -38,6 +38,7 @@ from lora_helpers import (  # noqa: F401  (fixtures)
     greedy,
     loaded_on,
     lora_engine_fixture,
+    misfit_adapter,
     peft_reference,
     post,
     references_fixture,
@@ -122,6 +123,13 @@ async def test_refusals_follow_sglang_and_keep_the_loaded_adapters(
     with pytest.raises(LoraAdapterError, match="with rank 16 is incompatible") as info:
         await engine.load_lora_adapter("big", adapters["rank16"])
     assert info.value.loaded_adapters == kept
+
+    # tensors that do not fit the model (as from another base model): refused, nothing kept
+    with pytest.raises(LoraAdapterError, match="size mismatch") as info:
+        await engine.load_lora_adapter("misfit", misfit_adapter(adapters["a2"], tmp_path / "m"))
+    assert info.value.loaded_adapters == kept
+    assert_matches(await engine.generate(PROMPTS[2], GREEDY, lora_path="a1"), references["a1", 2])
+    assert_matches(await engine.generate(PROMPTS[2], GREEDY), references[None, 2])
 
     response = await post(server.url, "/unload_lora_adapter", {"lora_name": "nope"})
     assert response.status_code == 400
@@ -272,3 +280,18 @@ async def test_max_loaded_loras_evicts_the_least_recently_used_and_reloads_it_on
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["output_ids"] == references["a1", 1][0]
+
+
+async def test_a_failed_first_load_leaves_the_model_as_it_was(
+    lora_engine, adapters, references, tmp_path
+):
+    """The first adapter wraps the model in peft; if its weights do not fit, the wrapper holds
+    nothing and the next load works as if it were the first."""
+    _, engine = lora_engine
+    with pytest.raises(LoraAdapterError, match="size mismatch") as info:
+        await engine.load_lora_adapter("misfit", misfit_adapter(adapters["a1"], tmp_path / "m"))
+    assert info.value.loaded_adapters == {}
+    assert_matches(await engine.generate(PROMPTS[0], GREEDY), references[None, 0])
+    await engine.load_lora_adapter("a2", adapters["a2"])
+    assert_matches(await engine.generate(PROMPTS[0], GREEDY, lora_path="a2"), references["a2", 0])
+    assert_matches(await engine.generate(PROMPTS[1], GREEDY), references[None, 1])

@@ -1,9 +1,10 @@
 """LoRA adapters inside the local engine's model: peft, one wrapper, many adapters, mixed batches.
 
 Contract:
-- The base model is wrapped once in a peft `PeftModel` when the first adapter is loaded
-  (`PeftModel.from_pretrained`); later ones are added with `load_adapter` and removed with
-  `delete_adapter`. Adapters are loaded for inference (`is_trainable=False`, eval mode).
+- The base model is wrapped once in a peft `PeftModelForCausalLM` when the first adapter is
+  loaded; every adapter is added with `load_adapter` and removed with `delete_adapter` (a
+  failed load is deleted again, so it leaves nothing behind). Adapters are loaded for
+  inference (`is_trainable=False`, eval mode).
 - `forward(names, **model_kwargs)`: row i runs with adapter `names[i]` (None: the base model),
   through peft's `adapter_names=` (LoRA layers apply each adapter to its own rows), so base
   and adapter requests share one batch, in prefill and in decode with the runner's KV cache.
@@ -105,16 +106,15 @@ class LoraAdapters:
 
     @torch.inference_mode(False)
     def load(self, name: str, path: str) -> None:
-        from peft import PeftModel
+        from peft import PeftConfig, PeftModelForCausalLM
 
         self.check(name, read_adapter_config(path), path)
         try:
-            if self.peft is None:
-                self.peft = PeftModel.from_pretrained(
-                    self.base, path, adapter_name=name, is_trainable=False
-                )
-            else:
-                self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
+            if self.peft is None:  # `PeftModel.from_pretrained` in two steps, so that a failed
+                config = PeftConfig.from_pretrained(path)  # weight load can be undone below
+                config.inference_mode = True
+                self.peft = PeftModelForCausalLM(self.base, config, adapter_name=name)
+            self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
         except Exception as exc:  # bad weights, shapes: the adapter is not kept
             if self.peft is not None and name in self.peft.peft_config:
                 self.peft.delete_adapter(name)
