@@ -221,13 +221,15 @@ async def sync_lora_to_engines(
     """Load the adapter in `adapter_dir` (peft layout) on every engine as `lora_name`, make it
     the adapter generation uses, and label the weights `weight_version`.
 
-    Per engine, all at once: pause (unless `paused`) → `/load_lora_adapter` (absolute path; an
-    adapter already loaded under this name from this path counts as loaded, so a retry or a
-    rejoin is harmless) → check `loaded_adapters` lists it → `/update_weight_version` →
-    `/model_info` reports the version → `engine.active_lora = lora_name` → resume → unload the
-    adapters this client loaded before, oldest first, beyond the newest `keep` (never the
-    active one). Unloading comes after the resume because SGLang waits for the requests still
-    using an adapter; a failed unload is logged and retried at the next sync.
+    Per engine, all at once: pause (unless `paused`) → `engine.active_lora = lora_name` (so
+    requests sent from now on, which wait in the paused engine, name the new adapter; SGLang
+    resolves adapter names only once a pause is over) → `/load_lora_adapter` (absolute path;
+    an adapter already loaded under this name from this path counts as loaded, so a retry or
+    a rejoin is harmless) → check `loaded_adapters` lists it → `/update_weight_version` →
+    `/model_info` reports the version → resume → unload the adapters this client loaded
+    before, oldest first, beyond the newest `keep` (never the active one). Unloading comes
+    after the resume because SGLang waits for the requests still using an adapter; a failed
+    unload is logged and retried at the next sync.
 
     Failure semantics are `sync_weights_to_engines`'s: every paused engine is resumed; an
     engine that cannot be reached is skipped and logged (`expected_lora` and
@@ -263,7 +265,6 @@ async def sync_lora_to_engines(
                 f"reports weight_version {info.weight_version!r} after the update, "
                 f"expected {weight_version!r}")  # fmt: skip
             return False
-        engine.active_lora = lora_name
         return True
 
     async def sync_one(engine: Any) -> None:
@@ -271,10 +272,14 @@ async def sync_lora_to_engines(
         previous = getattr(engine, "expected_weights", None)
         engine.expected_weights = (previous[0] if previous else None, weight_version)
         engine.expected_lora = (lora_name, path)
+        active = getattr(engine, "active_lora", None)
         try:
             if not is_paused:
                 await engine.pause(pause_mode)
                 is_paused = True
+            # From here requests name the new adapter; they wait in the paused engine, which
+            # resolves names only once the pause is over (SGLang's tokenizer manager too).
+            engine.active_lora = lora_name
             loaded = await load_one(engine)
         except EngineUnavailableError as exc:
             down[engine.url] = str(exc)
@@ -282,6 +287,8 @@ async def sync_lora_to_engines(
         except EngineError as exc:
             failures.setdefault(engine.url, []).append(str(exc))
         finally:
+            if not loaded and engine.url not in down:
+                engine.active_lora = active  # refused: it keeps serving the old adapter
             with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
                 try:
                     await engine.resume()

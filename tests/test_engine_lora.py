@@ -295,3 +295,32 @@ async def test_a_failed_first_load_leaves_the_model_as_it_was(
     await engine.load_lora_adapter("a2", adapters["a2"])
     assert_matches(await engine.generate(PROMPTS[0], GREEDY, lora_path="a2"), references["a2", 0])
     assert_matches(await engine.generate(PROMPTS[1], GREEDY), references[None, 1])
+
+
+async def test_an_adapter_named_during_a_pause_is_resolved_when_the_pause_ends(
+    lora_engine, adapters, references
+):
+    """SGLang waits for the pause before it resolves adapter names, so a request sent while a
+    weight sync loads the adapter it names runs on that adapter (and one naming an unknown
+    adapter fails only then)."""
+    server, engine = lora_engine
+    await engine.pause("in_place")
+    results: dict[str, object] = {}
+
+    async def send(name: str) -> None:
+        try:
+            results[name] = await engine.generate(PROMPTS[0], GREEDY, lora_path=name)
+        except EngineError as exc:
+            results[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send, "a1")
+        nursery.start_soon(send, "nope")
+        with trio.fail_after(10):
+            while len(server.state.scheduler.held) < 2:
+                await trio.sleep(0.01)
+        await engine.load_lora_adapter("a1", adapters["a1"])
+        await engine.resume()
+    assert_matches(results["a1"], references["a1", 0])
+    assert isinstance(results["nope"], EngineError) and results["nope"].status == 400
+    assert "never been loaded: nope" in str(results["nope"])
