@@ -150,10 +150,16 @@ async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
 
 
 async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMode = "abort", *,
-                        resume_timeout_s: float = 30.0) -> None:  # fmt: skip
-    """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`.
+                        resume_timeout_s: float = 30.0, activate_lora: str | None = None
+                        ) -> None:  # fmt: skip
+    """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`
+    (or `sync_lora_to_engines(..., paused=True)`).
 
-    Requests sent after this returns wait in the engines until they are resumed.
+    Requests sent after this returns wait in the engines until they are resumed. With
+    `activate_lora` (the name the LoRA sync that follows loads), each paused engine's
+    `active_lora` becomes that name at once, so those requests name the new adapter; the
+    engine resolves it after the sync's resume, when it is loaded (SGLang resolves adapter
+    names only once a pause is over).
 
     An engine that cannot be reached is skipped (logged): the sync that follows skips it too.
 
@@ -163,10 +169,14 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
     """
     failures: dict[str, str] = {}
     down: dict[str, str] = {}
+    previous: dict[Any, str | None] = {}  # active_lora before `activate_lora`
 
     async def pause_one(engine: InferenceEngine) -> None:
         try:
             await engine.pause(pause_mode)
+            if activate_lora is not None:
+                previous[engine] = getattr(engine, "active_lora", None)
+                engine.active_lora = activate_lora  # type: ignore[attr-defined]
         except EngineUnavailableError as exc:
             down[engine.url] = str(exc)
         except EngineError as exc:
@@ -181,6 +191,8 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
         failures.update(down)
     if not failures:
         return
+    for engine, active in previous.items():
+        engine.active_lora = active
     with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s):
         async with trio.open_nursery() as nursery:
             for engine in engines:
@@ -272,7 +284,6 @@ async def sync_lora_to_engines(
         previous = getattr(engine, "expected_weights", None)
         engine.expected_weights = (previous[0] if previous else None, weight_version)
         engine.expected_lora = (lora_name, path)
-        active = getattr(engine, "active_lora", None)
         try:
             if not is_paused:
                 await engine.pause(pause_mode)
@@ -287,8 +298,9 @@ async def sync_lora_to_engines(
         except EngineError as exc:
             failures.setdefault(engine.url, []).append(str(exc))
         finally:
-            if not loaded and engine.url not in down:
-                engine.active_lora = active  # refused: it keeps serving the old adapter
+            if not loaded and engine.url not in down:  # refused: back to the newest it has
+                have = [n for n in getattr(engine, "lora_loaded", []) if n != lora_name]
+                engine.active_lora = have[-1] if have else None
             with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
                 try:
                     await engine.resume()

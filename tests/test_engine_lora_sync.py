@@ -198,3 +198,42 @@ async def test_a_request_to_an_engine_restarted_without_its_adapter_fails_over(
             assert stats[1].failures == {"stale weights": 1} and not stats[1].healthy
             assert stats[0].done == 4
         nursery.cancel_scope.cancel()
+
+
+async def test_requests_sent_during_a_push_run_on_the_new_adapter_under_its_version(
+    tiny_model_dir, adapters, references
+):
+    """The RL loop's push: `pause_engines(activate_lora=new)`, then the sync in the background.
+    A request sent in between names the new adapter, waits in the engine, and runs on it
+    once the sync resumes the engine: its tokens and its weight version agree."""
+    from engines import pause_engines
+
+    port = find_free_port()
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(run_engine, tiny_model_dir, port)
+        async with SGLangEngine(server.url, max_retries=0) as engine:
+            await sync_lora_to_engines([engine], adapters["a1"], "policy-v1", "1")
+            await pause_engines([engine], "in_place", activate_lora="policy-v2")
+            results = []
+
+            async def rollout() -> None:
+                results.append(await engine.generate(PROMPTS[1], GREEDY))
+
+            async with trio.open_nursery() as requests:
+                requests.start_soon(rollout)
+                with trio.fail_after(10):
+                    while not server.state.scheduler.held:
+                        await trio.sleep(0.01)
+                await sync_lora_to_engines([engine], adapters["a2"], "policy-v2", "2",
+                                           paused=True)  # fmt: skip
+            assert_matches(results[0], references["a2", 1])
+            assert results[0].weight_version == "2"
+
+            # a refused push: the engine goes back to the newest adapter it has
+            await pause_engines([engine], "in_place", activate_lora="policy-v3")
+            with pytest.raises(WeightSyncError):
+                await sync_lora_to_engines([engine], adapters["a1"].parent / "none",
+                                           "policy-v3", "3", paused=True)  # fmt: skip
+            assert engine.active_lora == "policy-v2"
+            assert_matches(await engine.generate(PROMPTS[1], GREEDY), references["a2", 1])
+        nursery.cancel_scope.cancel()
