@@ -32,6 +32,13 @@ from engines import (
 )
 
 
+async def gone(engine: SGLangEngine) -> None:
+    """Until the engine no longer answers (its server task was cancelled)."""
+    with trio.fail_after(10):
+        while await engine.is_healthy():
+            await trio.sleep(0.01)
+
+
 async def test_sync_lora_keeps_the_newest_and_generation_uses_the_active_one(
     tiny_model_dir, adapters, references
 ):
@@ -91,7 +98,7 @@ async def test_an_engine_down_during_a_lora_sync_gets_the_adapter_when_it_return
         async with a, b, EnginePool([a, b], probe_interval_s=0.1) as pool:
             await sync_lora_to_engines([a, b], adapters["a1"], "policy-v1", "v1")
             doomed.cancel()
-            await trio.sleep(0.2)
+            await gone(b)
             await sync_lora_to_engines([a, b], adapters["a2"], "policy-v2", "v2")  # b is down
             assert pool.active_lora == "policy-v2"
             await nursery.start(run_engine, tiny_model_dir, ports[1])  # back, without adapters
@@ -190,7 +197,7 @@ async def test_a_request_to_an_engine_restarted_without_its_adapter_fails_over(
         async with a, b, EnginePool([a, b], probe_interval_s=600) as pool:
             await sync_lora_to_engines([a, b], adapters["a1"], "policy-v1", "v1")
             doomed.cancel()
-            await trio.sleep(0.2)
+            await gone(b)
             await nursery.start(run_engine, tiny_model_dir, ports[1])  # back, no adapter
             for _ in range(4):
                 assert_matches(await pool.generate(PROMPTS[0], GREEDY), references["a1", 0])
