@@ -3,7 +3,9 @@
 Layers: `types` (records, `InferenceEngine`, errors) → `http` (timeouts, retries) →
 `client.SGLangEngine` (the protocol) →
 `pool.EnginePool` (routing, failover, rejoin) and `weight_sync` (fan-out refit) →
-`router.RouterEngine` (sgl-model-gateway); `launch` runs server processes and `supervisor`
+`router.RouterEngine` (sgl-model-gateway); `lora` holds the LoRA adapter calls, the
+`active_lora` default of generation and the server flags (`LoraLaunch`), and
+`weight_sync.sync_lora_to_engines` pushes adapters; `launch` runs server processes and `supervisor`
 relaunches them; `engines.local` is the CPU server itself (imports torch only when it runs);
 `engines.testing` holds stand-ins for tests (a gateway imitation, a fault proxy).
 Nothing here imports torch.

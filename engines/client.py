@@ -83,8 +83,8 @@ class SGLangEngine(LoraClientMixin):
         # its initial weights; the pool retries elsewhere, or here once it has the weights.
         self._generate_retries = None if retry_generate else 0
         self.paused = False  # this client paused the engine and has not resumed it yet
-        # (path, version) the last weight sync gave this engine; EnginePool checks it
-        # (path or None if only adapters were synced, version) the last sync gave this engine
+        # (path, version) the last weight sync gave this engine (path None: only adapters were
+        # synced); EnginePool checks it
         self.expected_weights: tuple[str | None, str] | None = None
         # LoRA (engines/lora.py): the adapter generation uses unless a call names another, the
         # (name, path) the last LoRA sync gave it, and the adapters this client loaded, oldest first
@@ -167,9 +167,8 @@ class SGLangEngine(LoraClientMixin):
             else [dict(p) for p in sampling_params]
         )
         rid_list = list(rids) if rids else None
-        lora = resolve_lora_path(self, lora_path)
         body = generate_body(prompts, params, rid_list, return_logprob, top_logprobs_num,
-                             logprob_start_len, lora if isinstance(lora, str | None) else list(lora))  # fmt: skip
+                             logprob_start_len, resolve_lora_path(self, lora_path))  # fmt: skip
         started = time.perf_counter()
         response = await self._post_generate(body)
         objs = decode_json(response, "POST /generate", self._url)

@@ -47,8 +47,22 @@ ACTIVE: Any = _Active()  # `lora_path=` default: the engine's `active_lora` (Non
 
 def resolve_lora_path(engine: Any, lora_path: Any) -> Any:
     """The `lora_path` to send: the engine's `active_lora` unless the caller gave one (None
-    included, which asks for the base model)."""
-    return getattr(engine, "active_lora", None) if lora_path is ACTIVE else lora_path
+    included, which asks for the base model; a sequence gives one name per prompt)."""
+    if lora_path is ACTIVE:
+        return getattr(engine, "active_lora", None)
+    return lora_path if lora_path is None or isinstance(lora_path, str) else list(lora_path)
+
+
+def lost_adapter(engine: Any, exc: EngineError) -> bool:
+    """A 400 naming an adapter as not loaded from an engine the last LoRA sync gave one: it
+    restarted without it (`EnginePool` then treats it as stale and fails over)."""
+    text = str(exc)
+    return (
+        getattr(engine, "expected_lora", None) is not None
+        and exc.status == 400
+        and "LoRA adapter" in text
+        and ("never been loaded" in text or "not loaded" in text)
+    )
 
 
 class LoraAdapterError(EngineError):

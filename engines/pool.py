@@ -8,14 +8,16 @@ Contract:
   probes every engine each `probe_interval_s`: a healthy one must still answer `/model_info`
   with the weight version the last sync gave it (`expected_weights`), else it is marked down (it
   died, or restarted on its initial weights); a down one that answers again is first given
-  the current weights by a full sync (pause → flush → update → version check → continue) and
-  only then marked up. Engines this client has paused (a weight sync in progress) are never
+  the current weights by a full sync (pause → flush → update → version check → continue), and
+  the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
+  marked up. Engines this client has paused (a weight sync in progress) are never
   marked down by a probe.
 - A request whose engine fails with `EngineUnavailableError`, a 5xx or a timeout, or answers
   from weights other than `expected_weights`, is retried on another engine that has not failed
   it, at most `max_failovers` times (the failing engine is asked to abort it first); it returns
   exactly one result or raises, so a sample is never lost silently nor duplicated. A 4xx is
-  raised at once. Each failure is counted per engine and kind (`EngineStats.failures`).
+  raised at once, except a 400 saying the adapter the last LoRA sync gave that engine is not
+  loaded (it restarted): that counts as stale weights. Each failure is counted per engine and kind (`EngineStats.failures`).
 - The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
 
 Not covered: prefix-affinity routing (sglang-router's cache_aware policy), weighted engines.
@@ -36,6 +38,7 @@ import trio
 
 from rollouts.errors import EngineError, engine_failure_kind
 
+from .lora import lost_adapter
 from .types import (
     EngineTimeoutError,
     EngineUnavailableError,
@@ -107,17 +110,6 @@ def _failover(exc: EngineError) -> bool:
     """Worth trying on another engine: no answer, a server error, a timeout, stale weights."""
     return isinstance(exc, EngineUnavailableError | EngineTimeoutError) or (
         exc.status is not None and exc.status >= 500
-    )
-
-
-def _lost_adapter(engine: Any, exc: EngineError) -> bool:
-    """A 400 for an adapter the last LoRA sync gave this engine: it restarted without it."""
-    lora = getattr(engine, "expected_lora", None)
-    return (
-        lora is not None
-        and exc.status == 400
-        and "LoRA adapter" in str(exc)
-        and ("never been loaded" in str(exc) or "not loaded" in str(exc))
     )
 
 
@@ -306,7 +298,7 @@ class EnginePool:
                 result = await fn(slot.engine)
                 self._check_weights(slot, result)
             except EngineError as exc:
-                if _lost_adapter(slot.engine, exc):
+                if lost_adapter(slot.engine, exc):
                     exc = StaleWeightsError(f"lost its LoRA adapter (restarted?): {exc}",
                                             url=slot.engine.url)  # fmt: skip
                 slot.fail(exc)

@@ -150,10 +150,16 @@ async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
 
 
 async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMode = "abort", *,
-                        resume_timeout_s: float = 30.0) -> None:  # fmt: skip
-    """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`.
+                        resume_timeout_s: float = 30.0, activate_lora: str | None = None
+                        ) -> None:  # fmt: skip
+    """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`
+    (or `sync_lora_to_engines(..., paused=True)`).
 
-    Requests sent after this returns wait in the engines until they are resumed.
+    Requests sent after this returns wait in the engines until they are resumed. With
+    `activate_lora` (the name the LoRA sync that follows loads), each paused engine's
+    `active_lora` becomes that name at once, so those requests name the new adapter; the
+    engine resolves it after the sync's resume, when it is loaded (SGLang resolves adapter
+    names only once a pause is over).
 
     An engine that cannot be reached is skipped (logged): the sync that follows skips it too.
 
@@ -163,10 +169,14 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
     """
     failures: dict[str, str] = {}
     down: dict[str, str] = {}
+    previous: dict[Any, str | None] = {}  # active_lora before `activate_lora`
 
     async def pause_one(engine: InferenceEngine) -> None:
         try:
             await engine.pause(pause_mode)
+            if activate_lora is not None:
+                previous[engine] = getattr(engine, "active_lora", None)
+                engine.active_lora = activate_lora  # type: ignore[attr-defined]
         except EngineUnavailableError as exc:
             down[engine.url] = str(exc)
         except EngineError as exc:
@@ -181,6 +191,8 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
         failures.update(down)
     if not failures:
         return
+    for engine, active in previous.items():
+        engine.active_lora = active
     with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s):
         async with trio.open_nursery() as nursery:
             for engine in engines:
@@ -221,13 +233,15 @@ async def sync_lora_to_engines(
     """Load the adapter in `adapter_dir` (peft layout) on every engine as `lora_name`, make it
     the adapter generation uses, and label the weights `weight_version`.
 
-    Per engine, all at once: pause (unless `paused`) → `/load_lora_adapter` (absolute path; an
-    adapter already loaded under this name from this path counts as loaded, so a retry or a
-    rejoin is harmless) → check `loaded_adapters` lists it → `/update_weight_version` →
-    `/model_info` reports the version → `engine.active_lora = lora_name` → resume → unload the
-    adapters this client loaded before, oldest first, beyond the newest `keep` (never the
-    active one). Unloading comes after the resume because SGLang waits for the requests still
-    using an adapter; a failed unload is logged and retried at the next sync.
+    Per engine, all at once: pause (unless `paused`) → `engine.active_lora = lora_name` (so
+    requests sent from now on, which wait in the paused engine, name the new adapter; SGLang
+    resolves adapter names only once a pause is over) → `/load_lora_adapter` (absolute path;
+    an adapter already loaded under this name from this path counts as loaded, so a retry or
+    a rejoin is harmless) → check `loaded_adapters` lists it → `/update_weight_version` →
+    `/model_info` reports the version → resume → unload the adapters this client loaded
+    before, oldest first, beyond the newest `keep` (never the active one). Unloading comes
+    after the resume because SGLang waits for the requests still using an adapter; a failed
+    unload is logged and retried at the next sync.
 
     Failure semantics are `sync_weights_to_engines`'s: every paused engine is resumed; an
     engine that cannot be reached is skipped and logged (`expected_lora` and
@@ -263,7 +277,6 @@ async def sync_lora_to_engines(
                 f"reports weight_version {info.weight_version!r} after the update, "
                 f"expected {weight_version!r}")  # fmt: skip
             return False
-        engine.active_lora = lora_name
         return True
 
     async def sync_one(engine: Any) -> None:
@@ -275,6 +288,9 @@ async def sync_lora_to_engines(
             if not is_paused:
                 await engine.pause(pause_mode)
                 is_paused = True
+            # From here requests name the new adapter; they wait in the paused engine, which
+            # resolves names only once the pause is over (SGLang's tokenizer manager too).
+            engine.active_lora = lora_name
             loaded = await load_one(engine)
         except EngineUnavailableError as exc:
             down[engine.url] = str(exc)
@@ -282,6 +298,9 @@ async def sync_lora_to_engines(
         except EngineError as exc:
             failures.setdefault(engine.url, []).append(str(exc))
         finally:
+            if not loaded and engine.url not in down:  # refused: back to the newest it has
+                have = [n for n in getattr(engine, "lora_loaded", []) if n != lora_name]
+                engine.active_lora = have[-1] if have else None
             with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
                 try:
                     await engine.resume()

@@ -9,11 +9,12 @@ adapter from `model` (`OpenAIServingBase._parse_model_parameter` / `_resolve_lor
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
-from .asgi import App, Request, Response, json_response, object_error
+from .asgi import SSE_DONE, App, Request, Response, json_response, object_error, sse_event
 from .native_api import not_ready, read_json
-from .sampling_params import RequestValidationError
+from .sampling_params import BadRequestError, RequestValidationError
 from .state import EngineState
 
 
@@ -71,3 +72,31 @@ def openai_lora_path(body: dict[str, Any], served_model_name: str) -> Any:
     """The `lora_path` of an OpenAI request: the adapter in `model` first, else the request's
     own `lora_path` field (SGLang's `_resolve_lora_path`)."""
     return adapter_from_model(body.get("model"), served_model_name) or body.get("lora_path")
+
+
+def adapter_cards(state: EngineState, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """`/v1/models` entries for the loaded adapters: SGLang 0.5.23 lists each with its path as
+    `root` and the served model as `parent` (`http_server.py::available_models`)."""
+    if state.lora is None or not state.lora.enabled:
+        return []
+    return [
+        {**base, "id": name, "root": path, "parent": base["id"], "max_model_len": None}
+        for name, path in state.lora.loaded_adapters().items()
+    ]
+
+
+async def bad_adapter_in_band(
+    events: AsyncIterator[bytes], *, openai: bool
+) -> AsyncIterator[bytes]:
+    """A stream whose adapter turned out unknown once a pause ended (names are resolved then,
+    see `Scheduler.submit`): the 400 goes in-band, as SGLang streams its errors."""
+    try:
+        async for event in events:
+            yield event
+    except BadRequestError as exc:
+        error: dict[str, Any] = {"message": str(exc)}
+        if openai:
+            error = {"object": "error", "message": str(exc), "type": "BadRequestError",
+                     "param": None, "code": 400}  # fmt: skip
+        yield sse_event({"error": error})
+        yield SSE_DONE

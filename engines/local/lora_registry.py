@@ -21,6 +21,14 @@ What it follows (SGLang 0.5.23, `sglang` wheel from PyPI):
 - `--max-loaded-loras`: past it, the least recently used unpinned adapter is unloaded after a
   load. Pinned adapters may not take every `--max-loras-per-batch` slot but one.
 - Adapter paths are used as given: a relative one is resolved in the server's cwd (as SGLang).
+- Names in a request are resolved once a pause is over (`Scheduler.submit`), as SGLang's
+  tokenizer manager waits for the pause before `_validate_and_resolve_lora`.
+
+Departures from SGLang: a path that is not a directory is not tried as a Hugging Face repo id
+(the error is the missing `<path>/adapter_config.json`); a duplicate name is refused before
+the adapter is read (SGLang reads its config first, so a duplicate name with a bad path reports
+the path there); a `lora_path` list whose length is not the batch size is a 400 (SGLang does
+not check it); `/load_lora_adapter_from_tensors` does not exist (it unpickles its payload).
 """
 
 from __future__ import annotations

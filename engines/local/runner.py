@@ -12,6 +12,10 @@ Contract:
   same tokens run alone (up to float rounding, ~1e-6 in float32).
 - `load_weights` validates every tensor (names, shapes) before copying any, so a failed update
   leaves the old weights in place.
+- With LoRA (`enable_lora`, lora_runner.py) every forward passes each row's adapter through
+  peft's `adapter_names`, so base and adapter rows share the batch and its KV cache; identical
+  prompts share a prefill only when they also share the adapter. A base weight update
+  replaces the base tensors and keeps the adapters.
 
 Not covered: a prefix cache across requests (only identical prompts admitted in the same step
 share their prefill), paged memory, chunked prefill of one long prompt.

@@ -20,6 +20,10 @@ Contract:
   thread, so it never overlaps a step. On failure the old weights, `model_path` and
   `weight_version` stay.
 
+- LoRA (lora_registry.py): a sequence joins the batch only if the distinct adapters running
+  (the base model counts as one) stay within `max_loras_per_batch`, else it waits, as in
+  SGLang; `submit` counts the requests using each adapter, and an unload waits for them.
+
 Not covered: priorities, preemption under memory pressure, a radix prefix cache.
 """
 
@@ -234,39 +238,48 @@ class Scheduler:
 
     @asynccontextmanager
     async def submit(self, items: Iterable[GenerateItem], *, lock: bool = True):
-        """Queue the items; yield their sequences. Unfinished ones are aborted on exit."""
+        """Queue the items; yield their sequences. Unfinished ones are aborted on exit.
+
+        LoRA adapter names are resolved once a pause is over (SGLang's tokenizer manager waits
+        for the pause before `_validate_and_resolve_lora`), so a request sent during a weight
+        sync may name the adapter the sync is loading.
+
+        Raises:
+            BadRequestError: a named adapter is unknown or cannot be loaded again.
+        """
         async with self._update_lock.read() if lock else _null():
             seqs = [Sequence(item) for item in items]
+            await self._hold(seqs)
             adapters = [s.item.lora_name for s in seqs if s.item.lora_name is not None]
             if adapters:
                 if self.lora is None:
                     raise BadRequestError("LoRA adapters are not enabled on this server.")
+                await self.lora.resolve(adapters)
                 self.lora.check_loaded(adapters)
             self.lora_in_use.update(adapters)
             try:
-                async with self._queued(seqs) as queued:
-                    yield queued
+                self.waiting.extend(s for s in seqs if not s.finished)
+                self._wake()
+                try:
+                    yield seqs
+                finally:
+                    self.abort_sequences([s for s in seqs if not s.finished])
             finally:
                 self.lora_in_use.subtract(adapters)
                 if adapters:
                     self._lora_released.set()
                     self._lora_released = trio.Event()
 
-    @asynccontextmanager
-    async def _queued(self, seqs: list[Sequence]) -> AsyncIterator[list[Sequence]]:
-        if self.paused:
-            self.held += seqs
-            try:
-                while self.paused and not all(s.finished for s in seqs):
-                    await _wait_any(self._resumed, seqs)
-            finally:
-                self.held = [s for s in self.held if s not in seqs]
-        self.waiting.extend(s for s in seqs if not s.finished)
-        self._wake()
+    async def _hold(self, seqs: list[Sequence]) -> None:
+        """While paused: wait in front of the scheduler (abortable by rid)."""
+        if not self.paused:
+            return
+        self.held += seqs
         try:
-            yield seqs
+            while self.paused and not all(s.finished for s in seqs):
+                await _wait_any(self._resumed, seqs)
         finally:
-            self.abort_sequences([s for s in seqs if not s.finished])
+            self.held = [s for s in self.held if s not in seqs]
 
     async def wait_lora_unused(self, name: str) -> None:
         """Until no request uses adapter `name` (SGLang waits the same way before unloading)."""

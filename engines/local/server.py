@@ -139,6 +139,12 @@ def _enable_lora(runner: Any, config: LocalEngineConfig) -> None:
             "If 'all' is specified in --lora-target-modules, it should be the only module "
             "specified."
         )
+    if config.max_loaded_loras is not None and config.max_loaded_loras < config.max_loras_per_batch:
+        raise ValueError(
+            "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+            f"max_loaded_loras={config.max_loaded_loras}, "
+            f"max_loras_per_batch={config.max_loras_per_batch}"
+        )
     if config.max_loaded_loras is not None and config.max_loaded_loras < len(refs):
         raise ValueError(
             "The number of LoRA paths should not exceed max_loaded_loras. "
