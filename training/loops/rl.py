@@ -110,20 +110,22 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     """
     version = backend.weight_version
     path = await backend.export_weights(export_root / f"v{version:06d}")
-    await pause_engines(engines, pause_mode)
-    pending = PendingPush()
     lora = backend.lora
+    name = None if lora is None else lora_version_name(lora.name, version)
+    # With LoRA the paused engines name the new adapter at once: requests sent before the
+    # background sync loads it (the next batch) wait for it and run on it, as for full weights.
+    await pause_engines(engines, pause_mode, activate_lora=name)
+    pending = PendingPush()
 
     async def finish() -> None:
         t0 = time.perf_counter()
         try:
-            if lora is None:
+            if lora is None or name is None:
                 await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode,
                                               paused=True)  # fmt: skip
             else:
-                await sync_lora_to_engines(engines, path, lora_version_name(lora.name, version),
-                                           str(version), keep=lora.keep, pause_mode=pause_mode,
-                                           paused=True)  # fmt: skip
+                await sync_lora_to_engines(engines, path, name, str(version), keep=lora.keep,
+                                           pause_mode=pause_mode, paused=True)  # fmt: skip
             # An adapter still loaded may be reloaded from its path (SGLang does so for a name
             # unloaded and asked for again): keep the exports of every loaded version.
             _prune_exports(export_root, keep if lora is None else max(keep, lora.keep + 1))
