@@ -11,7 +11,7 @@ BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/g
 	benchmarks/rollout_throughput.py \
 	benchmarks/engine_throughput.py benchmarks/weight_sync.py benchmarks/rl_scaling.py \
 	benchmarks/rl_algorithms.py benchmarks/engine_abuse.py benchmarks/checkpoint_kill.py \
-	benchmarks/distributed_scaling.py
+	benchmarks/distributed_scaling.py benchmarks/lora.py
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help

@@ -44,6 +44,8 @@ SECTIONS = (
     "engine_abuse",
     "checkpoint_kill",
     "distributed_scaling",
+    "lora",
+    "lora_small",
 )
 
 

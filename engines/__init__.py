@@ -3,7 +3,9 @@
 Layers: `types` (records, `InferenceEngine`, errors) → `http` (timeouts, retries) →
 `client.SGLangEngine` (the protocol) →
 `pool.EnginePool` (routing, failover, rejoin) and `weight_sync` (fan-out refit) →
-`router.RouterEngine` (sgl-model-gateway); `launch` runs server processes and `supervisor`
+`router.RouterEngine` (sgl-model-gateway); `lora` holds the LoRA adapter calls, the
+`active_lora` default of generation and the server flags (`LoraLaunch`), and
+`weight_sync.sync_lora_to_engines` pushes adapters; `launch` runs server processes and `supervisor`
 relaunches them; `engines.local` is the CPU server itself (imports torch only when it runs);
 `engines.testing` holds stand-ins for tests (a gateway imitation, a fault proxy).
 Nothing here imports torch.
@@ -18,6 +20,8 @@ from .launch import EngineLaunchError as EngineLaunchError
 from .launch import LaunchedEngine as LaunchedEngine
 from .launch import find_free_port as find_free_port
 from .launch import launch_engine as launch_engine
+from .lora import LoraAdapterError as LoraAdapterError
+from .lora import LoraLaunch as LoraLaunch
 from .pool import EnginePool as EnginePool
 from .pool import EngineStats as EngineStats
 from .pool import PoolStatistics as PoolStatistics
@@ -36,5 +40,7 @@ from .types import PauseMode as PauseMode
 from .types import ScoreResult as ScoreResult
 from .types import WeightSpan as WeightSpan
 from .types import WeightSyncError as WeightSyncError
+from .weight_sync import lora_version_name as lora_version_name
 from .weight_sync import pause_engines as pause_engines
+from .weight_sync import sync_lora_to_engines as sync_lora_to_engines
 from .weight_sync import sync_weights_to_engines as sync_weights_to_engines

@@ -35,6 +35,7 @@ import trio
 from rollouts.errors import EngineError
 
 from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts, decode_json
+from .lora import ACTIVE, LoraClientMixin, resolve_lora_path
 from .types import (
     EngineTimeoutError,
     EngineUnavailableError,
@@ -48,7 +49,7 @@ from .types import (
 )
 
 
-class SGLangEngine:
+class SGLangEngine(LoraClientMixin):
     """An SGLang (or local engine) server at `url`. See the module docstring for guarantees."""
 
     def __init__(
@@ -82,8 +83,14 @@ class SGLangEngine:
         # its initial weights; the pool retries elsewhere, or here once it has the weights.
         self._generate_retries = None if retry_generate else 0
         self.paused = False  # this client paused the engine and has not resumed it yet
-        # (path, version) the last weight sync gave this engine; EnginePool checks it
-        self.expected_weights: tuple[str, str] | None = None
+        # (path, version) the last weight sync gave this engine (path None: only adapters were
+        # synced); EnginePool checks it
+        self.expected_weights: tuple[str | None, str] | None = None
+        # LoRA (engines/lora.py): the adapter generation uses unless a call names another, the
+        # (name, path) the last LoRA sync gave it, and the adapters this client loaded, oldest first
+        self.active_lora: str | None = None
+        self.expected_lora: tuple[str, str] | None = None
+        self.lora_loaded: list[str] = []
         self._info_paths: dict[str, str] = {}  # "/model_info" -> the form this server answers
 
     @property
@@ -111,6 +118,7 @@ class SGLangEngine:
         return_logprob: bool = True,
         top_logprobs_num: int = 0,
         logprob_start_len: int | None = None,
+        lora_path: str | None = ACTIVE,
     ) -> GenerateResult:
         """Generate one sample from token ids.
 
@@ -120,6 +128,7 @@ class SGLangEngine:
                 ...); `n` must be 1 (use `generate_batch`).
             rid: request id, usable with `abort(rid)`.
             return_logprob, top_logprobs_num, logprob_start_len: as in SGLang.
+            lora_path: adapter name; default `self.active_lora`; None = the base model.
 
         Returns:
             A `GenerateResult`; an aborted request returns normally with
@@ -132,9 +141,8 @@ class SGLangEngine:
         params = dict(sampling_params or {})
         if params.get("n", 1) != 1:
             raise ValueError("generate() returns one sample; use generate_batch() for n > 1")
-        body = generate_body(
-            list(input_ids), params, rid, return_logprob, top_logprobs_num, logprob_start_len
-        )
+        body = generate_body(list(input_ids), params, rid, return_logprob, top_logprobs_num,
+                             logprob_start_len, resolve_lora_path(self, lora_path))  # fmt: skip
         started = time.perf_counter()
         response = await self._post_generate(body)
         return self._parse(response, started, len(body["input_ids"]))
@@ -148,8 +156,10 @@ class SGLangEngine:
         return_logprob: bool = True,
         top_logprobs_num: int = 0,
         logprob_start_len: int | None = None,
+        lora_path: str | Sequence[str | None] | None = ACTIVE,
     ) -> list[GenerateResult]:
-        """One batched `/generate` call: B prompts (× n samples each), prompt-major order."""
+        """One batched `/generate` call: B prompts (× n samples each), prompt-major order.
+        `lora_path`: one adapter name for all, or one per prompt (None = base)."""
         prompts = [list(p) for p in batch_input_ids]
         params: Any = (
             dict(sampling_params or {})
@@ -158,7 +168,7 @@ class SGLangEngine:
         )
         rid_list = list(rids) if rids else None
         body = generate_body(prompts, params, rid_list, return_logprob, top_logprobs_num,
-                             logprob_start_len)  # fmt: skip
+                             logprob_start_len, resolve_lora_path(self, lora_path))  # fmt: skip
         started = time.perf_counter()
         response = await self._post_generate(body)
         objs = decode_json(response, "POST /generate", self._url)
@@ -195,11 +205,13 @@ class SGLangEngine:
             ) from exc
 
     async def score(
-        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0
-    ) -> ScoreResult:
+        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0,
+        lora_path: str | None = ACTIVE,
+    ) -> ScoreResult:  # fmt: skip
         """Logprobs of `input_ids[start:]` given their prefixes (prefill only, `max_new_tokens: 0`).
 
-        `start` must be in [1, len(input_ids)); position 0 has no logprob.
+        `start` must be in [1, len(input_ids)); position 0 has no logprob. `lora_path` as in
+        `generate` (None scores with the base model).
         """
         ids = list(input_ids)
         if not 1 <= start < len(ids):
@@ -210,6 +222,9 @@ class SGLangEngine:
             "return_logprob": True,
             "logprob_start_len": start - 1,  # entry 0 (position start-1) is always null
         }
+        lora = resolve_lora_path(self, lora_path)
+        if lora is not None:
+            body["lora_path"] = lora
         started = time.perf_counter()
         response = await self._post_generate(body)
         result = self._parse(response, started, len(ids))

@@ -54,6 +54,8 @@ def server_message(response: httpx.Response) -> str:
             return str(error["message"])
         if "message" in body:
             return str(body["message"])
+        if body.get("error_message"):  # LoRA load/unload (`LoRAUpdateOutput`)
+            return str(body["error_message"])
         if error is not None:
             return str(error)
     return response.text.strip()

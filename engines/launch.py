@@ -44,6 +44,8 @@ import trio
 from rollouts.errors import EngineError
 from rollouts.nursery import open_nursery
 
+from .lora import LoraLaunch
+
 logger = logging.getLogger(__name__)
 
 _MODULES = {"sglang": "sglang.launch_server", "local": "engines.local"}
@@ -132,6 +134,7 @@ async def launch_engine(
     admin_api_key: str | None = None,
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    lora: LoraLaunch | None = None,
 ) -> AsyncIterator[LaunchedEngine]:
     """Start an engine server process, wait until it is healthy, stop it on exit.
 
@@ -146,11 +149,15 @@ async def launch_engine(
         admin_api_key: passed as `--admin-api-key` (the key of the control routes).
         cwd: the server's working directory (default: ours); relative paths sent to it are
             resolved there, which is why the client sends absolute ones.
+        lora: serve LoRA adapters: `--enable-lora --max-lora-rank R --lora-target-modules ...
+            --max-loras-per-batch K` (the same flags for SGLang and the local engine).
 
     Raises:
         EngineLaunchError: the process exited or was not healthy within `startup_timeout_s`.
     """
     port = port or find_free_port(host)
+    if lora is not None:
+        extra_args = [*extra_args, *lora.args()]
     if api_key:
         extra_args = [*extra_args, "--api-key", api_key]
     if admin_api_key:

@@ -8,14 +8,16 @@ Contract:
   probes every engine each `probe_interval_s`: a healthy one must still answer `/model_info`
   with the weight version the last sync gave it (`expected_weights`), else it is marked down (it
   died, or restarted on its initial weights); a down one that answers again is first given
-  the current weights by a full sync (pause → flush → update → version check → continue) and
-  only then marked up. Engines this client has paused (a weight sync in progress) are never
+  the current weights by a full sync (pause → flush → update → version check → continue), and
+  the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
+  marked up. Engines this client has paused (a weight sync in progress) are never
   marked down by a probe.
 - A request whose engine fails with `EngineUnavailableError`, a 5xx or a timeout, or answers
   from weights other than `expected_weights`, is retried on another engine that has not failed
   it, at most `max_failovers` times (the failing engine is asked to abort it first); it returns
   exactly one result or raises, so a sample is never lost silently nor duplicated. A 4xx is
-  raised at once. Each failure is counted per engine and kind (`EngineStats.failures`).
+  raised at once, except a 400 saying the adapter the last LoRA sync gave that engine is not
+  loaded (it restarted): that counts as stale weights. Each failure is counted per engine and kind (`EngineStats.failures`).
 - The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
 
 Not covered: prefix-affinity routing (sglang-router's cache_aware policy), weighted engines.
@@ -36,6 +38,7 @@ import trio
 
 from rollouts.errors import EngineError, engine_failure_kind
 
+from .lora import lost_adapter
 from .types import (
     EngineTimeoutError,
     EngineUnavailableError,
@@ -43,7 +46,7 @@ from .types import (
     InferenceEngine,
     ScoreResult,
 )
-from .weight_sync import sync_weights_to_engines
+from .weight_sync import sync_lora_to_engines, sync_weights_to_engines
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +145,12 @@ class EnginePool:
     def engines(self) -> list[InferenceEngine]:
         return [s.engine for s in self._slots]
 
+    @property
+    def active_lora(self) -> str | None:
+        """The adapter the engines generate with (the newest an engine has); None = base."""
+        names = [getattr(s.engine, "active_lora", None) for s in self._slots]
+        return next((n for n in names if n is not None), None)
+
     async def __aenter__(self) -> EnginePool:
         self._nursery_manager = trio.open_nursery()
         self._nursery = await self._nursery_manager.__aenter__()
@@ -228,9 +237,12 @@ class EnginePool:
         engine = slot.engine
         try:
             expected = getattr(engine, "expected_weights", None)
-            if expected is not None:
-                with trio.fail_after(self.rejoin_timeout_s):
+            lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
+            with trio.fail_after(self.rejoin_timeout_s):
+                if expected is not None and expected[0] is not None:
                     await sync_weights_to_engines([engine], expected[0], expected[1])
+                if expected is not None and lora is not None:
+                    await sync_lora_to_engines([engine], lora[1], lora[0], expected[1])
             logger.info("engine %s is back%s", engine.url,
                         f" and serves weights {expected[1]}" if expected else "")  # fmt: skip
             slot.healthy = True
@@ -286,14 +298,17 @@ class EnginePool:
                 result = await fn(slot.engine)
                 self._check_weights(slot, result)
             except EngineError as exc:
+                if lost_adapter(slot.engine, exc):
+                    exc = StaleWeightsError(f"lost its LoRA adapter (restarted?): {exc}",
+                                            url=slot.engine.url)  # fmt: skip
                 slot.fail(exc)
                 if isinstance(exc, EngineUnavailableError):
                     self._mark_down(slot, exc)
                 if not _failover(exc) or len(failed_on) >= self.max_failovers:
-                    raise
+                    raise exc from None
                 no_other = all(s in failed_on or s is slot for s in self._slots)
                 if no_other and not isinstance(exc, EngineUnavailableError):
-                    raise  # a 5xx or timeout with nowhere else to go: the caller drops it
+                    raise exc from None  # a 5xx or timeout with nowhere else: the caller drops it
                 failed_on.add(slot)
                 with trio.move_on_after(1.0):  # the old engine may still run it: best effort
                     for r in rids:
@@ -358,9 +373,11 @@ class EnginePool:
         )
 
     async def score(
-        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0
+        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0, **kwargs: Any
     ) -> ScoreResult:
-        return await self._call(lambda e: e.score(input_ids, start, temperature=temperature), None)
+        return await self._call(
+            lambda e: e.score(input_ids, start, temperature=temperature, **kwargs), None
+        )
 
     async def abort(self, rid: str) -> None:
         """Abort `rid` on the engine running it (on every engine if unknown)."""

@@ -28,6 +28,7 @@ import trio
 from rollouts.errors import EngineError
 
 from .client import SGLangEngine
+from .lora import ACTIVE
 from .pool import StaleWeightsError
 from .types import GenerateResult, ModelInfo, ScoreResult
 
@@ -74,8 +75,24 @@ class RouterEngine:
 
     # ----- generation, through the gateway ----------------------------------------------------
 
+    @property
+    def active_lora(self) -> str | None:
+        """The adapter the last LoRA sync made active on the workers (the gateway's own
+        `active_lora` when no workers are known); generation sends it unless told otherwise."""
+        if not self.workers:
+            return self.gateway.active_lora
+        names = {w.active_lora for w in self.workers}
+        if len(names) == 1:
+            return names.pop()
+        # mid-sync: the newest adapter every worker has loaded (the previous one is kept)
+        order = self.workers[0].lora_loaded
+        common = [n for n in order if all(n in w.lora_loaded for w in self.workers)]
+        return common[-1] if common else None
+
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
                        **kwargs: Any) -> GenerateResult:  # fmt: skip
+        if "lora_path" not in kwargs:
+            kwargs["lora_path"] = self.active_lora
         for _ in range(self.max_stale_retries + 1):
             result = await self.gateway.generate(input_ids, sampling_params, **kwargs)
             expected = self._expected_version()
@@ -115,18 +132,23 @@ class RouterEngine:
         )
         results: list[GenerateResult | None] = [None] * len(prompts)
 
+        lora = kwargs.pop("lora_path", ACTIVE)
+        loras = list(lora) if isinstance(lora, list | tuple) else [lora] * len(prompts)
+
         async def one(i: int) -> None:
             rid = rids[i] if rids else None
-            results[i] = await self.generate(prompts[i], params[i], rid=rid, **kwargs)
+            extra = kwargs if loras[i] is ACTIVE else {**kwargs, "lora_path": loras[i]}
+            results[i] = await self.generate(prompts[i], params[i], rid=rid, **extra)
 
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
         return [r for r in results if r is not None]
 
-    async def score(self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0
-                    ) -> ScoreResult:  # fmt: skip
-        return await self.gateway.score(input_ids, start, temperature=temperature)
+    async def score(self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0,
+                    lora_path: str | None = ACTIVE) -> ScoreResult:  # fmt: skip
+        lora = self.active_lora if lora_path is ACTIVE else lora_path
+        return await self.gateway.score(input_ids, start, temperature=temperature, lora_path=lora)
 
     async def model_info(self) -> ModelInfo:
         return await self.gateway.model_info()

@@ -180,9 +180,10 @@ def parse_generate_response(obj: Any, *, latency_s: float, prompt_len: int) -> G
 
 
 def generate_body(
-    input_ids, params, rid, return_logprob, top_logprobs_num, logprob_start_len
+    input_ids, params, rid, return_logprob, top_logprobs_num, logprob_start_len, lora_path=None
 ) -> dict[str, Any]:
-    """A `/generate` body; `no_stop_trim: true` unless given, so `text` is all of `output_ids`."""
+    """A `/generate` body; `no_stop_trim: true` unless given, so `text` is all of `output_ids`.
+    `lora_path` (adapter name, or one per prompt) is sent only when it names an adapter."""
     if isinstance(params, list):
         params = [{"no_stop_trim": True, **p} for p in params]
     else:
@@ -198,6 +199,8 @@ def generate_body(
         body["top_logprobs_num"] = top_logprobs_num
     if logprob_start_len is not None:
         body["logprob_start_len"] = logprob_start_len
+    if lora_path is not None and (isinstance(lora_path, str) or any(lora_path)):
+        body["lora_path"] = lora_path
     return body
 
 

@@ -31,11 +31,13 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 
 from rollouts.errors import EngineError
 
+from .lora import LoraAdapterError
 from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -148,10 +150,16 @@ async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
 
 
 async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMode = "abort", *,
-                        resume_timeout_s: float = 30.0) -> None:  # fmt: skip
-    """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`.
+                        resume_timeout_s: float = 30.0, activate_lora: str | None = None
+                        ) -> None:  # fmt: skip
+    """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`
+    (or `sync_lora_to_engines(..., paused=True)`).
 
-    Requests sent after this returns wait in the engines until they are resumed.
+    Requests sent after this returns wait in the engines until they are resumed. With
+    `activate_lora` (the name the LoRA sync that follows loads), each paused engine's
+    `active_lora` becomes that name at once, so those requests name the new adapter; the
+    engine resolves it after the sync's resume, when it is loaded (SGLang resolves adapter
+    names only once a pause is over).
 
     An engine that cannot be reached is skipped (logged): the sync that follows skips it too.
 
@@ -161,10 +169,14 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
     """
     failures: dict[str, str] = {}
     down: dict[str, str] = {}
+    previous: dict[Any, str | None] = {}  # active_lora before `activate_lora`
 
     async def pause_one(engine: InferenceEngine) -> None:
         try:
             await engine.pause(pause_mode)
+            if activate_lora is not None:
+                previous[engine] = getattr(engine, "active_lora", None)
+                engine.active_lora = activate_lora  # type: ignore[attr-defined]
         except EngineUnavailableError as exc:
             down[engine.url] = str(exc)
         except EngineError as exc:
@@ -179,6 +191,8 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
         failures.update(down)
     if not failures:
         return
+    for engine, active in previous.items():
+        engine.active_lora = active
     with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s):
         async with trio.open_nursery() as nursery:
             for engine in engines:
@@ -195,3 +209,146 @@ async def _resume_quietly(engine: InferenceEngine) -> None:
         await engine.resume()
     except EngineError as exc:
         logger.warning("could not resume %s after a failed pause: %s", engine.url, exc)
+
+
+def lora_version_name(name: str, version: int) -> str:
+    """The versioned adapter name a LoRA push is loaded under: `f"{name}-v{version}"`."""
+    if not name or not isinstance(version, int) or version < 0:
+        raise ValueError(f"lora_version_name needs a name and a version >= 0, got {name!r}, "
+                         f"{version!r}")  # fmt: skip
+    return f"{name}-v{version}"
+
+
+async def sync_lora_to_engines(
+    engines: Sequence[InferenceEngine],
+    adapter_dir: str | os.PathLike[str],
+    lora_name: str,
+    weight_version: str,
+    *,
+    keep: int = 2,
+    pause_mode: PauseMode = "abort",
+    paused: bool = False,
+    resume_timeout_s: float = 30.0,
+) -> float:
+    """Load the adapter in `adapter_dir` (peft layout) on every engine as `lora_name`, make it
+    the adapter generation uses, and label the weights `weight_version`.
+
+    Per engine, all at once: pause (unless `paused`) → `engine.active_lora = lora_name` (so
+    requests sent from now on, which wait in the paused engine, name the new adapter; SGLang
+    resolves adapter names only once a pause is over) → `/load_lora_adapter` (absolute path;
+    an adapter already loaded under this name from this path counts as loaded, so a retry or
+    a rejoin is harmless) → check `loaded_adapters` lists it → `/update_weight_version` →
+    `/model_info` reports the version → resume → unload the adapters this client loaded
+    before, oldest first, beyond the newest `keep` (never the active one). Unloading comes
+    after the resume because SGLang waits for the requests still using an adapter; a failed
+    unload is logged and retried at the next sync.
+
+    Failure semantics are `sync_weights_to_engines`'s: every paused engine is resumed; an
+    engine that cannot be reached is skipped and logged (`expected_lora` and
+    `expected_weights` are set first, so an `EnginePool` loads the adapter on it when it comes
+    back); one `WeightSyncError` names every engine that failed (they keep their old active
+    adapter); it fails if no engine took the adapter. Returns seconds.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the active adapter stays loaded), got {keep}")
+    path = os.path.abspath(adapter_dir)
+    failures: dict[str, list[str]] = {}
+    down: dict[str, str] = {}
+    started = time.perf_counter()
+
+    async def load_one(engine: Any) -> bool:
+        try:
+            loaded = await engine.load_lora_adapter(lora_name, path)
+        except LoraAdapterError as exc:
+            if exc.loaded_adapters.get(lora_name) != path:
+                raise
+            loaded = exc.loaded_adapters  # already there from this path: a retry or a rejoin
+        if lora_name not in loaded:
+            failures.setdefault(engine.url, []).append(
+                f"loaded_adapters {sorted(loaded)} does not list {lora_name!r} after the load"
+            )
+            return False
+        have = getattr(engine, "lora_loaded", [])
+        engine.lora_loaded = [n for n in have if n in loaded and n != lora_name] + [lora_name]
+        await engine.update_weight_version(weight_version, abort_all_requests=False)
+        info = await engine.model_info()
+        if info.weight_version != weight_version:
+            failures.setdefault(engine.url, []).append(
+                f"reports weight_version {info.weight_version!r} after the update, "
+                f"expected {weight_version!r}")  # fmt: skip
+            return False
+        return True
+
+    async def sync_one(engine: Any) -> None:
+        is_paused, loaded = paused, False
+        previous = getattr(engine, "expected_weights", None)
+        engine.expected_weights = (previous[0] if previous else None, weight_version)
+        engine.expected_lora = (lora_name, path)
+        try:
+            if not is_paused:
+                await engine.pause(pause_mode)
+                is_paused = True
+            # From here requests name the new adapter; they wait in the paused engine, which
+            # resolves names only once the pause is over (SGLang's tokenizer manager too).
+            engine.active_lora = lora_name
+            loaded = await load_one(engine)
+        except EngineUnavailableError as exc:
+            down[engine.url] = str(exc)
+            engine.active_lora = lora_name  # it is given the adapter on rejoin
+        except EngineError as exc:
+            failures.setdefault(engine.url, []).append(str(exc))
+        finally:
+            if not loaded and engine.url not in down:  # refused: back to the newest it has
+                have = [n for n in getattr(engine, "lora_loaded", []) if n != lora_name]
+                engine.active_lora = have[-1] if have else None
+            with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
+                try:
+                    await engine.resume()
+                except EngineUnavailableError as exc:
+                    down.setdefault(engine.url, str(exc))
+                except EngineError as exc:
+                    failures.setdefault(engine.url, []).append(
+                        f"could not be resumed, it may still be paused: {exc}")  # fmt: skip
+            if scope.cancelled_caught and is_paused:
+                failures.setdefault(engine.url, []).append(
+                    f"resume timed out after {resume_timeout_s} s")  # fmt: skip
+        if loaded:
+            await _unload_old(engine, keep)
+
+    async with trio.open_nursery() as nursery:
+        for engine in engines:
+            nursery.start_soon(sync_one, engine)
+    duration = time.perf_counter() - started
+    for url, reason in down.items():
+        logger.warning("LoRA sync %s skipped %s, which is down: %s", lora_name, url, reason)
+    if len(down) == len(engines) and not failures:
+        failures = {url: [f"down: {reason}"] for url, reason in down.items()}
+    if failures:
+        lines = [f"{url}: {'; '.join(reasons)}" for url, reasons in failures.items()]
+        raise WeightSyncError(
+            f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path} failed on "
+            f"{len(failures)} of {len(engines)} engine(s):\n  " + "\n  ".join(lines)
+        )
+    logger.debug("synced LoRA %s to %d engine(s) in %.3f s", lora_name,
+                 len(engines) - len(down), duration)  # fmt: skip
+    return duration
+
+
+async def _unload_old(engine: Any, keep: int) -> None:
+    """Unload this client's adapters beyond the newest `keep`, oldest first, never the active."""
+    active = getattr(engine, "active_lora", None)
+    names: list[str] = list(getattr(engine, "lora_loaded", []))
+    for name in [n for n in names if n != active][: max(0, len(names) - keep)]:
+        try:
+            await engine.unload_lora_adapter(name)
+        except LoraAdapterError as exc:
+            if name in exc.loaded_adapters:
+                logger.warning("%s: could not unload LoRA %s (retried at the next sync): %s",
+                               engine.url, name, exc)  # fmt: skip
+                continue
+        except EngineError as exc:
+            logger.warning("%s: could not unload LoRA %s (retried at the next sync): %s",
+                           engine.url, name, exc)  # fmt: skip
+            continue
+        names.remove(name)
+    engine.lora_loaded = names

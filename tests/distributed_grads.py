@@ -3,7 +3,7 @@ writes the whole gradients and the loss metrics. `tests/test_distributed.py` run
 plain python and under `torchrun --nproc_per_node 2` and compares the two.
 
     python tests/distributed_grads.py MODEL_DIR OUT_DIR MODE[,MODE...]   # OUT_DIR/MODE/...
-    modes: sft, grpo-token-mean, grpo-seq-mean
+    modes: sft, grpo-token-mean, grpo-seq-mean, and each with `-lora` (LoRA adapters, rank 4)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # rl_helpers
 from rl_helpers import batch_of
 
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import BackendConfig, OptimConfig
+from training.config import BackendConfig, LoraSettings, OptimConfig
 from training.data.tokenize import tokenize_conversation
 from training.distributed import run_rank0
 from training.rl.algorithms import grpo
@@ -41,11 +41,16 @@ def sft_samples(tokenizer) -> list:
 async def one_step(model_dir: str, out: Path, mode: str) -> dict:
     tokenizer = load_tokenizer(model_dir)
     optim = OptimConfig(lr=1e-3, schedule="constant")
+    mode, with_lora, _ = mode.partition("-lora")
+    lora = LoraSettings(rank=4) if with_lora else None
     if mode == "sft":
         backend = PyTorchTrainingBackend(
             partial(load_model, model_dir), tokenizer, optim=optim, max_steps=2,
-            checkpoint_dir=out / "ckpt", pack_length=64, micro_batch_tokens=128,
+            checkpoint_dir=out / "ckpt", pack_length=64, micro_batch_tokens=128, lora=lora,
         )  # fmt: skip
+        if lora is not None:  # a first step makes B ≠ 0, so that A's gradient is not 0 either
+            await backend.forward_backward(sft_samples(tokenizer)).result()
+            await backend.optim_step().result()
         metrics = await backend.forward_backward(sft_samples(tokenizer)).result()
     else:
         aggregation = "token-mean" if mode == "grpo-token-mean" else "seq-mean-token-mean"
@@ -53,11 +58,16 @@ async def one_step(model_dir: str, out: Path, mode: str) -> dict:
         backend = PyTorchTrainingBackend(
             partial(load_model, model_dir), tokenizer, optim=optim, max_steps=2,
             checkpoint_dir=out / "ckpt", pack_length=None, micro_batch_tokens=96,
-            collate_fn=partial(collate_rl, pad_id=tokenizer.pad_token_id),
+            collate_fn=partial(collate_rl, pad_id=tokenizer.pad_token_id), lora=lora,
         )  # fmt: skip
         rewards = [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2], [0.3, 0.9, 0.0, 1.0]]
         batch = batch_of(rewards, n_response=lambda g, i: 3 + (g * 5 + i * 3) % 7)
         examples = build_examples(batch, algorithm)
+        if lora is not None:  # as above
+            await backend.forward_backward(
+                examples, loss_fn=rl_loss_fn(algorithm), loss_weight_fn=loss_weight_fn(algorithm)
+            ).result()
+            await backend.optim_step().result()
         metrics = await backend.forward_backward(
             examples, loss_fn=rl_loss_fn(algorithm), loss_weight_fn=loss_weight_fn(algorithm)
         ).result()

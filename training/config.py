@@ -11,12 +11,51 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rollouts.config import Strict
 from rollouts.errors import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
+
+
+class LoraSettings(Strict):
+    """LoRA adapters on the policy (peft): only they train; the base model stays frozen.
+
+    ```yaml
+    model:
+      lora: {rank: 8}            # or on the command line: model.lora.rank=8
+    ```
+    """
+
+    rank: int = Field(ge=1, description="LoRA rank r")
+    alpha: float | None = Field(None, gt=0, description="scale numerator; None: 2 x rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names (e.g. [q_proj, v_proj]) or every linear layer"
+    )
+    name: str = Field(
+        "policy",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="adapter name on the engines; pushes load `<name>-v<N>`",
+    )
+    keep: int = Field(2, ge=1, description="adapter versions left loaded on each engine")
+    merged_export: bool = Field(
+        False, description="also write a merged full HF model (`merged/`) with each checkpoint"
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and (not value or not all(m.strip() for m in value)):
+            raise ValueError("give module names such as [q_proj, v_proj], or 'all-linear'")
+        return value
+
+    @model_validator(mode="after")
+    def _default_alpha(self) -> LoraSettings:
+        if self.alpha is None:  # frozen model: set the derived default once, at validation
+            object.__setattr__(self, "alpha", 2.0 * self.rank)
+        return self
 
 
 class ModelConfig(Strict):
@@ -32,6 +71,7 @@ class ModelConfig(Strict):
         description="thinking mode of chat templates that take it (Qwen3): passed to the "
         "template for SFT samples and RL prompts; null: the template's default",
     )
+    lora: LoraSettings | None = Field(None, description="LoRA adapters; None: full fine-tuning")
 
 
 class ArithmeticTaskConfig(Strict):
@@ -182,7 +222,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
+            if node.get(part) is None:  # absent or `null` (e.g. `lora: null`): a new section
+                node[part] = {}
+            child = node[part]
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child

@@ -2,7 +2,9 @@
 
 Layers: `params` (request validation, pure) → `scheduler` (trio, continuous batching) →
 `runner` (torch, batched KV cache) ; `http11` (the bounded HTTP/1.1 server) + `asgi` +
-`native_api` + `openai_api` are the HTTP side; `server` assembles them. Importing this package does not import torch.
+`native_api` + `openai_api` + `lora_api` are the HTTP side; `server` assembles them. LoRA:
+`lora_registry` (SGLang's adapter rules, pure) and `lora_runner` (peft inside the runner).
+Importing this package does not import torch.
 """
 
 import rollouts.threads  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)

@@ -41,6 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--skip-server-warmup", action="store_true")
     parser.add_argument("--log-level", default="info")
+    lora = parser.add_argument_group("LoRA serving (SGLang's flags)")
+    lora.add_argument("--enable-lora", action="store_true", default=None)
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=None, help="default: the largest of --lora-paths"
+    )
+    lora.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        default=None,
+        help="module names (q_proj, v_proj, ...) or 'all'; default: those of --lora-paths",
+    )
+    lora.add_argument("--max-loras-per-batch", type=int, default=8)
+    lora.add_argument("--max-loaded-loras", type=int, default=None)
+    lora.add_argument(
+        "--lora-paths", nargs="*", default=(), help="adapters loaded at start: PATH or NAME=PATH"
+    )
     bounds = parser.add_argument_group(
         "bounds for a server on a shared machine (400/413 past them)"
     )
@@ -118,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         keep_alive_timeout_s=args.keep_alive_timeout,
         read_timeout_s=args.read_timeout,
         weights_root=args.weights_root,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=(
+            None if args.lora_target_modules is None else tuple(args.lora_target_modules)
+        ),
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras,
+        lora_paths=tuple(args.lora_paths or ()),
     )
     try:
         trio.run(serve, config)

@@ -172,14 +172,22 @@ def register_native_routes(app: App, state: EngineState) -> None:
             return not_ready()
         try:
             parsed = state.parse(read_json(request))
+            if not state.scheduler.paused:  # else resolved once the pause ends (`submit`)
+                await state.lora.resolve([item.lora_name for item in parsed.items])
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
         except BadRequestError as exc:
             return error_response(str(exc))
         if parsed.stream:
-            return StreamingResponse(_stream_generate(state, parsed.items, parsed.is_batch))
-        async with state.scheduler.submit(parsed.items) as seqs:
-            await wait_finished(seqs)
+            from .lora_api import bad_adapter_in_band
+
+            events = _stream_generate(state, parsed.items, parsed.is_batch)
+            return StreamingResponse(bad_adapter_in_band(events, openai=False))
+        try:
+            async with state.scheduler.submit(parsed.items) as seqs:
+                await wait_finished(seqs)
+        except BadRequestError as exc:  # an adapter named during a pause, or unloaded since
+            return error_response(str(exc))
         failed = [s for s in seqs if s.error is not None]
         if failed:
             return object_error(failed[0].error or "generation failed", 500)

@@ -22,6 +22,7 @@ from .asgi import (
     object_error,
     sse_event,
 )
+from .lora_api import adapter_cards, bad_adapter_in_band, openai_lora_path
 from .native_api import not_ready, read_json, stream_sequences, wait_finished
 from .params import MAX_CHARS_PER_TOKEN, GenerateRequest
 from .sampling_params import BadRequestError, RequestValidationError
@@ -95,7 +96,7 @@ def register_openai_routes(app: App, state: EngineState) -> None:
 
     @app.route("/v1/models")
     async def list_models(request: Request) -> Response:
-        return json_response({"object": "list", "data": [card()]})
+        return json_response({"object": "list", "data": [card(), *adapter_cards(state, card())]})
 
     @app.route("/v1/models/{id}")
     async def get_model(request: Request) -> Response:
@@ -122,11 +123,27 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             if not isinstance(body, dict):
                 raise RequestValidationError("Input should be a valid dictionary")
             native = to_native(body)
-            return body, state.parse(native)
+            native["lora_path"] = openai_lora_path(body, state.served_model_name)
+            parsed = state.parse(native)
+            if not state.scheduler.paused:  # else resolved once the pause ends (`submit`)
+                await state.lora.resolve([item.lora_name for item in parsed.items])
+            return body, parsed
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
         except BadRequestError as exc:
             return bad_request(str(exc))
+
+    async def finished(items) -> list[Sequence] | Response:
+        """Run the items to the end: their sequences, or the error response."""
+        try:
+            async with state.scheduler.submit(items) as seqs:
+                await wait_finished(seqs)
+        except BadRequestError as exc:  # an adapter named during a pause, or unloaded since
+            return bad_request(str(exc))
+        failed = [s for s in seqs if s.error is not None]
+        if failed:
+            return object_error(failed[0].error or "generation failed", 500, "InternalServerError")
+        return seqs
 
     # ----- completions ----------------------------------------------------------------------
 
@@ -204,15 +221,13 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             "model": state.served_model_name,
         }
         if req.stream:
-            return StreamingResponse(
+            return StreamingResponse(bad_adapter_in_band(
                 _stream_openai(state, req, body, header, chat=False,
-                               logprobs=lambda seq, start: completion_logprobs(seq, False, start))
-            )  # fmt: skip
-        async with state.scheduler.submit(req.items) as seqs:
-            await wait_finished(seqs)
-        failed = [s for s in seqs if s.error is not None]
-        if failed:
-            return object_error(failed[0].error or "generation failed", 500, "InternalServerError")
+                               logprobs=lambda seq, start: completion_logprobs(seq, False, start)),
+                openai=True))  # fmt: skip
+        seqs = await finished(req.items)
+        if isinstance(seqs, Response):
+            return seqs
         return json_response(
             {
                 "id": f"cmpl-{seqs[0].rid}",
@@ -298,14 +313,12 @@ def register_openai_routes(app: App, state: EngineState) -> None:
         }
         if req.stream:
             chunk_header = {**header, "object": "chat.completion.chunk"}
-            return StreamingResponse(
-                _stream_openai(state, req, body, chunk_header, chat=True, logprobs=chat_logprobs)
-            )
-        async with state.scheduler.submit(req.items) as seqs:
-            await wait_finished(seqs)
-        failed = [s for s in seqs if s.error is not None]
-        if failed:
-            return object_error(failed[0].error or "generation failed", 500, "InternalServerError")
+            events = _stream_openai(state, req, body, chunk_header, chat=True,
+                                    logprobs=chat_logprobs)  # fmt: skip
+            return StreamingResponse(bad_adapter_in_band(events, openai=True))
+        seqs = await finished(req.items)
+        if isinstance(seqs, Response):
+            return seqs
         choices = []
         for i, seq in enumerate(seqs):
             reason, matched = _finish(seq)

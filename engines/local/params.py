@@ -42,6 +42,7 @@ class GenerateItem:
     logprob_start_len: int  # resolved: 0 <= start < len(input_ids)
     top_logprobs_num: int
     return_text_in_logprobs: bool
+    lora_name: str | None = None  # the LoRA adapter serving it (`lora_path`); None = base
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,18 @@ def _rids(raw: Any, batch: int, is_batch: bool) -> list[str]:
     return list(raw)
 
 
+def _lora_names(raw: Any, batch: int) -> list[str | None]:
+    """`lora_path`: one adapter name for every prompt, or one (or None) per prompt (SGLang's
+    `GenerateReqInput._normalize_lora_paths`)."""
+    if raw is None or isinstance(raw, str):
+        return [raw or None] * batch
+    if not isinstance(raw, list) or not all(r is None or isinstance(r, str) for r in raw):
+        raise _type_error("lora_path", "a valid string or list of strings", raw)
+    if len(raw) != batch:
+        raise BadRequestError(f"lora_path list length ({len(raw)}) must match batch size ({batch})")
+    return [r or None for r in raw]
+
+
 def parse_generate_request(
     body: Any,
     limits: ModelLimits,
@@ -199,6 +212,7 @@ def parse_generate_request(
         "top_logprobs_num", body.get("top_logprobs_num", 0), batch, _is_int, "a valid integer"
     )
     rids = _rids(body.get("rid"), batch, is_batch)
+    loras = _lora_names(body.get("lora_path"), batch)
 
     items: list[GenerateItem] = []
     for i, prompt in enumerate(prompts):
@@ -228,6 +242,7 @@ def parse_generate_request(
                     logprob_start_len=min(start, len(prompt) - 1),
                     top_logprobs_num=min(tops[i], limits.vocab_size),
                     return_text_in_logprobs=text_in_logprobs,
+                    lora_name=loras[i],
                 )
             )
     return GenerateRequest(items=items, is_batch=is_batch or n > 1, stream=stream)

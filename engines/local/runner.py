@@ -12,6 +12,10 @@ Contract:
   same tokens run alone (up to float rounding, ~1e-6 in float32).
 - `load_weights` validates every tensor (names, shapes) before copying any, so a failed update
   leaves the old weights in place.
+- With LoRA (`enable_lora`, lora_runner.py) every forward passes each row's adapter through
+  peft's `adapter_names`, so base and adapter rows share the batch and its KV cache; identical
+  prompts share a prefill only when they also share the adapter. A base weight update
+  replaces the base tensors and keeps the adapters.
 
 Not covered: a prefix cache across requests (only identical prompts admitted in the same step
 share their prefill), paged memory, chunked prefill of one long prompt.
@@ -25,6 +29,7 @@ import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +73,7 @@ class ModelRunner:
     def __init__(
         self, model_path: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0
     ):
+        self.lora: Any = None  # LoraAdapters once `enable_lora` was called
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
@@ -84,6 +90,27 @@ class ModelRunner:
         self._rows: list[Sequence] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
+
+    # ----- LoRA (lora_runner.py) ------------------------------------------------------------
+
+    def enable_lora(self, max_lora_rank: int, target_modules: Seq[str]) -> None:
+        from .lora_runner import LoraAdapters
+
+        self.lora = LoraAdapters(
+            self.model, max_lora_rank=max_lora_rank, target_modules=target_modules
+        )
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.lora.load(name, path)
+
+    def delete_lora(self, name: str) -> None:
+        self.lora.delete(name)
+
+    def _forward(self, seqs: Seq[Sequence], **kwargs: Any) -> Any:
+        """The model on a batch whose row i belongs to seqs[i] (its LoRA adapter, if any)."""
+        if self.lora is None:
+            return self.model(**kwargs)
+        return self.lora.forward([s.item.lora_name for s in seqs], **kwargs)
 
     # ----- batch layout ---------------------------------------------------------------------
 
@@ -196,7 +223,8 @@ class ModelRunner:
         ones = torch.ones(len(self._rows), 1, dtype=self._mask.dtype, device=self.device)
         self._mask = torch.cat([self._mask, ones], dim=1)
         positions = self._mask.sum(-1, keepdim=True) - 1
-        result = self.model(
+        result = self._forward(
+            self._rows,
             input_ids=tokens,
             attention_mask=self._mask,
             position_ids=positions,
@@ -228,9 +256,13 @@ class ModelRunner:
             seed = seq.item.params.sampling_seed
             if seed is not None and seq.runner_state is None:
                 seq.runner_state = torch.Generator(self.device).manual_seed(seed)
-        unique: dict[tuple[int, ...], int] = {}
-        row_of = [unique.setdefault(tuple(s.prefill_ids), len(unique)) for s in admit]
-        prompts = list(unique)
+        # identical prompts for the same adapter are prefilled once
+        unique: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        row_of = [
+            unique.setdefault((s.item.lora_name, tuple(s.prefill_ids)), len(unique)) for s in admit
+        ]
+        row_seqs = {r: s for s, r in zip(admit, row_of, strict=True)}  # a sequence per row
+        prompts = [ids for _, ids in unique]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
@@ -242,7 +274,8 @@ class ModelRunner:
             if s.item.return_logprob and not s.prefilled:
                 keep_last = max(keep_last, len(s.item.input_ids) - s.item.logprob_start_len)
         cache = DynamicCache(config=self.model.config)
-        result = self.model(
+        result = self._forward(
+            [row_seqs[r] for r in range(len(prompts))],
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
@@ -304,7 +337,8 @@ class ModelRunner:
     def load_weights(self, path: str) -> None:
         """Replace the weights in place from an HF directory (safetensors or .bin)."""
         tensors = _read_checkpoint(path)
-        state = self.model.state_dict()
+        # with LoRA: the base tensors only; loaded adapters stay and apply to the new base
+        state = self.lora.base_state() if self.lora is not None else self.model.state_dict()
         problems = []
         for name, tensor in tensors.items():
             if name not in state:

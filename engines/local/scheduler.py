@@ -20,6 +20,10 @@ Contract:
   thread, so it never overlaps a step. On failure the old weights, `model_path` and
   `weight_version` stay.
 
+- LoRA (lora_registry.py): a sequence joins the batch only if the distinct adapters running
+  (the base model counts as one) stay within `max_loras_per_batch`, else it waits, as in
+  SGLang; `submit` counts the requests using each adapter, and an unload waits for them.
+
 Not covered: priorities, preemption under memory pressure, a radix prefix cache.
 """
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -35,6 +39,7 @@ from typing import Any, Literal
 import trio
 
 from .params import GenerateItem
+from .sampling_params import BadRequestError
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -97,6 +102,7 @@ class Scheduler:
         weight_version: str,
         max_running_requests: int = 128,
         max_prefill_tokens: int = 8192,
+        max_loras_per_batch: int = 8,
     ) -> None:
         self.runner = runner
         self._decode = decode  # (token ids, skip_special_tokens) -> text
@@ -116,6 +122,12 @@ class Scheduler:
         self._update_lock = _ReadWriteLock()
         self.generated_tokens = 0
         self.last_gen_throughput = 0.0
+        # LoRA: the registry (set by the server when --enable-lora), distinct adapters per
+        # running batch (SGLang counts the base model as one), requests using each adapter
+        self.lora: Any = None
+        self.max_loras_per_batch = max_loras_per_batch
+        self.lora_in_use: Counter[str] = Counter()
+        self._lora_released = trio.Event()
 
     # ----- the loop -------------------------------------------------------------------------
 
@@ -151,17 +163,27 @@ class Scheduler:
                 self._step_done.set()
 
     def _admit(self) -> list[Sequence]:
+        """Waiting sequences in order, within the request, prefill-token and adapter bounds; a
+        sequence whose adapter would exceed `max_loras_per_batch` waits (SGLang skips it too)."""
         admit: list[Sequence] = []
+        deferred: list[Sequence] = []
+        adapters = {s.item.lora_name for s in self.running}
         longest = 0
         while self.waiting and len(self.running) + len(admit) < self.max_running_requests:
             seq = self.waiting[0]
             if seq.finished:
                 self.waiting.popleft()
                 continue
+            lora = seq.item.lora_name
+            if lora not in adapters and len(adapters) >= self.max_loras_per_batch:
+                deferred.append(self.waiting.popleft())
+                continue
             longest = max(longest, len(seq.prefill_ids))
             if admit and longest * (len(admit) + 1) > self.max_prefill_tokens:
                 break
+            adapters.add(lora)
             admit.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(deferred))
         return admit
 
     def _apply(self, out: Any, elapsed: float) -> None:
@@ -216,22 +238,58 @@ class Scheduler:
 
     @asynccontextmanager
     async def submit(self, items: Iterable[GenerateItem], *, lock: bool = True):
-        """Queue the items; yield their sequences. Unfinished ones are aborted on exit."""
+        """Queue the items; yield their sequences. Unfinished ones are aborted on exit.
+
+        LoRA adapter names are resolved once a pause is over (SGLang's tokenizer manager waits
+        for the pause before `_validate_and_resolve_lora`), so a request sent during a weight
+        sync may name the adapter the sync is loading.
+
+        Raises:
+            BadRequestError: a named adapter is unknown or cannot be loaded again.
+        """
         async with self._update_lock.read() if lock else _null():
             seqs = [Sequence(item) for item in items]
-            if self.paused:
-                self.held += seqs
-                try:
-                    while self.paused and not all(s.finished for s in seqs):
-                        await _wait_any(self._resumed, seqs)
-                finally:
-                    self.held = [s for s in self.held if s not in seqs]
-            self.waiting.extend(s for s in seqs if not s.finished)
-            self._wake()
+            await self._hold(seqs)
+            adapters = [s.item.lora_name for s in seqs if s.item.lora_name is not None]
+            if adapters:
+                if self.lora is None:
+                    raise BadRequestError("LoRA adapters are not enabled on this server.")
+                await self.lora.resolve(adapters)
+                self.lora.check_loaded(adapters)
+            self.lora_in_use.update(adapters)
             try:
-                yield seqs
+                self.waiting.extend(s for s in seqs if not s.finished)
+                self._wake()
+                try:
+                    yield seqs
+                finally:
+                    self.abort_sequences([s for s in seqs if not s.finished])
             finally:
-                self.abort_sequences([s for s in seqs if not s.finished])
+                self.lora_in_use.subtract(adapters)
+                if adapters:
+                    self._lora_released.set()
+                    self._lora_released = trio.Event()
+
+    async def _hold(self, seqs: list[Sequence]) -> None:
+        """While paused: wait in front of the scheduler (abortable by rid)."""
+        if not self.paused:
+            return
+        self.held += seqs
+        try:
+            while self.paused and not all(s.finished for s in seqs):
+                await _wait_any(self._resumed, seqs)
+        finally:
+            self.held = [s for s in self.held if s not in seqs]
+
+    async def wait_lora_unused(self, name: str) -> None:
+        """Until no request uses adapter `name` (SGLang waits the same way before unloading)."""
+        while self.lora_in_use[name] > 0:
+            await self._lora_released.wait()
+        del self.lora_in_use[name]
+
+    async def run_on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the model thread, between two steps (adapter loads and deletes)."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     def abort_sequences(self, seqs: Iterable[Sequence]) -> int:
         count = 0

@@ -19,6 +19,7 @@ import trio
 
 from .asgi import App
 from .http11 import ConnectionLimits, serve_http
+from .lora_api import register_lora_routes
 from .native_api import register_native_routes
 from .openai_api import register_openai_routes
 from .state import EngineState, LocalEngineConfig
@@ -42,6 +43,7 @@ def build_app(state: EngineState) -> App:
     config = state.config
     app = App(config.api_key, config.admin_api_key, max_body_bytes=config.max_request_bytes)
     register_native_routes(app, state)
+    register_lora_routes(app, state)
     register_openai_routes(app, state)
     return app
 
@@ -77,6 +79,13 @@ class _ThreadedRunner:
         with _torch_threads(self._threads):
             self._runner.load_weights(path)
 
+    def load_lora(self, name: str, path: str) -> None:
+        with _torch_threads(self._threads):
+            self._runner.load_lora(name, path)
+
+    def delete_lora(self, name: str) -> None:
+        self._runner.delete_lora(name)
+
     def reset(self) -> None:
         self._runner.reset()
 
@@ -93,6 +102,8 @@ def _load(config: LocalEngineConfig):
         runner = ModelRunner(
             config.model_path, dtype=config.dtype, device=config.device, seed=config.random_seed
         )
+        if config.lora_enabled:
+            _enable_lora(runner, config)
     try:
         generation = GenerationConfig.from_pretrained(config.model_path).to_dict()
     except OSError:
@@ -106,6 +117,52 @@ def _load(config: LocalEngineConfig):
         vocab_size=runner.vocab_size, context_len=runner.context_len, sampling_defaults=defaults
     )
     return tokenizer, runner, limits
+
+
+def _enable_lora(runner: Any, config: LocalEngineConfig) -> None:
+    """Wrap the model for LoRA and load `--lora-paths`, with SGLang's start-up checks
+    (`arg_groups/lora_hook.py`, `lora_manager.py::init_lora_shapes`)."""
+    from .lora_registry import LoraLoadError, parse_lora_paths
+    from .lora_runner import read_adapter_config
+
+    refs = parse_lora_paths(config.lora_paths)
+    if config.max_loras_per_batch <= 0:
+        raise ValueError("max_loras_per_batch must be positive")
+    if not refs and not (config.max_lora_rank and config.lora_target_modules):
+        raise ValueError(
+            "When no initial --lora-paths is provided, you need to specify both --max-lora-rank "
+            "and --lora-target-modules for LoRA initialization."
+        )
+    given = config.lora_target_modules or ()
+    if "all" in given and len(given) != 1:
+        raise ValueError(
+            "If 'all' is specified in --lora-target-modules, it should be the only module "
+            "specified."
+        )
+    if config.max_loaded_loras is not None and config.max_loaded_loras < config.max_loras_per_batch:
+        raise ValueError(
+            "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+            f"max_loaded_loras={config.max_loaded_loras}, "
+            f"max_loras_per_batch={config.max_loras_per_batch}"
+        )
+    if config.max_loaded_loras is not None and config.max_loaded_loras < len(refs):
+        raise ValueError(
+            "The number of LoRA paths should not exceed max_loaded_loras. "
+            f"max_loaded_loras={config.max_loaded_loras}, lora_paths={len(refs)}"
+        )
+    configs = {ref.lora_name: read_adapter_config(ref.lora_path) for ref in refs}
+    rank = config.max_lora_rank or max((int(c["r"]) for c in configs.values()), default=0)
+    modules: list[str] = list(config.lora_target_modules or [])
+    if not modules:
+        for c in configs.values():
+            targets = c["target_modules"]
+            modules += ["all"] if isinstance(targets, str) else list(targets)
+    runner.enable_lora(rank, modules)
+    for ref in refs:
+        try:
+            runner.load_lora(ref.lora_name, ref.lora_path)
+        except LoraLoadError as exc:
+            raise RuntimeError(f"Failed to load LoRA adapter {ref.lora_name}: {exc}") from exc
 
 
 async def serve(
@@ -144,13 +201,31 @@ async def serve(
             weight_version=config.weight_version,
             max_running_requests=config.max_running_requests,
             max_prefill_tokens=config.max_prefill_tokens,
+            max_loras_per_batch=config.max_loras_per_batch,
         )
+        state.lora = state.scheduler.lora = _lora_registry(state.scheduler, config)
         await nursery.start(state.scheduler.run)
         if not config.skip_server_warmup:
             await _warmup(state)
         state.ready.set()
         logger.info("The server is fired up and ready to roll! (%s)", url)
         task_status.started(LocalEngineServer(url=url, config=config, state=state))
+
+
+def _lora_registry(scheduler: Any, config: LocalEngineConfig) -> Any:
+    from .lora_registry import LoraRegistry, parse_lora_paths
+
+    registry = LoraRegistry(
+        scheduler,
+        scheduler.runner,
+        enabled=config.lora_enabled,
+        max_loaded_loras=config.max_loaded_loras,
+        max_loras_per_batch=config.max_loras_per_batch,
+    )
+    if config.lora_enabled:
+        for ref in parse_lora_paths(config.lora_paths):
+            registry.register_preloaded(ref)
+    return registry
 
 
 async def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import trio
 
 from .http11 import ServerStatistics
+from .lora_registry import parse_lora_paths
 from .params import (
     GenerateItem,
     GenerateRequest,
@@ -51,6 +52,19 @@ class LocalEngineConfig:
     # `/update_weights_from_disk` loads only directories under this one; None: any directory
     # (the trainer exports wherever its run lives, so that stays the default).
     weights_root: str | None = None
+    # LoRA serving, SGLang's flags (`--enable-lora`, ...; see lora_registry.py). None for rank
+    # and target modules: inferred from `lora_paths` (required without them).
+    enable_lora: bool | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    lora_paths: tuple[str, ...] = ()  # "PATH", "NAME=PATH" or JSON, loaded at start-up
+
+    @property
+    def lora_enabled(self) -> bool:
+        """SGLang: `--lora-paths` turns LoRA on unless `--enable-lora` was set to False."""
+        return bool(self.enable_lora) or (self.enable_lora is None and bool(self.lora_paths))
 
     def server_args(self) -> dict[str, Any]:
         args = asdict(self)
@@ -59,6 +73,11 @@ class LocalEngineConfig:
         args["tokenizer_path"] = self.model_path
         args["served_model_name"] = self.served_model_name or self.model_path
         args.update(tp_size=1, dp_size=1, skip_tokenizer_init=False)
+        args["enable_lora"] = self.lora_enabled
+        args["lora_paths"] = [vars(ref) for ref in parse_lora_paths(self.lora_paths)]
+        args["lora_target_modules"] = (
+            None if self.lora_target_modules is None else list(self.lora_target_modules)
+        )
         return args
 
 
@@ -70,6 +89,7 @@ class EngineState:
         self.created = int(time.time())
         self.ready = trio.Event()
         self.scheduler: Any = None  # Scheduler, set when the model is loaded
+        self.lora: Any = None  # LoraRegistry, set when the model is loaded
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
         self.model_type = ""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from training.backend import checkpoint as ckpt
+from training.backend import lora as lo
 from training.backend import state as st
 from training.backend.futures import BackendError, TrainFuture
 
@@ -100,7 +101,10 @@ class StateOps:
             "extra": extra,
             "world_size": self._dist.world if self._dist else 1,
         }
-        needed = 3 * st.model_bytes(self.model) * (self._dist.world if self._dist else 1)
+        needed = 3 * st.model_bytes(self.model, trainable_only=self.lora is not None)
+        needed *= self._dist.world if self._dist else 1
+        if self.lora is not None and self.lora.merged_export:
+            needed += st.model_bytes(self.model) * (self._dist.world if self._dist else 1)
         tmp, final = ckpt.begin_checkpoint(
             self.checkpoint_dir, step, needed + ckpt.tensor_bytes(torch_state)
         )
@@ -113,8 +117,10 @@ class StateOps:
         return ckpt.finish_checkpoint(self.checkpoint_dir, tmp, final, self.keep_last)
 
     def _local_write_shards(self, tmp: Path) -> None:
-        st.save_sharded(self.model, self.optimizer, tmp / ckpt.DCP_DIR, self._dist)
-        self._local_export(tmp)
+        adapter_only = self.lora is not None  # the frozen base is the model it was built from
+        st.save_sharded(self.model, self.optimizer, tmp / ckpt.DCP_DIR, self._dist,
+                        trainable_only=adapter_only)  # fmt: skip
+        self._local_export(tmp, checkpoint=True)
         st.barrier(self._dist)
 
     @staticmethod
@@ -124,7 +130,8 @@ class StateOps:
         return dict(torch_state.get("extra", {}))
 
     async def export_weights(self, out_dir: str | Path) -> Path:
-        """Write the current weights in HF layout (what engines load) after queued work.
+        """Write the current weights in HF layout (what engines load) after queued work; with
+        LoRA only the adapter, in peft's layout (what `/load_lora_adapter` loads).
 
         Under torchrun the full weights are gathered to rank 0 (its CPU memory holds one full
         copy while it writes), which writes them.
@@ -134,10 +141,33 @@ class StateOps:
             lambda: self._dispatch("export", None, {"out": out})[0][0]
         ).result()
 
-    def _local_export(self, out: Path) -> Path:
+    def _local_export(self, out: Path, checkpoint: bool = False) -> Path:
+        if self.lora is not None:
+            return self._local_export_adapter(out, checkpoint)
         full = st.full_model_state(self.model)
         if self._dist is None or self._dist.rank == 0:
             ckpt.export_hf(self.model, self.tokenizer, out, state_dict=full)
+        return out
+
+    def _local_export_adapter(self, out: Path, checkpoint: bool) -> Path:
+        """The adapter in peft's layout; a checkpoint adds the tokenizer and, with
+        `merged_export`, the merged full model in `merged/`."""
+        rank0 = self._dist is None or self._dist.rank == 0
+        adapter = lo.adapter_state(self.model)
+        if rank0:
+            lo.save_adapter(self.model, out, adapter)
+        if not checkpoint:
+            return out
+        if rank0 and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(out))
+        if self.lora.merged_export:
+            full = st.full_model_state(self.model)
+            if rank0:
+                rebuild = None
+                if self._dist is not None:
+                    source, settings = self.model_source, self.lora
+                    rebuild = lambda: lo.wrap_with_lora(source(), settings)  # noqa: E731
+                lo.save_merged(self.model, out / lo.MERGED_DIR, full, self.tokenizer, rebuild)
         return out
 
     async def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
@@ -153,7 +183,8 @@ class StateOps:
     def _local_load(self, path: Path) -> dict[str, Any]:
         json_state, torch_state = ckpt.read_checkpoint_state(path)
         if (path / ckpt.DCP_DIR).is_dir():
-            st.load_sharded(self.model, self.optimizer, path / ckpt.DCP_DIR)
+            st.load_sharded(self.model, self.optimizer, path / ckpt.DCP_DIR,
+                            trainable_only=self.lora is not None)  # fmt: skip
         elif self._dist is None:  # written before DCP: optimizer in trainer_state.pt
             ckpt.load_weights_into(self.model, path)
             if self.optimizer is not None and "optimizer" in torch_state:

@@ -25,6 +25,7 @@ DTensors give the global one).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from training.backend import lora as lo
 from training.backend import state as st
 from training.backend.futures import BackendError as BackendError
 from training.backend.futures import TrainFuture, lr_lambda
@@ -44,7 +46,7 @@ from training.backend.model_io import load_model_and_tokenizer as load_model_and
 from training.backend.model_io import load_tokenizer as load_tokenizer
 from training.backend.persistence import StateOps
 from training.backend.state import merge_metrics as merge_metrics
-from training.config import OptimConfig
+from training.config import LoraSettings, OptimConfig
 from training.data.packing import (
     forward_logits,
     pack_balanced,
@@ -99,6 +101,7 @@ class PyTorchTrainingBackend(StateOps):
         seed: int = 0,
         frozen: bool = False,
         weights_from: PyTorchTrainingBackend | None = None,
+        lora: LoraSettings | None = None,
         _backend_id: int | None = None,
     ):
         """Args:
@@ -111,6 +114,9 @@ class PyTorchTrainingBackend(StateOps):
             model (the reference policy).
         frozen: no gradients and no optimizer (a reference policy).
         weights_from: start from this backend's current weights.
+        lora: wrap the model with these LoRA adapters (training/backend/lora.py): only they
+            train, checkpoints and weight pushes hold only them, and the base model (adapters
+            off) serves as the reference policy (`compute_logprobs(..., base_model=True)`).
         """
         self._dist = dctx.current()
         self._failed: BaseException | None = None
@@ -133,6 +139,7 @@ class PyTorchTrainingBackend(StateOps):
         self.loss_weight_fn = loss_weight_fn
         self.collate_fn = collate_fn
         self.keep_last = keep_last
+        self.lora = lora
         self.pad_id = tokenizer.pad_token_id
         self._collate = collate_fn or self._collate_sft
         spec = dict(
@@ -141,6 +148,7 @@ class PyTorchTrainingBackend(StateOps):
             micro_batch_tokens=micro_batch_tokens, pack_length=pack_length, loss_fn=loss_fn,
             collate_fn=collate_fn, loss_weight_fn=loss_weight_fn, keep_last=keep_last,
             num_threads=num_threads, seed=seed, frozen=frozen, weights_from=weights_from,
+            lora=lora,
         )  # fmt: skip
 
         def init_worker() -> torch.nn.Module:
@@ -200,6 +208,13 @@ class PyTorchTrainingBackend(StateOps):
             if source is None:
                 raise TypeError("under torchrun the copied backend must have a model builder")
             built = source()
+        if self.lora is not None:
+            if frozen or weights_from is not None:
+                raise ValueError(
+                    "a LoRA backend is a trained policy: its reference is its own "
+                    "base model (compute_logprobs(base_model=True)), not a copy"
+                )
+            built = lo.wrap_with_lora(built, self.lora)
         if frozen:
             built.eval()
             for p in built.parameters():
@@ -417,26 +432,30 @@ class PyTorchTrainingBackend(StateOps):
         return loss_sum
 
     def compute_logprobs(
-        self, samples: Sequence[Any], *, temperature: float = 1.0
+        self, samples: Sequence[Any], *, temperature: float = 1.0, base_model: bool = False
     ) -> TrainFuture[list[torch.Tensor]]:
         """Queue per-sample logprobs of every trained target token, in sample order.
 
         `temperature` scales the logits first (`temper_logits`): pass the sampling temperature
         so that these logprobs (reference, old policy) are comparable with the policy's in the
-        RL loss and with the engine's.
+        RL loss and with the engine's. `base_model`: with the LoRA adapters off (the frozen
+        base: a LoRA policy's reference); the same as False without LoRA.
         """
-        return self._per_trained_token(samples, partial(tempered_logprobs, temperature=temperature))
+        fn = partial(tempered_logprobs, temperature=temperature)
+        return self._per_trained_token(samples, fn, base_model=base_model)
 
     def compute_values(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:
         """Queue per-sample outputs of a one-output-per-token model (a critic, see
         training/rl/critic.py) at every trained target position, in sample order."""
         return self._per_trained_token(samples, first_output)
 
-    def _per_trained_token(self, samples: Sequence[Any], fn) -> TrainFuture[list[torch.Tensor]]:
+    def _per_trained_token(self, samples: Sequence[Any], fn, *,
+                           base_model: bool = False) -> TrainFuture[list[torch.Tensor]]:  # fmt: skip
         samples = list(samples)
+        args = {"fn": fn, "base_model": base_model}
 
         def run() -> list[torch.Tensor]:
-            results, shares = self._dispatch("per_trained_token", samples, {"fn": fn}, gather=True)
+            results, shares = self._dispatch("per_trained_token", samples, args, gather=True)
             out: list[torch.Tensor | None] = [None] * len(samples)
             for share, values in zip(shares or [], results, strict=True):
                 for i, v in zip(share, values, strict=True):
@@ -445,10 +464,12 @@ class PyTorchTrainingBackend(StateOps):
 
         return self._submit(run)
 
-    def _local_per_trained_token(self, samples: list[Any], fn) -> list[torch.Tensor]:
+    def _local_per_trained_token(self, samples: list[Any], fn,
+                                 base_model: bool = False) -> list[torch.Tensor]:  # fmt: skip
         """`fn(logits, batch)` → [B, T], read at each sample's trained positions (no grad)."""
         out: list[torch.Tensor] = []
-        with torch.no_grad(), eval_mode(self.model):
+        base = lo.base_model_pass(self.model) if base_model else contextlib.nullcontext()
+        with torch.no_grad(), eval_mode(self.model), base:
             mbs = self.split_microbatches(samples)
             for mb in mbs:
                 batch = self._collate(mb).to(self.device)

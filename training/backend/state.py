@@ -96,39 +96,50 @@ def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]
     set_model_state_dict(model, state, options=_options(full_state_dict=True))
 
 
-def save_sharded(
-    model: torch.nn.Module, optimizer: Any, out: Path, ctx: DistContext | None
-) -> None:
+def save_sharded(model: torch.nn.Module, optimizer: Any, out: Path, ctx: DistContext | None,
+                 *, trainable_only: bool = False) -> None:  # fmt: skip
     """Model and optimizer with `torch.distributed.checkpoint`: each rank writes its shards,
-    keyed by parameter name, so any world size can load them."""
+    keyed by parameter name, so any world size can load them.
+
+    `trainable_only`: leave out frozen parameters (a LoRA model's base: the model it is built
+    from has them, so a checkpoint holds the adapter and its optimizer state only).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     with warnings.catch_warnings():  # world size 1: "assuming ... a single process" is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
 
 
-def load_sharded(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
-    """Inverse of `save_sharded`, at this process's world size (DCP reshards)."""
+def load_sharded(model: torch.nn.Module, optimizer: Any, path: Path, *,
+                 trainable_only: bool = False) -> None:  # fmt: skip
+    """Inverse of `save_sharded` (same `trainable_only`), at this process's world size (DCP
+    reshards). Every saved key must be loaded: a checkpoint missing one is an error (DCP's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if optimizer is None:
         raise ValueError("load_sharded needs the optimizer (a frozen backend is not resumed)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # also creates the optimizer's state
+    options = _options(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)  # creates optim state
     state = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(path))
+    # Frozen parameters are not in `state` when trainable_only: not strict about those.
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])  # fmt: skip
+                   optim_state_dict=state["optim"],
+                   options=_options(strict=not trainable_only))  # fmt: skip
 
 
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of this rank's parameters (its shards under FSDP)."""
-    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+def model_bytes(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
+    """Bytes of this rank's parameters (its shards under FSDP); only those with gradients
+    when `trainable_only`."""
+    return sum(_local(p).numel() * p.element_size() for p in model.parameters()
+               if p.requires_grad or not trainable_only)  # fmt: skip
 
 
 def combine_step_metrics(results: list[dict[str, Any]]) -> dict[str, float]:

@@ -25,7 +25,12 @@ from typing import Any, TypeAlias
 
 import trio
 
-from engines.weight_sync import pause_engines, sync_weights_to_engines
+from engines.weight_sync import (
+    lora_version_name,
+    pause_engines,
+    sync_lora_to_engines,
+    sync_weights_to_engines,
+)
 from rollouts.errors import CheckpointError, ConfigError, RolloutsError
 from rollouts.generation import summarize_errors
 from rollouts.nursery import open_nursery
@@ -45,7 +50,9 @@ from training.rl.algorithms import (
 )
 from training.rl.kl import KLFn
 from training.rl.reference import (
+    BaseModelReference,
     ReferenceUpdateFn,
+    check_reference_rule,
     frozen,
     load_reference_state,
     reference_state,
@@ -64,7 +71,9 @@ CheckpointHook: TypeAlias = Callable[[int, Path, Mapping[str, Any]], None]
 
 async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
                        *, pause_mode: str = "abort", keep: int = 2) -> float:  # fmt: skip
-    """Export the current weights (HF layout) and load them into every engine.
+    """Export the current weights (HF layout) and load them into every engine; with LoRA
+    (`backend.lora`) export only the adapter and load it as `<name>-v<version>` (see
+    `start_push`).
 
     Returns:
         Seconds for export + sync.
@@ -93,18 +102,33 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     with its next step instead of waiting for the engines to load (update, verify and resume:
     ~10 ms a step over loopback for the tiny model, more for real ones). A failure raises
     `WeightSyncError` in `nursery`.
+
+    With LoRA the export is the adapter alone (peft's layout) and each engine loads it with
+    `/load_lora_adapter` as `<lora.name>-v<version>`, makes it the adapter its generation
+    requests name, and unloads the versions beyond the newest `lora.keep`; the weight version
+    label moves as for full weights, so staleness accounting is the same.
     """
     version = backend.weight_version
     path = await backend.export_weights(export_root / f"v{version:06d}")
-    await pause_engines(engines, pause_mode)
+    lora = backend.lora
+    name = None if lora is None else lora_version_name(lora.name, version)
+    # With LoRA the paused engines name the new adapter at once: requests sent before the
+    # background sync loads it (the next batch) wait for it and run on it, as for full weights.
+    await pause_engines(engines, pause_mode, activate_lora=name)
     pending = PendingPush()
 
     async def finish() -> None:
         t0 = time.perf_counter()
         try:
-            await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode,
-                                          paused=True)  # fmt: skip
-            _prune_exports(export_root, keep)
+            if lora is None or name is None:
+                await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode,
+                                              paused=True)  # fmt: skip
+            else:
+                await sync_lora_to_engines(engines, path, name, str(version), keep=lora.keep,
+                                           pause_mode=pause_mode, paused=True)  # fmt: skip
+            # An adapter still loaded may be reloaded from its path (SGLang does so for a name
+            # unloaded and asked for again): keep the exports of every loaded version.
+            _prune_exports(export_root, keep if lora is None else max(keep, lora.keep + 1))
         finally:
             pending.engines_s = time.perf_counter() - t0
             pending.done.set()
@@ -129,7 +153,7 @@ async def run_rl_training(
     export_dir: str | Path,
     temperature: float = 1.0,
     old_from_rollout: bool = False,
-    reference: PyTorchTrainingBackend | None = None,
+    reference: PyTorchTrainingBackend | BaseModelReference | None = None,
     reference_update: ReferenceUpdateFn = frozen,
     critic: PyTorchTrainingBackend | None = None,
     advantage_fn: AdvantageFn | None = None,
@@ -166,7 +190,8 @@ async def run_rl_training(
             and async modes the rollout side follows a switch from the batch generated after it.
         export_dir: where exported weights go for the engines to load (same filesystem).
         old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
-        reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
+        reference: frozen reference policy for KL / DPO (needed only if the algorithm says so);
+            `make_reference(backend)` builds the right one (a LoRA policy's is its base model).
         reference_update: how the reference follows the policy (frozen, EMA, periodic or
             KL-triggered reset); sees each step's metrics, its own are merged into them.
         critic: PPO's value model (`training.rl.critic.make_critic`), trained beside the policy
@@ -193,9 +218,11 @@ async def run_rl_training(
     """
     algorithm = as_schedule(algorithm)
     check_rl_backend(backend)
+    check_reference_rule(reference, reference_update)
     export_root = Path(export_dir)
     start = await maybe_resume(backend, data_buffer, config)
-    if start > 0 and reference is not None:  # the reference continues where it was too
+    stateful_reference = reference is not None and not isinstance(reference, BaseModelReference)
+    if start > 0 and stateful_reference:  # the reference continues where it was too
         await _restore_reference(backend, reference, reference_update)
     if start > 0 and critic is not None:
         await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
@@ -336,7 +363,7 @@ async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[
                       reference_update: ReferenceUpdateFn) -> None:  # fmt: skip
     extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
     tensors = {}
-    if reference is not None:
+    if reference is not None and not isinstance(reference, BaseModelReference):
         state = partial(reference_state, reference, reference_update)
         tensors["reference"] = await reference.call(state).result()
     path = await backend.save_checkpoint(step, metrics, extra_state=extra, extra_tensors=tensors)

@@ -17,6 +17,7 @@ from engines.launch import launch_engine
 from rollouts.evaluation import evaluate_greedy
 from rollouts.prompts import load_prompt_jsonl
 from training.backend.checkpoint import resolve_checkpoint
+from training.backend.lora import loadable_model_dir
 from training.backend.model_io import check_model_path, load_tokenizer
 from training.recipes.rl import resolve_callable
 from training.recipes.sft import check_input_file
@@ -25,7 +26,9 @@ from training.recipes.sft import check_input_file
 def model_directory(model: str) -> str:
     """`model`, or the checkpoint its `latest` file names when it is a checkpoints directory."""
     if (Path(model) / "latest").is_file():
-        return str(resolve_checkpoint(model))
+        return str(loadable_model_dir(resolve_checkpoint(model)))
+    if Path(model).is_dir():  # a LoRA checkpoint: its merged model
+        return str(loadable_model_dir(Path(model)))
     return model
 
 

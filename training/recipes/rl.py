@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from engines import EnginePool, SGLangEngine
+from engines import EnginePool, LoraLaunch, SGLangEngine
 from engines.client import EngineTimeouts, probe_engines
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
@@ -33,9 +33,16 @@ from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
 from rollouts.thinking import thinking_template_kwargs
 from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.lora import loadable_model_dir
 from training.backend.model_io import check_model_path
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import OptimConfig, SFTRunConfig, config_to_yaml, load_config
+from training.config import (
+    LoraSettings,
+    OptimConfig,
+    SFTRunConfig,
+    config_to_yaml,
+    load_config,
+)
 from training.data.buffer import DataBuffer
 from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.loops.rl import CheckpointHook, StopFn, push_weights, run_rl_training
@@ -47,7 +54,12 @@ from training.rl.algorithms import PolicyLossFn
 from training.rl.batch import collate_rl
 from training.rl.critic import make_critic
 from training.rl.kl import KLFn
-from training.rl.reference import ReferenceUpdateFn, frozen, make_reference
+from training.rl.reference import (
+    ReferenceUpdateFn,
+    check_lora_reference_rule,
+    frozen,
+    make_reference,
+)
 from training.rl.rollout_dump import RolloutDumpWriter
 from training.rl_config import AlgorithmSection, RLRunConfig
 
@@ -120,7 +132,7 @@ async def resolve_start_model(config: RLRunConfig) -> str:
         summary = await run_sft_recipe(sft)
         log.info("%s", summary.line())
         latest = summary.checkpoint
-    return str(latest)
+    return str(loadable_model_dir(latest))
 
 
 def sft_checkpoint_mismatch(checkpoint: Path, sft: SFTRunConfig) -> str | None:
@@ -203,7 +215,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                 launched = await stack.enter_async_context(supervise_engine(
                     kind="local", model_path=model_path, extra_args=args,
                     log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
-                    max_relaunches=ec.max_relaunches,
+                    max_relaunches=ec.max_relaunches, lora=lora_launch(config),
                 ))  # fmt: skip
                 urls.append(launched.url)
         clients = [
@@ -220,6 +232,19 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
             yield router, clients
         else:
             yield pool, clients
+
+
+def lora_launch(config: RLRunConfig) -> LoraLaunch | None:
+    """The engine flags that serve the policy's adapters (`model.lora`), or None.
+
+    Room for the `keep` versions left loaded plus the base model in one batch (SGLang counts
+    the base as one of `--max-loras-per-batch`).
+    """
+    lora = config.model.lora
+    if lora is None:
+        return None
+    return LoraLaunch(max_lora_rank=lora.rank, target_modules=lora.target_modules,
+                      max_loras_per_batch=lora.keep + 1)  # fmt: skip
 
 
 async def check_rl_inputs(config: RLRunConfig) -> None:
@@ -248,7 +273,8 @@ def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps:
                optim: OptimConfig | None = None, tokenizer: Any = None,
                micro_batch_tokens: int = 8192, keep_last: int | None = 2,
                num_threads: int | None = None, seed: int = 0, dtype: str = "float32",
-               device: str = "cpu") -> PyTorchTrainingBackend:  # fmt: skip
+               device: str = "cpu", lora: LoraSettings | None = None
+               ) -> PyTorchTrainingBackend:  # fmt: skip
     """A `PyTorchTrainingBackend` that trains on RL batches (what `run_rl_training` needs).
 
     RL examples are one row per sample (or per group sharing a prompt), never packed SFT rows,
@@ -261,6 +287,7 @@ def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps:
         checkpoint_dir: where checkpoints go (and where resume looks).
         max_steps: the run's length (the LR schedule's horizon).
         optim: optimizer settings (default `OptimConfig()`).
+        lora: train LoRA adapters on the model instead of all its weights (`model.lora`).
     """
     tokenizer = load_tokenizer(model_path) if tokenizer is None else tokenizer
     pad_id = tokenizer.pad_token_id
@@ -269,7 +296,7 @@ def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps:
         optim=optim or OptimConfig(), max_steps=max_steps, checkpoint_dir=checkpoint_dir,
         micro_batch_tokens=micro_batch_tokens, pack_length=None,
         collate_fn=partial(collate_rl, pad_id=pad_id), keep_last=keep_last,
-        num_threads=num_threads, seed=seed,
+        num_threads=num_threads, seed=seed, lora=lora,
     )  # fmt: skip
 
 
@@ -285,7 +312,7 @@ def build_rl_models(config: RLRunConfig, model_path: str, tokenizer: Any,
                          micro_batch_tokens=config.backend.micro_batch_tokens,
                          keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
                          seed=config.backend.seed, dtype=config.model.dtype,
-                         device=config.backend.device)  # fmt: skip
+                         device=config.backend.device, lora=config.model.lora)  # fmt: skip
     steps = range(1, config.train.max_steps + 1)
     needs_ref = any(schedule(s, {}).needs_ref_logprobs for s in steps)
     reference = make_reference(backend) if needs_ref else None
@@ -381,6 +408,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     )  # fmt: skip
     reward_fn = extensions.reward_fn or episodes.reward_fn
     schedule = algorithm_schedule(config.algorithm, generation_budget(config))
+    if config.model.lora is not None:  # refused now rather than after the models load
+        check_lora_reference_rule(extensions.reference_update)
     model_path = await resolve_start_model(config)
 
     # Blocking set-up (tokenizer, prompts, model copies) in a worker thread: a host app's

@@ -173,6 +173,7 @@ def build_backend(config: SFTRunConfig, model_path: str) -> PyTorchTrainingBacke
         keep_last=config.train.keep_last,
         num_threads=config.backend.num_threads,
         seed=config.backend.seed,
+        lora=config.model.lora,
     )
 
 

@@ -10,6 +10,10 @@ rule can read the measured "kl"), on the reference's worker thread. Shipped: kee
 toward the policy, periodic hard reset, and a hard reset once the KL since the last reset
 exceeds a budget.
 
+Under LoRA (`model.lora`) the reference is `BaseModelReference`: the policy's own model with
+its adapters off, as TRL and tinker do; no second copy in memory, nothing to checkpoint, and
+only the `frozen` rule applies (the base never changes; `check_reference_rule` refuses others).
+
 Checkpoints: `reference_state` (the reference's weights, and the rule's own state when the
 rule has `state_dict`, like `kl_triggered_reset`'s KL accumulator) goes into every RL
 checkpoint, and `load_reference_state` restores it on resume, so an EMA or reset reference
@@ -31,15 +35,62 @@ ReferenceUpdateFn: TypeAlias = Callable[
 ]
 
 
-def make_reference(policy: PyTorchTrainingBackend) -> PyTorchTrainingBackend:
-    """A frozen copy of `policy`'s current model, with the same batching (sharded alike under
-    torchrun: every rank copies its own shards)."""
+class BaseModelReference:
+    """A LoRA policy's reference: its base model, i.e. the policy with the adapters off.
+
+    Answers `compute_logprobs` on the policy's own worker, in queue order with its training
+    operations, so it sees the same (never changing) base weights at every step.
+    """
+
+    def __init__(self, policy: PyTorchTrainingBackend):
+        if policy.lora is None:
+            raise ValueError("BaseModelReference needs a LoRA policy (model.lora set)")
+        self.policy = policy
+
+    def compute_logprobs(self, samples: Any, *, temperature: float = 1.0) -> Any:
+        return self.policy.compute_logprobs(samples, temperature=temperature, base_model=True)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        return self.policy.call(fn)
+
+    def close(self) -> None:
+        """Nothing to release: the model is the policy's."""
+
+
+def make_reference(policy: PyTorchTrainingBackend) -> PyTorchTrainingBackend | BaseModelReference:
+    """The reference policy: a frozen copy of `policy`'s current model, with the same batching
+    (sharded alike under torchrun: every rank copies its own shards); for a LoRA policy its
+    base model (`BaseModelReference`), with no copy."""
+    if policy.lora is not None:
+        return BaseModelReference(policy)
     return PyTorchTrainingBackend(
         None, policy.tokenizer, optim=policy.optim_config, max_steps=1,
         checkpoint_dir=policy.checkpoint_dir / "reference", collate_fn=policy.collate_fn,
         micro_batch_tokens=policy.micro_batch_tokens, pack_length=policy.pack_length,
         frozen=True, weights_from=policy,
     )  # fmt: skip
+
+
+def check_reference_rule(reference: Any, rule: ReferenceUpdateFn) -> None:
+    """Refuse an update rule the reference cannot follow (before any rollout is made).
+
+    Raises:
+        ConfigError: a LoRA policy's reference (its base model) with a rule other than `frozen`.
+    """
+    if isinstance(reference, BaseModelReference):
+        check_lora_reference_rule(rule)
+
+
+def check_lora_reference_rule(rule: ReferenceUpdateFn) -> None:
+    """Raise ConfigError unless `rule` is `frozen`, the one rule a LoRA policy's reference
+    (its never-changing base model) can follow."""
+    if rule is not frozen:
+        name = getattr(rule, "__qualname__", type(rule).__name__)
+        raise ConfigError(
+            f"reference_update={name}: with model.lora the reference is the policy's base "
+            "model (adapters off), which never changes, so only the `frozen` rule applies; "
+            "train without model.lora to use an EMA or reset reference"
+        )
 
 
 def reference_state(reference: PyTorchTrainingBackend, rule: ReferenceUpdateFn) -> dict[str, Any]:
