@@ -37,6 +37,9 @@ class ArithmeticTaskConfig(Strict):
     n_rl: int = Field(4000, ge=1)
     n_eval: int = Field(500, ge=1)
     seed: int = 0
+    teacher_carry_error: float = Field(
+        0.0, ge=0, le=1, description="share of SFT sums with a units carry answered without it"
+    )
 
 
 class MultiplyTaskConfig(Strict):
