@@ -11,7 +11,8 @@ PLOT_STAMP := $(VENV)/.installed-plot
 BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/grpo_update.py \
 	benchmarks/rollout_throughput.py \
 	benchmarks/engine_throughput.py benchmarks/weight_sync.py benchmarks/rl_scaling.py \
-	benchmarks/rl_algorithms.py benchmarks/engine_abuse.py benchmarks/checkpoint_kill.py
+	benchmarks/rl_algorithms.py benchmarks/engine_abuse.py benchmarks/checkpoint_kill.py \
+	benchmarks/distributed_scaling.py
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -45,10 +46,10 @@ test: setup lint  ## lint, then the test suite
 	$(PY) -m pytest -q
 
 sft: setup  ## SFT the tiny model on the synthetic arithmetic task
-	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml
+	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --overwrite
 
 rl: setup  ## GRPO on the SFT'd tiny model against a launched local engine
-	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml
+	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml --overwrite
 
 # The demo also draws its curves: the plot extra (matplotlib) on top of dev, installed once.
 $(PLOT_STAMP): pyproject.toml $(STAMP)

@@ -43,6 +43,7 @@ SECTIONS = (
     "rl_ppo",
     "engine_abuse",
     "checkpoint_kill",
+    "distributed_scaling",
 )
 
 

@@ -8,6 +8,13 @@ same torch thread count:
 - raw_packed        a hand-written loop over the same packed batches (the framework's overhead)
 - raw_padded        the minimal hand-written loop: one sample per row, right-padded
 - trl               TRL `SFTTrainer` with its defaults (pads each batch to its longest sample)
+- trl_packing       TRL `SFTTrainer(packing=True)`, TRL at its best on this data: samples packed
+                    into rows of `--pack-length` (its default best-fit-decreasing strategy,
+                    position ids per sample), as many rows per step as carry the tokens of
+                    `--batch-size` samples; its tokens per step are read from its packed dataset
+- trl_packing_wrapped  TRL `SFTTrainer(packing=True, packing_strategy="wrapped")`: the token
+                    stream cut into full rows with no per-sample isolation (attention crosses
+                    sample boundaries: faster, not the same training; TRL's fastest packing)
 - trl_padding_free  TRL `SFTTrainer(padding_free=True)`: the batch flattened into one row
                     (opt-in with --loops: slower than TRL's default here, since one row of
                     ~2,600 tokens makes attention quadratic in the whole batch)
@@ -52,6 +59,8 @@ LOOPS = {
     "raw_packed": "raw PyTorch (packed)",
     "raw_padded": "raw PyTorch (padded rows)",
     "trl": "TRL SFTTrainer (padded)",
+    "trl_packing": "TRL SFTTrainer (packing)",
+    "trl_packing_wrapped": "TRL SFTTrainer (packing, wrapped)",
     "trl_padding_free": "TRL SFTTrainer (padding_free)",
 }
 LR = 5e-4
@@ -112,7 +121,13 @@ def measure(loop: str, args) -> dict:
     elif loop.startswith("raw"):
         ends, losses = _raw_loop(tok, samples, args, packing=loop == "raw_packed")
     else:
-        ends, losses = _trl_loop(tok, samples, args, padding_free=loop == "trl_padding_free")
+        ends, losses, counts = _trl_loop(tok, samples, args,
+                                         padding_free=loop == "trl_padding_free",
+                                         packing=loop.startswith("trl_packing"),
+                                         wrapped=loop == "trl_packing_wrapped")  # fmt: skip
+        if counts is not None:
+            return {"ends": ends, "mean_loss": losses, "threads": torch.get_num_threads(),
+                    "rss_mb": harness.peak_rss_mb_self(), **counts}  # fmt: skip
     return {"ends": ends, "mean_loss": losses, "threads": torch.get_num_threads(),
             "rss_mb": harness.peak_rss_mb_self()}  # fmt: skip
 
@@ -169,7 +184,8 @@ def _raw_loop(tok, samples, args, *, packing: bool) -> tuple[list[float], float]
     return ends, statistics.fmean(losses)
 
 
-def _trl_loop(tok, samples, args, *, padding_free: bool) -> tuple[list[float], float]:
+def _trl_loop(tok, samples, args, *, padding_free: bool, packing: bool = False,
+              wrapped: bool = False):  # fmt: skip
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -194,17 +210,34 @@ def _trl_loop(tok, samples, args, *, padding_free: bool) -> tuple[list[float], f
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
         max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,
-        bf16=False, fp16=False, gradient_checkpointing=False, packing=False,
-        padding_free=padding_free, max_length=None if padding_free else args.max_seq_len,
+        bf16=False, fp16=False, gradient_checkpointing=False, packing=packing,
+        packing_strategy="wrapped" if wrapped else "bfd",
+        padding_free=padding_free,
+        max_length=args.pack_length if packing else None if padding_free else args.max_seq_len,
         train_sampling_strategy="sequential", shuffle_dataset=False, dataloader_num_workers=0,
         logging_strategy="steps", logging_steps=args.steps, save_strategy="no",
         disable_tqdm=True,
     )  # fmt: skip
+    if packing:  # rows of pack_length: as many per step as carry one batch's tokens
+        tokens = sum(len(s) for s in samples) / args.steps
+        config.per_device_train_batch_size = max(1, round(tokens / args.pack_length))
     clock = Clock()
     trainer = SFTTrainer(model=load_model(args.model_dir), args=config, train_dataset=data,
                          processing_class=tok, callbacks=[clock])  # fmt: skip
     result = trainer.train()
-    return clock.ends, float(result.training_loss)
+    counts = None
+    if packing:  # TRL's own steps carry other tokens than ours: count them from its rows
+        rows, b = trainer.train_dataset, config.per_device_train_batch_size
+        mask_key = next((k for k in ("assistant_masks", "completion_mask")
+                         if k in rows.column_names), None)  # fmt: skip
+        counts = {"tokens": [], "trained": []}
+        for k in range(args.steps):
+            chunk = rows[k * b : (k + 1) * b]
+            counts["tokens"].append(sum(len(r) for r in chunk["input_ids"]))
+            # TRL drops the mask column when it packs: trained tokens are then unknown (NaN)
+            counts["trained"].append(sum(sum(m) for m in chunk[mask_key]) if mask_key
+                                     else float("nan"))  # fmt: skip
+    return clock.ends, float(result.training_loss), counts
 
 
 def measure_ceiling(args) -> dict:
@@ -267,9 +300,10 @@ def run_size(size: str, args, tmp: Path) -> dict:
         for loop in [*order, "ceiling"]:
             print(f"  [{size} repeat {r + 1}/{args.repeats}] {loop} ...", flush=True)
             out = harness.run_child([__file__, "--one", loop, *passthrough])
-            if loop != "ceiling":
-                out["tokens_per_s"] = rates(out["ends"], tokens, args.warmup)
-                out["trained_per_s"] = rates(out["ends"], trained, args.warmup)
+            if loop != "ceiling":  # TRL packing reports its own per-step counts
+                out["tokens_per_s"] = rates(out["ends"], out.get("tokens", tokens), args.warmup)
+                out["trained_per_s"] = rates(out["ends"], out.get("trained", trained),
+                                             args.warmup)  # fmt: skip
             runs[loop].append(out)
     return {"runs": runs, "n_params": n_params, "n_matmul": n_matmul, "steps": steps,
             "tokens_per_step": statistics.fmean(tokens)}  # fmt: skip
@@ -296,6 +330,12 @@ def report(results: dict, args, started: float) -> None:
         if "trl" in med:
             notes.append(f"- {size}: run_sft_training / TRL SFTTrainer = "
                          f"{harness.verdict(ours / med['trl'], 1.5)}")  # fmt: skip
+        if "trl_packing" in med:
+            notes.append(f"- {size}: run_sft_training / TRL SFTTrainer with packing (TRL at its "
+                         f"best) = {harness.verdict(ours / med['trl_packing'], 1.0)}")  # fmt: skip
+        if "trl_packing_wrapped" in med:
+            notes.append(f"- {size}: run_sft_training / TRL packing, wrapped (no sample "
+                         f"isolation) = {ours / med['trl_packing_wrapped']:.2f}x")  # fmt: skip
         if "trl_padding_free" in med:
             notes.append(f"- {size}: run_sft_training / TRL padding_free = "
                          f"{ours / med['trl_padding_free']:.2f}x")  # fmt: skip
@@ -352,7 +392,8 @@ def plot(bars: dict[str, dict[str, float]], args) -> Path | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="tiny,small", help="comma-separated: tiny,small")
-    p.add_argument("--loops", default="rollouts,raw_packed,raw_padded,trl",
+    p.add_argument("--loops",
+                   default="rollouts,raw_packed,raw_padded,trl,trl_packing,trl_packing_wrapped",
                    help=f"comma-separated, of: {', '.join(LOOPS)}")  # fmt: skip
     p.add_argument("--data", choices=["chat", "arithmetic"], default="chat")
     p.add_argument("--steps-tiny", type=int, default=24)

@@ -12,6 +12,7 @@ Nothing here imports torch.
 from rollouts.errors import EngineError as EngineError
 
 from .client import SGLangEngine as SGLangEngine
+from .client import probe_engines as probe_engines
 from .http import EngineTimeouts as EngineTimeouts
 from .launch import EngineLaunchError as EngineLaunchError
 from .launch import LaunchedEngine as LaunchedEngine

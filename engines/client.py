@@ -36,6 +36,7 @@ from rollouts.errors import EngineError
 
 from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts, decode_json
 from .types import (
+    EngineTimeoutError,
     EngineUnavailableError,
     GenerateResult,
     ModelInfo,
@@ -308,9 +309,12 @@ class SGLangEngine:
         )
 
     async def abort_all(self) -> None:
+        """Abort every request on the engine; one attempt: an engine that cannot be reached
+        (often one being stopped at the same shutdown) has nothing left to abort."""
         body = {"abort_all": True}
         timeout = self.timeouts.control_s
-        await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True)
+        await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True,
+                                 retries=0)  # fmt: skip
 
     async def _info(self, name: str) -> Any:
         """GET `/{name}` (0.5.23), falling back to the deprecated `/get_{name}` on a 404."""
@@ -392,3 +396,29 @@ class SGLangEngine:
                     f"not healthy after {timeout_s} s; last: {last}", url=self._url
                 )
             await trio.sleep(poll_interval_s)
+
+
+async def probe_engines(urls: Sequence[str], *, api_key: str | None = None,
+                        timeout_s: float = 10.0, flag: str = "--engine-url") -> None:  # fmt: skip
+    """Ask each server for `/server_info` once, without retries, before any other set-up.
+
+    A run against a URL where nothing listens then fails in seconds, with one message, instead
+    of after loading the model and a round of retries.
+
+    Raises:
+        EngineUnavailableError: some URL did not answer (each failing URL and why).
+        EngineError: a server answered but is not usable (error status, SGLang too old).
+    """
+    timeouts = EngineTimeouts(connect_s=timeout_s, control_s=timeout_s, health_s=timeout_s)
+    dead: list[str] = []
+    for url in urls:
+        async with SGLangEngine(url, api_key=api_key, timeouts=timeouts, max_retries=0) as engine:
+            try:
+                await engine.check_server()
+            except (EngineUnavailableError, EngineTimeoutError) as err:
+                dead.append(str(err))
+    if dead:
+        raise EngineUnavailableError(
+            f"no engine answers at {flag} ({'; '.join(dead)}): start one "
+            "(`rollouts serve --model-path DIR`) or fix the URL"
+        )

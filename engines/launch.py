@@ -185,7 +185,9 @@ async def launch_engine(
                     check=False,
                     env=child_env,
                     cwd=None if cwd is None else str(cwd),
-                    start_new_session=guarded,
+                    # Its own session, so a terminal's Ctrl-C reaches only the trainer, which
+                    # stops it in order (a local engine also exits when its parent dies).
+                    start_new_session=True,
                     deliver_cancel=partial(
                         _terminate, timeout_s=terminate_timeout_s, group=guarded
                     ),

@@ -125,8 +125,8 @@ async def sync_weights_to_engines(
             f"weight sync to {weight_version!r} from {path} failed on {len(failures)} of "
             f"{len(engines)} engine(s):\n  " + "\n  ".join(lines)
         )
-    logger.info("synced weights %s to %d engine(s) in %.3f s", weight_version,
-                len(engines) - len(down), duration)  # fmt: skip
+    logger.debug("synced weights %s to %d engine(s) in %.3f s", weight_version,
+                 len(engines) - len(down), duration)  # fmt: skip
     return duration
 
 

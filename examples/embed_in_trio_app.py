@@ -1,38 +1,40 @@
-"""Embed RL training in your own trio application, next to your own tasks, and cancel it.
+"""Embed RL training in your own trio application, wired by hand, and cancel it.
 
-The app runs `run_rl_recipe` (engine launched, rollouts, training, weight sync, checkpoints) in
-a nursery it owns beside a heartbeat task, cancels the training after a few steps, and exits:
-the engine process is stopped, in-flight requests are aborted, and the last complete checkpoint
-is left on disk, ready to load.
+The app launches a local engine, builds the pieces (backend, prompts, rollout manager) from the
+public API and runs `run_rl_training` in a nursery it owns beside a heartbeat task; it cancels
+the training after a few steps and exits: the engine process is stopped, in-flight requests are
+aborted, and the last complete checkpoint is left on disk, ready to load.
 
     python examples/embed_in_trio_app.py [--steps 3] [--output-dir runs/embed]
 """
 
 import argparse
-import logging
 from pathlib import Path
 
 import trio
 
-from training.backend.checkpoint import find_latest_checkpoint
-from training.backend.tiny_model import ensure_tiny_model
-from training.config import load_config
-from training.loops.loggers import setup_logging
-from training.recipes.rl import run_rl_recipe
-from training.rl_config import RLRunConfig
+from engines import SGLangEngine, launch_engine
+from rollouts import AsyncRolloutManager, RolloutConfig, load_prompt_jsonl
+from rollouts.tasks.arithmetic import digit_share_reward, write_arithmetic_datasets
+from training import (
+    DataBuffer,
+    RLLoopConfig,
+    ensure_tiny_model,
+    find_latest_checkpoint,
+    grpo,
+    rl_backend,
+    run_rl_training,
+    setup_logging,
+)
 
-log = logging.getLogger("embed_example")
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
-
-async def app(steps_before_cancel: int, output_dir: str) -> None:
+async def app(steps_before_cancel: int, out: Path) -> None:
     model = ensure_tiny_model("runs/tiny_model")
-    config = load_config(RLRunConfig, CONFIGS / "rl_tiny.yaml", [
-        f"model.path={model}", f"output_dir={output_dir}", "train.max_steps=1000",
-        "train.checkpoint_every=1", "train.eval_samples=0", "rollout.batch_size=4",
-        "rollout.n_samples_per_prompt=4", "rollout.filter_groups=none",
-        "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
-    ])  # fmt: skip
+    backend = await trio.to_thread.run_sync(lambda: rl_backend(
+        model, checkpoint_dir=out / "checkpoints", max_steps=1000))  # fmt: skip
+    files = await trio.to_thread.run_sync(write_arithmetic_datasets, out / "data")
+    prompts = DataBuffer(load_prompt_jsonl(files.rl_train, backend.tokenizer))
+    rollout = RolloutConfig(batch_size=4, n_samples_per_prompt=4, filter_groups="none")
     heartbeats = 0
 
     async def heartbeat() -> None:  # the host app's own work, which must keep running
@@ -41,22 +43,28 @@ async def app(steps_before_cancel: int, output_dir: str) -> None:
             heartbeats += 1
             await trio.sleep(0.1)
 
-    async with trio.open_nursery() as nursery:
+    def watch(step: int, metrics: dict) -> None:
+        print(f"host app saw step {step} (reward {metrics['reward_mean']:.3f})")
+        if step >= steps_before_cancel:
+            training.cancel()
+
+    async with (
+        launch_engine(model_path=model, extra_args=["--num-threads", "1"]) as server,
+        SGLangEngine(server.url) as engine,
+        AsyncRolloutManager(engine, prompts, rollout, reward_fn=digit_share_reward,
+                            tokenizer=backend.tokenizer,
+                            current_version=lambda: backend.weight_version) as manager,
+        trio.open_nursery() as nursery,
+    ):  # fmt: skip
         nursery.start_soon(heartbeat)
-        with trio.CancelScope() as training:
-
-            def watch(step: int, metrics: dict) -> None:
-                log.info("host app saw step %d (reward %.3f)", step, metrics["reward_mean"])
-                if step >= steps_before_cancel:
-                    training.cancel()
-
-            await run_rl_recipe(config, on_step=watch)
+        with backend, trio.CancelScope() as training:
+            await run_rl_training(backend, prompts, manager, [engine],
+                                  RLLoopConfig(max_steps=1000, checkpoint_every=1),
+                                  algorithm=grpo(), export_dir=out / "weights", logger=watch)  # fmt: skip
         nursery.cancel_scope.cancel()  # stop the heartbeat too: the app is done
-    checkpoint = find_latest_checkpoint(Path(output_dir) / "checkpoints")
-    print(
-        f"training cancelled after {steps_before_cancel} steps; heartbeats={heartbeats}; "
-        f"last checkpoint={checkpoint}"
-    )
+    checkpoint = find_latest_checkpoint(out / "checkpoints")
+    print(f"training cancelled after {steps_before_cancel} steps; heartbeats={heartbeats}; "
+          f"last checkpoint={checkpoint}")  # fmt: skip
 
 
 def main() -> None:
@@ -65,7 +73,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/embed")
     args = parser.parse_args()
     setup_logging()
-    trio.run(app, args.steps, args.output_dir)
+    trio.run(app, args.steps, Path(args.output_dir))
 
 
 if __name__ == "__main__":

@@ -15,4 +15,4 @@ import sys
 from training.recipes.cli import rl_main
 
 if __name__ == "__main__":
-    sys.exit(rl_main(__doc__.splitlines()[0]))
+    sys.exit(rl_main(description=__doc__.splitlines()[0]))

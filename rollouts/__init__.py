@@ -1,9 +1,16 @@
-"""Producing and scoring trajectories: errors, tasks/environments, rewards, rollout managers.
+"""Producing and scoring trajectories: records, prompts, rewards, shaping, rollout managers.
+
+Import what you need from here: `from rollouts import AsyncRolloutManager, RolloutConfig,
+load_prompt_jsonl, Sample`. Layers: `types`/`errors` (records) < `prompts`, `rewards`,
+`shaping` < `generation`/`multiturn`/`envs` (episodes) < `manager` (batches of groups);
+`tasks/` holds the synthetic tasks, `tools/` the tool parsers and executors.
 
 This package imports neither torch nor httpx at top level, so orchestration code that only
 needs records and errors stays cheap to import.
 """
 
+from rollouts.config import RolloutConfig as RolloutConfig
+from rollouts.config import SamplingConfig as SamplingConfig
 from rollouts.errors import CheckpointError as CheckpointError
 from rollouts.errors import ConfigError as ConfigError
 from rollouts.errors import DataError as DataError
@@ -11,3 +18,21 @@ from rollouts.errors import EngineError as EngineError
 from rollouts.errors import ModelLoadError as ModelLoadError
 from rollouts.errors import RewardError as RewardError
 from rollouts.errors import RolloutsError as RolloutsError
+from rollouts.evaluation import evaluate_greedy as evaluate_greedy
+from rollouts.generation import GenerateFn as GenerateFn
+from rollouts.generation import GroupFilter as GroupFilter
+from rollouts.generation import SampleTransform as SampleTransform
+from rollouts.generation import keep_all as keep_all
+from rollouts.generation import keep_if_reward_varies as keep_if_reward_varies
+from rollouts.manager import AsyncRolloutManager as AsyncRolloutManager
+from rollouts.prompts import PromptItem as PromptItem
+from rollouts.prompts import load_prompt_jsonl as load_prompt_jsonl
+from rollouts.rewards import RewardFn as RewardFn
+from rollouts.rewards import exact_match_reward as exact_match_reward
+from rollouts.rewards import vector_reward as vector_reward
+from rollouts.rewards import weighted_sum as weighted_sum
+from rollouts.shaping import add_shaping as add_shaping
+from rollouts.shaping import entropy_bonus as entropy_bonus
+from rollouts.shaping import length_bonus as length_bonus
+from rollouts.types import RolloutBatch as RolloutBatch
+from rollouts.types import Sample as Sample

@@ -16,7 +16,7 @@ only, no engine.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollouts.errors import ConfigError
@@ -26,12 +26,13 @@ _BASE = ({"role": "user", "content": "?"}, {"role": "assistant", "content": _MAR
 
 
 def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any,
-            generation_prompt: bool) -> str:  # fmt: skip
+            generation_prompt: bool, template_kwargs: Mapping[str, Any]) -> str:  # fmt: skip
     return tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=tools,
         add_generation_prompt=generation_prompt,
         tokenize=False,
+        **template_kwargs,
     )
 
 
@@ -52,22 +53,26 @@ class ChatTurns:
 
     tokenizer: Any
     turn_close_ids: tuple[int, ...]
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> ChatTurns:
-        """Read the turn close from the template.
+    def from_tokenizer(cls, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None
+                       ) -> ChatTurns:  # fmt: skip
+        """Read the turn close from the template (`template_kwargs`: extra template variables,
+        e.g. `{"enable_thinking": False}`, used for every rendering).
 
         Raises:
             ConfigError: the template does not render assistant content verbatim.
         """
-        text = _render(tokenizer, _BASE, None, False)
+        kwargs = dict(template_kwargs or {})
+        text = _render(tokenizer, _BASE, None, False, kwargs)
         at = text.rfind(_MARK)
         if at < 0:
             raise ConfigError(
                 "the chat template does not render assistant message content verbatim; "
                 "multi-turn rollouts cannot find where an assistant turn ends"
             )
-        return cls(tokenizer, tuple(_encode(tokenizer, text[at + len(_MARK) :])))
+        return cls(tokenizer, tuple(_encode(tokenizer, text[at + len(_MARK) :])), kwargs)
 
     def sampled_close(self, output_ids: Sequence[int]) -> int:
         """How many leading tokens of the turn close `output_ids` ends with (0 if none)."""
@@ -98,8 +103,8 @@ class ChatTurns:
             ConfigError: the template renders earlier messages differently once `messages`
                 follow them, so the segment cannot be cut out.
         """
-        before = _render(self.tokenizer, _BASE, tools, False)
-        after = _render(self.tokenizer, [*_BASE, *messages], tools, True)
+        before = _render(self.tokenizer, _BASE, tools, False, self.template_kwargs)
+        after = _render(self.tokenizer, [*_BASE, *messages], tools, True, self.template_kwargs)
         if not after.startswith(before):
             raise ConfigError(
                 "the chat template renders earlier messages differently when more follow, so "

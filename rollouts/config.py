@@ -50,6 +50,18 @@ class RolloutConfig(Strict):
     extra_groups: int = Field(0, ge=0, description="groups launched beyond batch_size up front")
     max_launch_factor: float = Field(4.0, ge=1, description="cap on groups launched per batch")
     reward_timeout_s: float = Field(30.0, gt=0)
+    reward_threads: int = Field(
+        32, ge=1, description="sync reward calls running at once (their own thread pool)"
+    )
+    reward_max_hung: int = Field(
+        256, ge=0,
+        description="sync reward threads still running past their timeout before the run ends",
+    )  # fmt: skip
+    stall_warning_s: float = Field(
+        5.0, gt=0,
+        description="log the function holding the event loop when it stalls this long "
+        "(e.g. an async reward that blocks)",
+    )  # fmt: skip
     reward_fail_fast: bool = False
     engine_fail_fast: bool = Field(
         False, description="an engine error ends the run at once instead of dropping the group"

@@ -1,57 +1,86 @@
-"""Held-out evaluation through inference engines: greedy episodes scored by a reward."""
+"""Held-out evaluation through inference engines: greedy episodes scored by a reward.
+
+A sample whose reward could not be computed (it raised, timed out, returned a non-number) is a
+reward failure, not a wrong answer: it is counted apart (`reward_failed`) and left out of
+`accuracy` and `reward_mean`, and the errors are logged, deduplicated with counts.
+"""
 
 from __future__ import annotations
 
+import logging
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import trio
 
-from rollouts.generation import GenerateContext, GenerateFn, single_turn_generate
+from rollouts.generation import (
+    GenerateContext,
+    GenerateFn,
+    single_turn_generate,
+    summarize_errors,
+)
 from rollouts.prompts import PromptItem
+from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_sample
+from rollouts.stall import watch_event_loop
 from rollouts.tools.rewards import tool_metrics
 from rollouts.types import Sample
+
+log = logging.getLogger("rollouts.evaluation")
 
 
 async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn: RewardFn, *,
                           max_new_tokens: int = 16, max_concurrency: int = 64,
                           timeout_s: float = 30.0, generate_fn: GenerateFn = single_turn_generate,
-                          tokenizer: Any = None) -> dict[str, float]:  # fmt: skip
+                          tokenizer: Any = None,
+                          reward_threads: RewardThreads | None = None,
+                          stall_warning_s: float = 5.0) -> dict[str, float]:  # fmt: skip
     """One greedy (temperature 0) episode per prompt, scored by `reward_fn`.
 
     Args:
         generate_fn: how an episode runs (default one assistant turn; a multi-turn tool
             rollout evaluates tool use the same way it is trained).
         tokenizer: for generate functions that need it (multi-turn).
+        reward_threads: the pool sync rewards run in (default: one for this call).
+        stall_warning_s: log the function holding the event loop when it stalls this long.
 
     Returns:
-        `reward_mean`; `accuracy` (mean of the reward's "correct" component, or of reward > 0
-        when it has none); and, for multi-turn episodes, the tool metrics
-        (`tool_success_rate`, `tool_calls_per_sample`, ...).
+        `reward_mean` and `accuracy` (mean of the reward's "correct" component, or of
+        reward > 0 when it has none) over the samples the reward scored (absent when it scored
+        none); `reward_failed` and `reward_failure_rate` (samples it could not score); and, for
+        multi-turn episodes, the tool metrics (`tool_success_rate`, `tool_calls_per_sample`, ...).
     """
     if not prompts:
         return {}
     limiter = trio.CapacityLimiter(max_concurrency)
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     scored: list[Sample | None] = [None] * len(prompts)
+    threads = reward_threads or RewardThreads()
 
     async def one(i: int) -> None:
         ctx = GenerateContext(engine, params, limiter, f"eval-{i}", i, tokenizer)
         samples = await generate_fn(prompts[i], 1, ctx)
-        scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s)
+        scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s,
+                                       threads=threads)  # fmt: skip
 
-    async with trio.open_nursery() as nursery:
+    async with watch_event_loop(stall_warning_s), trio.open_nursery() as nursery:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
     done = [s for s in scored if s is not None]
-    correct = [s.reward_components.get("correct", float(s.reward > 0)) for s in done]
-    out = {
-        "accuracy": statistics.fmean(correct),
-        "reward_mean": statistics.fmean(s.reward for s in done),
-    }
+    ok = [s for s in done if s.status != "failed"]
+    errors = Counter(s.error or "failed" for s in done if s.status == "failed")
+    if errors:
+        log.warning("evaluation: %d of %d samples could not be scored: %s", len(done) - len(ok),
+                    len(done), summarize_errors(errors))  # fmt: skip
+    out = {"reward_failed": float(len(done) - len(ok)),
+           "reward_failure_rate": (len(done) - len(ok)) / len(done)}  # fmt: skip
+    if ok:
+        correct = [s.reward_components.get("correct", float(s.reward > 0)) for s in ok]
+        out |= {"accuracy": statistics.fmean(correct),
+                "reward_mean": statistics.fmean(s.reward for s in ok)}  # fmt: skip
     if generate_fn is not single_turn_generate or any(s.tool_calls for s in done):
         out |= tool_metrics(done)
     return out

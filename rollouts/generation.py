@@ -30,6 +30,7 @@ from rollouts.coalesce import CoalescingEngine
 from rollouts.errors import EngineError, RolloutsError, describe_engine_failure
 from rollouts.prompts import PromptItem
 from rollouts.request_ids import oldest_version, request_rid
+from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_samples
 from rollouts.tools.rewards import tool_metrics
@@ -177,10 +178,21 @@ def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[Samp
 
 
 def convert_to_batch(groups: Sequence[Group], epoch_id: int, step_id: int,
-                     metrics: Mapping[str, float] | None = None) -> RolloutBatch:  # fmt: skip
+                     metrics: Mapping[str, float] | None = None,
+                     failures: Mapping[str, int] | None = None) -> RolloutBatch:  # fmt: skip
     """Freeze accepted groups into a RolloutBatch with their metrics (pure)."""
     merged = {**rollout_metrics(groups), **(metrics or {})}
-    return RolloutBatch(tuple(tuple(g) for g in groups), step_id, epoch_id, merged)
+    return RolloutBatch(tuple(tuple(g) for g in groups), step_id, epoch_id, merged,
+                        dict(failures or {}))  # fmt: skip
+
+
+def summarize_errors(errors: Mapping[str, int], *, limit: int = 5) -> str:
+    """`errors` (text → count) as one line, most frequent first: "12x reward f raised ...; ..."."""
+    ranked = sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{n}x {_clip(text)}" for text, n in ranked[:limit]]
+    if len(ranked) > limit:
+        parts.append(f"and {len(ranked) - limit} other errors")
+    return "; ".join(parts)
 
 
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
@@ -226,6 +238,7 @@ class CollectResult:
     completion_tokens: int = 0
     wall_time_s: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)  # "url: kind" of dropped groups
+    sample_errors: Counter[str] = field(default_factory=Counter)  # error text of failed samples
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -262,6 +275,7 @@ async def collect_groups(
     max_launches: int | None = None,
     reward_timeout_s: float = 30.0,
     reward_fail_fast: bool = False,
+    reward_threads: RewardThreads | None = None,
     engine_fail_fast: bool = False,
     rid_prefix: str = "r",
     tokenizer: Any = None,
@@ -273,6 +287,7 @@ async def collect_groups(
         extra_groups: groups launched beyond `n_groups` up front to hide filtering latency.
         max_launches: cap on groups launched in total (default 4 × n_groups + extra); when it is
             reached and nothing is in flight, fewer than `n_groups` groups are returned.
+        reward_threads: the pool sync rewards run in (default: one for this call).
         engine_fail_fast: an engine error raises instead of dropping the group (counted in
             `n_failed_groups` and `failures`).
 
@@ -286,6 +301,7 @@ async def collect_groups(
     send, recv = trio.open_memory_channel[tuple[str, PromptItem, list[Sample]]](math.inf)
     running: dict[int, tuple[PromptItem, list[Sample], GenerateContext]] = {}
     slot_lock = trio.Lock()
+    threads = reward_threads or RewardThreads()
 
     async def run_group(gid: int, prompt: PromptItem, done: list[Sample]) -> None:
         offset = len(done)
@@ -296,7 +312,7 @@ async def collect_groups(
             batch = to_score[:]
             to_score.clear()
             done.extend(await score_samples(reward_fn, batch, timeout_s=reward_timeout_s,
-                                            fail_fast=reward_fail_fast))  # fmt: skip
+                                            fail_fast=reward_fail_fast, threads=threads))  # fmt: skip
 
         try:
             async with trio.open_nursery() as scoring:
@@ -341,12 +357,14 @@ async def collect_groups(
 
         for _ in range(min(cap, n_groups + extra_groups)):
             launch()
+        n_received = 0  # groups whose outcome came back (`running` misses unstarted tasks)
         while len(result.accepted) < n_groups:
-            if not running and result.n_launched >= cap:
+            if n_received == result.n_launched and result.n_launched >= cap:
                 log.warning("over-sampling cap of %d groups reached with %d/%d accepted", cap,
                             len(result.accepted), n_groups)  # fmt: skip
                 break
             kind, prompt, samples = await recv.receive()
+            n_received += 1
             group = tuple(sorted(samples, key=lambda s: s.index_in_group))
             if kind == "done" and any(s.status == "aborted" for s in group):
                 # Cut short by someone else (a pause with "abort", an abort_all): not a real
@@ -358,6 +376,7 @@ async def collect_groups(
                 continue
             n_failed = sum(s.status == "failed" for s in group)
             result.n_failed_samples += n_failed
+            result.sample_errors.update(s.error or "failed" for s in group if s.status == "failed")
             if kind == "failed" or n_failed or len(group) < n_samples:
                 result.n_failed_groups += 1
             elif group_filter(group):
@@ -386,6 +405,10 @@ async def collect_groups(
             result.partial.append((prompt, _finished(samples)))
     result.wall_time_s = time.perf_counter() - started
     return result
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _finished(samples: Sequence[Sample]) -> list[Sample]:

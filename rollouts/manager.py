@@ -6,7 +6,11 @@ Contract:
   Prompts come from the DataBuffer; held (partial) groups are served first.
 - Generation goes through one engine or EnginePool from token ids; sampled ids and engine
   logprobs are kept as they came (never re-tokenized). A global CapacityLimiter bounds requests
-  in flight across engines. Rewards run as samples finish, each under a timeout.
+  in flight across engines. Rewards run as samples finish, each under a timeout; sync rewards
+  in the manager's own `RewardThreads` pool (a hung reward costs its sample only).
+- The reward is `reward_fn` plus the shaping of the algorithm given to `use_algorithm`
+  (`run_rl_training` calls it), and the filter follows that algorithm too unless one is given
+  or configured: DAPO gets its overlong penalty and dynamic sampling wherever it is used.
 - Groups failing the filter are replaced by new prompts (over-sampling); once the batch is full
   the surplus requests are aborted and the unfinished groups go back to the DataBuffer's holding
   area with their finished samples, tagged with the current weight version.
@@ -46,9 +50,12 @@ from rollouts.generation import (
     keep_all,
     keep_if_reward_varies,
     single_turn_generate,
+    summarize_errors,
 )
 from rollouts.prompts import PromptItem
-from rollouts.rewards import RewardFn
+from rollouts.reward_threads import RewardThreads
+from rollouts.rewards import RewardFn, RolloutAlgorithm, shape_reward
+from rollouts.stall import watch_event_loop
 from rollouts.types import RolloutBatch, Sample
 
 log = logging.getLogger("rollouts.manager")
@@ -81,17 +88,18 @@ class AsyncRolloutManager:
         self.engine = engine
         self.data_buffer = data_buffer
         self.config = config
-        self.reward_fn = reward_fn
+        self.task_reward = reward_fn
+        self.reward_fn = reward_fn  # the task reward with the algorithm's shaping (use_algorithm)
         self.generate_fn = generate_fn
-        if group_filter is None:
-            group_filter = (
-                keep_if_reward_varies if config.filter_groups == "reward_varies" else keep_all
-            )
-        self.group_filter = group_filter
+        self._own_filter = group_filter
+        self.group_filter = group_filter or (
+            keep_if_reward_varies if config.filter_groups == "reward_varies" else keep_all
+        )
         self.transforms = tuple(transforms)
         self.current_version = current_version
         self.tokenizer = tokenizer
         self._limiter = trio.CapacityLimiter(config.max_concurrency)
+        self.reward_threads = RewardThreads(config.reward_threads, max_hung=config.reward_max_hung)
         self._nursery: trio.Nursery | None = None
         self._prefetch: trio.MemoryReceiveChannel | None = None
         self._prefetched = trio.Event()  # overlap mode: the batch being prefetched is complete
@@ -100,17 +108,18 @@ class AsyncRolloutManager:
         self._stale_dropped = 0
         self._cut_off = False  # a batch was interrupted: its requests may still run at the engine
 
-    def set_policy(self, *, reward_fn: RewardFn | None = None,
-                   group_filter: GroupFilter | None = None) -> None:  # fmt: skip
-        """Change the reward or the group filter for groups launched from now on.
+    def use_algorithm(self, algorithm: RolloutAlgorithm) -> None:
+        """Take reward shaping and group filtering from `algorithm` for groups launched from now on.
 
-        Used when the algorithm switches mid-run (e.g. GRPO → DAPO adds overlong shaping and
-        dynamic sampling); groups already in flight keep what they started with.
+        `run_rl_training` calls it before its first batch and whenever the algorithm changes
+        (e.g. GRPO → DAPO adds overlong shaping and dynamic sampling); groups already in flight
+        keep what they started with. The reward is `reward_fn` as given, plus the algorithm's
+        shaping (`rollouts.rewards.shape_reward`); the filter is the `group_filter` given, else
+        as `config.filter_groups` says ("auto": `algorithm.filter_zero_std`).
         """
-        if reward_fn is not None:
-            self.reward_fn = reward_fn
-        if group_filter is not None:
-            self.group_filter = group_filter
+        self.reward_fn = shape_reward(algorithm, self.task_reward)
+        if self._own_filter is None and self.config.filter_groups == "auto":
+            self.group_filter = keep_if_reward_varies if algorithm.filter_zero_std else keep_all
 
     def statistics(self) -> ManagerStatistics:
         """A snapshot: batches ready in the async producer's channel, stale groups dropped."""
@@ -233,32 +242,41 @@ class AsyncRolloutManager:
     async def _collect(self, n_groups: int) -> CollectResult:
         cfg = self.config
         try:
-            result = await collect_groups(
-                GroupSource(self._next_prompt),
-                n_groups=n_groups,
-                n_samples=cfg.n_samples_per_prompt,
-                engine=self.engine,
-                sampling_params=cfg.sampling.params(),
-                reward_fn=self.reward_fn,
-                generate_fn=self.generate_fn,
-                group_filter=self.group_filter,
-                limiter=self._limiter,
-                extra_groups=cfg.extra_groups,
-                max_launches=math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups,
-                reward_timeout_s=cfg.reward_timeout_s,
-                reward_fail_fast=cfg.reward_fail_fast,
-                engine_fail_fast=cfg.engine_fail_fast,
-                rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
-                tokenizer=self.tokenizer,
-            )
+            async with watch_event_loop(cfg.stall_warning_s):  # names an async reward that blocks
+                result = await self._collect_groups(n_groups)
         except BaseException:
             self._cut_off = True
             raise
         _check_failure_rate(result, cfg.max_failed_group_rate)
+        if result.sample_errors:
+            log.warning("%d samples failed (their groups were dropped): %s",
+                        result.n_failed_samples, summarize_errors(result.sample_errors))  # fmt: skip
         version = self.current_version()
         for prompt, samples in result.partial:
             self.data_buffer.hold([_held_record(prompt, samples)], version)
         return result
+
+    async def _collect_groups(self, n_groups: int) -> CollectResult:
+        cfg = self.config
+        return await collect_groups(
+            GroupSource(self._next_prompt),
+            n_groups=n_groups,
+            n_samples=cfg.n_samples_per_prompt,
+            engine=self.engine,
+            sampling_params=cfg.sampling.params(),
+            reward_fn=self.reward_fn,
+            generate_fn=self.generate_fn,
+            group_filter=self.group_filter,
+            limiter=self._limiter,
+            extra_groups=cfg.extra_groups,
+            max_launches=math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups,
+            reward_timeout_s=cfg.reward_timeout_s,
+            reward_fail_fast=cfg.reward_fail_fast,
+            reward_threads=self.reward_threads,
+            engine_fail_fast=cfg.engine_fail_fast,
+            rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
+            tokenizer=self.tokenizer,
+        )
 
     def _next_prompt(self) -> tuple[PromptItem, list[Sample]]:
         """Held groups first (dropping samples too stale to reuse), then fresh prompts."""
@@ -279,9 +297,11 @@ class AsyncRolloutManager:
             **self._staleness([s for g in groups for s in g]),
             "stale_groups_dropped": float(self._stale_dropped),
             "held_groups": float(self.data_buffer.n_held),
+            "reward_threads_hung": float(self.reward_threads.statistics().hung),
             **_engine_metrics(self.engine),
         }
-        return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics)
+        return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics,
+                                result.sample_errors)  # fmt: skip
 
     def _staleness(self, samples: Sequence[Sample]) -> dict[str, float]:
         """How many weight versions the samples are behind the trainer now."""
@@ -340,6 +360,7 @@ def _accumulate(total: CollectResult, part: CollectResult) -> None:
     total.completion_tokens += part.completion_tokens
     total.wall_time_s += part.wall_time_s
     total.failures.update(part.failures)
+    total.sample_errors.update(part.sample_errors)
 
 
 async def _abort_all(engine: Any) -> None:

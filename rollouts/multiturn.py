@@ -29,7 +29,7 @@ its own requests; the engine still batches them dynamically).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import trio
@@ -55,11 +55,14 @@ class MultiTurnConfig:
         max_response_tokens: budget for all response tokens (sampled and appended); each
             turn's `max_new_tokens` is capped to what is left. None: no budget.
         stop_condition: checked after each env step; True ends the episode as completed.
+        template_kwargs: extra chat-template variables for every rendering of the episode
+            (e.g. `{"enable_thinking": False}`; see rollouts/thinking.py).
     """
 
     max_turns: int = 8
     max_response_tokens: int | None = None
     stop_condition: StopCondition | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -133,7 +136,8 @@ async def run_episode(
     if obs.prompt_ids is not None:
         prompt_ids = tuple(obs.prompt_ids)
     else:
-        prompt_ids = tuple(encode_prompt(chat.tokenizer, list(obs.messages), obs.tools))
+        prompt_ids = tuple(encode_prompt(chat.tokenizer, list(obs.messages), obs.tools,
+                                         template_kwargs=chat.template_kwargs))  # fmt: skip
     messages = [dict(m) for m in obs.messages]
     response = _Trajectory()
     records: list[ToolCallRecord] = []
@@ -224,7 +228,7 @@ def multiturn_generate(
                 "manager one"
             )
         if id(tok) not in chats:
-            chats[id(tok)] = ChatTurns.from_tokenizer(tok)
+            chats[id(tok)] = ChatTurns.from_tokenizer(tok, config.template_kwargs)
         return chats[id(tok)]
 
     async def generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:

@@ -42,10 +42,11 @@ class PromptItem:
 
 
 def prompt_item(tokenizer: Any, messages: list[Mapping[str, Any]],
-                metadata: Mapping[str, Any] | None = None, *, tools=None) -> PromptItem:  # fmt: skip
+                metadata: Mapping[str, Any] | None = None, *, tools=None,
+                template_kwargs: Mapping[str, Any] | None = None) -> PromptItem:  # fmt: skip
     """A PromptItem from chat messages, rendered with the tokenizer's chat template."""
-    return PromptItem(tuple(encode_prompt(tokenizer, messages, tools)), tuple(messages),
-                      dict(metadata or {}))  # fmt: skip
+    ids = encode_prompt(tokenizer, messages, tools, template_kwargs=template_kwargs)
+    return PromptItem(tuple(ids), tuple(messages), dict(metadata or {}))
 
 
 def _validate(obj: Any, source: str) -> tuple[list[dict] | None, list[str]]:
@@ -70,17 +71,24 @@ def _validate(obj: Any, source: str) -> tuple[list[dict] | None, list[str]]:
     return (None if problems else messages), problems
 
 
-def encode_prompt(tokenizer: Any, messages: list[Mapping[str, Any]], tools=None) -> list[int]:
-    """Token ids of `messages` rendered by the chat template with the generation header."""
+def encode_prompt(tokenizer: Any, messages: list[Mapping[str, Any]], tools=None, *,
+                  template_kwargs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+    """Token ids of `messages` rendered by the chat template with the generation header.
+
+    `template_kwargs` are extra template variables (e.g. `rollouts.thinking.
+    thinking_template_kwargs`: `{"enable_thinking": False}`).
+    """
     out = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tools=tools, add_generation_prompt=True, tokenize=True
-    )
+        [dict(m) for m in messages], tools=tools, add_generation_prompt=True, tokenize=True,
+        **dict(template_kwargs or {}),
+    )  # fmt: skip
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def load_prompt_jsonl(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None = None
+def load_prompt_jsonl(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None = None,
+                      template_kwargs: Mapping[str, Any] | None = None
                       ) -> list[PromptItem]:  # fmt: skip
-    """Load, validate and tokenize RL prompts.
+    """Load, validate and tokenize RL prompts (`template_kwargs`: extra template variables).
 
     Raises:
         DataError: malformed lines (all collected, first 10 shown), prompts longer than
@@ -93,7 +101,7 @@ def load_prompt_jsonl(path: str | Path, tokenizer: Any, *, max_prompt_len: int |
         errors.extend(problems)
         if messages is None:
             continue
-        ids = encode_prompt(tokenizer, messages, obj.get("tools"))
+        ids = encode_prompt(tokenizer, messages, obj.get("tools"), template_kwargs=template_kwargs)
         if max_prompt_len is not None and len(ids) > max_prompt_len:
             errors.append(f"{source}: messages: prompt is {len(ids)} tokens > {max_prompt_len}")
             continue

@@ -12,9 +12,9 @@ loop; async rewards are awaited. Scoring a sample under a timeout (`score_sample
 samples of one finished request together (`score_samples`) live in `rollouts.scoring`.
 
 What is not covered: a sync reward that hangs cannot be killed. On timeout its thread is
-abandoned (`abandon_on_cancel=True`): the sample is marked failed at once, the thread runs on
-in the background and keeps its CapacityLimiter token until it returns. Pass a dedicated
-`limiter` to bound how many such threads can pile up.
+abandoned: the sample is marked failed at once and the thread runs on until it returns,
+counted by the `RewardThreads` pool it ran in (rollouts/reward_threads.py), which bounds both
+the reward threads running and the hung ones, apart from trio's shared thread pool.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import inspect
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeAlias
-
-import trio
+from typing import Any, Protocol, TypeAlias
 
 from rollouts.errors import ConfigError, DataError
+from rollouts.reward_threads import RewardThreads
 from rollouts.types import Sample
 
 RewardValue: TypeAlias = float | Mapping[str, float]
@@ -175,8 +174,24 @@ def overlong_penalty(
 # ----- vector rewards and aggregators ----------------------------------------------------------
 
 
-def weighted_sum(weights: Mapping[str, float]) -> Aggregator:
-    """Σ weights[k] * components[k]; components without a weight are reported, not summed."""
+def weighted_sum(weights: Mapping[str, float] | Sequence[float]) -> Aggregator:
+    """Σ weights[k] * components[k]; components without a weight are reported, not summed.
+
+    A sequence of weights applies to the components in their order (e.g. those of a
+    `list_reward`, or of a `vector_reward` built from a list): `weighted_sum([0.4, 0.3, 0.3])`.
+    """
+    if not isinstance(weights, Mapping):
+        ordered = [float(w) for w in weights]
+
+        def aggregate_in_order(components: Mapping[str, float]) -> float:
+            if len(components) != len(ordered):
+                raise ValueError(
+                    f"weighted_sum: {len(ordered)} weights for {len(components)} components "
+                    f"{list(components)}"
+                )
+            return sum(w * v for w, v in zip(ordered, components.values(), strict=True))
+
+        return aggregate_in_order
 
     def aggregate(components: Mapping[str, float]) -> float:
         missing = sorted(set(weights) - set(components))
@@ -190,6 +205,16 @@ def weighted_sum(weights: Mapping[str, float]) -> Aggregator:
 def min_aggregate(components: Mapping[str, float]) -> float:
     """The smallest component: a sample is only as good as its worst criterion."""
     return min(components.values())
+
+
+def max_aggregate(components: Mapping[str, float]) -> float:
+    """The largest component: a sample is as good as its best criterion (optimistic)."""
+    return max(components.values())
+
+
+def mean_aggregate(components: Mapping[str, float]) -> float:
+    """The mean of the components."""
+    return sum(components.values()) / len(components)
 
 
 def gated(
@@ -230,15 +255,24 @@ def lexicographic(keys: Sequence[str], *, scale: float = 10.0) -> Aggregator:
     return aggregate
 
 
-def vector_reward(components: Mapping[str, RewardFn], aggregate: Aggregator) -> RewardFn:
+def vector_reward(components: Mapping[str, RewardFn] | Sequence[RewardFn],
+                  aggregate: Aggregator) -> RewardFn:  # fmt: skip
     """A reward returning each named component plus `aggregate(components)` under "total".
 
-    If any component is async the result is async too, and its sync components run in worker
-    threads (as in `score_sample`); otherwise it is a plain sync function.
+    `components` maps names to rewards, or is a list of rewards named after their functions
+    (`[correctness, helpfulness]` → "correctness", "helpfulness"). If any component is async
+    the result is async too, and its sync components run in worker threads (as in
+    `score_sample`); otherwise it is a plain sync function.
 
     Raises:
-        ConfigError: no components, or a component is named "total".
+        ConfigError: no components, a component is named "total", or two share a name.
     """
+    if not isinstance(components, Mapping):
+        names = [reward_name(fn) for fn in components]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"vector_reward: components {repeated} share a name; pass a mapping")
+        components = dict(zip(names, components, strict=True))
     if not components:
         raise ConfigError("vector_reward needs at least one component")
     if TOTAL in components:
@@ -259,6 +293,31 @@ def vector_reward(components: Mapping[str, RewardFn], aggregate: Aggregator) -> 
         return finish({k: scalar_reward(await call_reward(fn, sample), k) for k, fn in fns.items()})
 
     return vector_async
+
+
+def list_reward(reward_fn: Callable[[Sample], Sequence[float]], aggregate: Aggregator, *,
+                names: Sequence[str] | None = None) -> Callable[[Sample], dict[str, float]]:  # fmt: skip
+    """A reward that returns a list of values (the seeds' vector rewards) as a vector reward.
+
+    Component i is named `names[i]` (default "r0", "r1", ...); "total" is `aggregate` of them,
+    e.g. `list_reward(multi_objective, weighted_sum([0.4, 0.3, 0.2, 0.1]))` or
+    `list_reward(f, mean_aggregate)`.
+
+    Raises (in the returned reward, so the sample is marked failed):
+        ValueError: the list's length differs from `names`.
+    """
+
+    def from_list(sample: Sample) -> dict[str, float]:
+        values = list(reward_fn(sample))
+        keys = list(names) if names is not None else [f"r{i}" for i in range(len(values))]
+        if len(keys) != len(values):
+            raise ValueError(f"{reward_name(reward_fn)} returned {len(values)} values for "
+                             f"{len(keys)} names {keys}")  # fmt: skip
+        parts = {k: scalar_reward(v, k) for k, v in zip(keys, values, strict=True)}
+        return {**parts, TOTAL: float(aggregate(parts))}
+
+    from_list.__name__ = reward_name(reward_fn)
+    return from_list
 
 
 def add_overlong_shaping(
@@ -289,6 +348,30 @@ def add_overlong_shaping(
     return shaped_async
 
 
+class RolloutAlgorithm(Protocol):
+    """What the rollout side takes from an RL algorithm (`training.rl.AlgorithmConfig` is one)."""
+
+    @property
+    def filter_zero_std(self) -> bool:
+        """Dynamic sampling: drop groups whose rewards are all equal, over-sample to refill."""
+
+    @property
+    def overlong(self) -> Any:
+        """None, or DAPO's overlong shaping: `max_response_len`, `cache_len`, `penalty_factor`."""
+
+
+def shape_reward(algorithm: RolloutAlgorithm, reward_fn: RewardFn) -> RewardFn:
+    """`reward_fn` with the algorithm's reward shaping (DAPO's overlong penalty) applied."""
+    if algorithm.overlong is None:
+        return reward_fn
+    return add_overlong_shaping(
+        reward_fn,
+        max_response_len=algorithm.overlong.max_response_len,
+        cache_len=algorithm.overlong.cache_len,
+        penalty_factor=algorithm.overlong.penalty_factor,
+    )
+
+
 # ----- running a reward ------------------------------------------------------------------------
 
 
@@ -298,6 +381,12 @@ def scalar_reward(value: object, name: str = "reward") -> float:
     Raises:
         TypeError: not a real number. ValueError: NaN or infinite.
     """
+    if isinstance(value, list | tuple):
+        raise TypeError(
+            f"{name} returned a {type(value).__name__} of {len(value)} values, expected a float; "
+            "for several values wrap the reward: list_reward(fn, mean_aggregate), or return a "
+            f"mapping with {TOTAL!r}"
+        )
     if not isinstance(value, int | float):
         raise TypeError(f"{name} returned {type(value).__name__}, expected a float")
     out = float(value)
@@ -320,21 +409,26 @@ def split_reward(value: object) -> tuple[float, dict[str, float] | None]:
 
 
 async def call_reward(
-    reward_fn: RewardFn, sample: Sample, *, limiter: trio.CapacityLimiter | None = None
+    reward_fn: RewardFn, sample: Sample, *, threads: RewardThreads | None = None
 ) -> RewardValue:
     """Run `reward_fn` on `sample`: awaited if async, else in an abandonable worker thread.
 
-    A sync callable that returns an awaitable (e.g. a lambda wrapping an async function) has
-    that awaitable awaited in the event loop.
+    Sync rewards run in `threads` (default: a pool of their own for this call), never in
+    trio's shared thread pool. A sync callable that returns an awaitable (e.g. a lambda
+    wrapping an async function) has that awaitable awaited in the event loop.
     """
     if is_async_reward(reward_fn):
         return await reward_fn(sample)  # type: ignore[misc]
-    value = await trio.to_thread.run_sync(
-        reward_fn, sample, abandon_on_cancel=True, limiter=limiter
-    )
+    threads = threads or RewardThreads(1)
+    value = await threads.run_sync(reward_fn, sample, name=reward_name(reward_fn))
     if inspect.isawaitable(value):
         value = await value
     return value  # type: ignore[return-value]
+
+
+def reward_name(fn: object) -> str:
+    """The name a reward goes by in errors and logs."""
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def is_async_reward(fn: object) -> bool:

@@ -8,8 +8,9 @@ Contract of `score_samples(reward_fn, samples, timeout_s=...)`: each sample ends
 `score_sample` would leave it (scored, or failed with the reason in `error`; `RewardError`
 under `fail_fast`), in the order given.
 - A sync reward runs in ONE worker-thread call for the batch, sample after sample, so the event
-  loop never blocks. Each sample still has `timeout_s` of its own: the deadline follows the
-  sample the thread is working on. A sample that runs past it is marked failed ("timed out")
+  loop never blocks; the thread comes from a `RewardThreads` pool (rollouts/reward_threads.py),
+  never from trio's shared one. Each sample still has `timeout_s` of its own, counted from when
+  the thread starts: the deadline follows the sample the thread is working on. A sample that runs past it is marked failed ("timed out")
   and the thread is abandoned (it stops once that call returns); the samples before it keep
   their rewards and those after it are scored by a fresh thread.
 - A reward that raises or returns an invalid value fails only its own sample.
@@ -33,7 +34,9 @@ from typing import TypeAlias
 import trio
 
 from rollouts.errors import RewardError
-from rollouts.rewards import RewardFn, call_reward, is_async_reward, split_reward
+from rollouts.nursery import open_nursery
+from rollouts.reward_threads import RewardThreads, RewardThreadsExhausted
+from rollouts.rewards import RewardFn, call_reward, is_async_reward, reward_name, split_reward
 from rollouts.types import Sample
 
 _PENDING = object()
@@ -48,7 +51,7 @@ async def score_sample(
     *,
     timeout_s: float,
     fail_fast: bool = False,
-    limiter: trio.CapacityLimiter | None = None,
+    threads: RewardThreads | None = None,
 ) -> Sample:
     """`sample` with its reward (and components) set, or marked failed if the reward could not be computed.
 
@@ -64,18 +67,21 @@ async def score_sample(
         sample: the trajectory to score; its status is otherwise left as is.
         timeout_s: wall-clock budget for this reward call.
         fail_fast: raise instead of marking the sample failed.
-        limiter: CapacityLimiter for sync rewards' threads (default: trio's global one).
+        threads: the pool for sync rewards' threads (default: one for this call).
 
     Returns:
         The scored sample, or a failed copy.
 
     Raises:
         RewardError: only with `fail_fast`; names the sample and the cause.
+        RewardThreadsExhausted: too many sync reward threads are hung (whatever `fail_fast`).
     """
     outcome: RewardOutcome = None
     with trio.move_on_after(timeout_s):
         try:
-            outcome = split_reward(await call_reward(reward_fn, sample, limiter=limiter))
+            outcome = split_reward(await call_reward(reward_fn, sample, threads=threads))
+        except RewardThreadsExhausted:
+            raise
         except Exception as exc:
             outcome = exc
     return settle_reward(reward_fn, sample, outcome, timeout_s=timeout_s, fail_fast=fail_fast)
@@ -90,7 +96,7 @@ def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *
     """
     if isinstance(outcome, tuple):
         return sample.with_reward(*outcome)
-    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    name = reward_name(reward_fn)
     if outcome is None:
         error = f"reward {name} timed out after {timeout_s} s"
     else:
@@ -109,7 +115,7 @@ async def score_samples(
     *,
     timeout_s: float,
     fail_fast: bool = False,
-    limiter: trio.CapacityLimiter | None = None,
+    threads: RewardThreads | None = None,
 ) -> list[Sample]:
     """`samples` scored by `reward_fn` (or marked failed), in order. See the module docstring.
 
@@ -118,14 +124,14 @@ async def score_samples(
         samples: finished trajectories, e.g. the samples of one batched request.
         timeout_s: wall-clock budget of each sample's reward call.
         fail_fast: raise instead of marking a sample failed.
-        limiter: CapacityLimiter for sync rewards' threads (default: trio's global one).
+        threads: the pool for sync rewards' threads (default: one for this call).
 
     Raises:
         RewardError: only with `fail_fast`; names the first failed sample and the cause.
     """
     if len(samples) <= 1:
         return [await score_sample(reward_fn, s, timeout_s=timeout_s, fail_fast=fail_fast,
-                                   limiter=limiter) for s in samples]  # fmt: skip
+                                   threads=threads) for s in samples]  # fmt: skip
     if is_async_reward(reward_fn):
         out = list(samples)
 
@@ -137,15 +143,16 @@ async def score_samples(
             for i in range(len(samples)):
                 nursery.start_soon(one, i)
         return out
+    threads = threads or RewardThreads(1)
     out = []
     while len(out) < len(samples):
         todo = samples[len(out) :]
-        results = await _run_in_thread(reward_fn, todo, timeout_s, limiter)
+        results = await _run_in_thread(reward_fn, todo, timeout_s, threads)
         if len(results) < len(todo):
             results.append(None)  # the sample the thread was stuck on: timed out
         for sample, result in zip(todo, results, strict=False):
             if inspect.isawaitable(result):  # a sync callable that returned an awaitable
-                result = await _await_reward(result, timeout_s)
+                result = await await_reward(result, timeout_s)
             out.append(settle_reward(reward_fn, sample, result,  # type: ignore[arg-type]
                                      timeout_s=timeout_s, fail_fast=fail_fast))  # fmt: skip
     return out
@@ -179,22 +186,27 @@ class _ThreadBatch:
 
 
 async def _run_in_thread(reward_fn: RewardFn, samples: Sequence[Sample], timeout_s: float,
-                         limiter: trio.CapacityLimiter | None) -> list[object]:  # fmt: skip
+                         threads: RewardThreads) -> list[object]:  # fmt: skip
     """Results for `samples` from one worker-thread call, in order (a `split_reward` tuple, an
     exception or an awaitable each). Shorter than `samples` when the sample right after the
     last result ran past `timeout_s`: the thread is then abandoned."""
     batch = _ThreadBatch(samples)
     # trio's clock is time.perf_counter() plus an offset (or virtual time under a MockClock)
     to_trio_time = trio.current_time() - time.perf_counter()
-    finished = trio.Event()
+    finished, started = trio.Event(), trio.Event()
+
+    def start_clock() -> None:  # the pool's slot is ours: the first sample's time starts now
+        batch.current = (0, time.perf_counter())
+        started.set()
 
     async def run() -> None:
-        await trio.to_thread.run_sync(batch.run, reward_fn, abandon_on_cancel=True,
-                                      limiter=limiter)  # fmt: skip
+        await threads.run_sync(batch.run, reward_fn, name=reward_name(reward_fn),
+                               on_start=start_clock)  # fmt: skip
         finished.set()
 
-    async with trio.open_nursery() as nursery:
+    async with open_nursery() as nursery:  # RewardThreadsExhausted raises as itself
         nursery.start_soon(run)
+        await started.wait()  # waits on the pool's other calls, each bounded by its timeout
         while not finished.is_set():
             current = batch.current
             with trio.move_on_at(current[1] + to_trio_time + timeout_s):
@@ -208,7 +220,8 @@ async def _run_in_thread(reward_fn: RewardFn, samples: Sequence[Sample], timeout
     return batch.results
 
 
-async def _await_reward(awaitable: Awaitable[object], timeout_s: float) -> RewardOutcome:
+async def await_reward(awaitable: Awaitable[object], timeout_s: float) -> RewardOutcome:
+    """What a sync reward's returned awaitable gives, under `timeout_s` (None: timed out)."""
     with trio.move_on_after(timeout_s):
         try:
             return split_reward(await awaitable)

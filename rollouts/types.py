@@ -179,10 +179,13 @@ class RolloutBatch:
     step_id: int
     epoch_id: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+    failures: Mapping[str, int] = field(default_factory=dict)
+    """Why samples of rejected groups failed: error text → count (e.g. a reward that raised)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(tuple(g) for g in self.groups))
         object.__setattr__(self, "metrics", dict(self.metrics))
+        object.__setattr__(self, "failures", dict(self.failures))
 
     @property
     def samples(self) -> tuple[Sample, ...]:
@@ -196,6 +199,7 @@ class RolloutBatch:
             "step_id": self.step_id,
             "epoch_id": self.epoch_id,
             "metrics": dict(self.metrics),
+            "failures": dict(self.failures),
         }
 
     @classmethod

@@ -1,13 +1,26 @@
-"""Small builders shared by the RL maths tests: a policy backend on the tiny model, scored batches."""
+"""Small builders shared by the RL tests: a policy backend on the tiny model, scored batches, a
+short real RL loop on the in-process engine (`run_loop`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import PromptItem, prompt_item
 from rollouts.types import RolloutBatch, Sample
 from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
+from training.data.buffer import DataBuffer
+from training.loops.rl import run_rl_training
+from training.rl.algorithms import constant_schedule, grpo
 from training.rl.batch import collate_rl
+from training.rl.reference import make_reference
+from training.rl_config import RLLoopConfig
 
 
 def rl_backend(model_dir, tmp_path, *, micro_batch_tokens: int = 8192, name: str = "p"):
@@ -41,3 +54,46 @@ async def grads_of(backend: PyTorchTrainingBackend) -> dict[str, torch.Tensor]:
         }
 
     return await backend.call(read).result()
+
+
+def index_reward(sample) -> float:
+    """0, 1, ... within each group: every group has a reward spread, whatever was sampled."""
+    return float(sample.index_in_group)
+
+
+def prompts(tokenizer, n: int = 8) -> list[PromptItem]:
+    return [prompt_item(tokenizer, [{"role": "user", "content": f"{i}+{i}"}], {"answer": str(2 * i)})
+            for i in range(n)]  # fmt: skip
+
+
+async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 1,
+                   checkpoint_every: int = 10, reward_fn=index_reward, algorithm=None,
+                   schedule=None, with_reference: bool = False,
+                   rollout: RolloutConfig | None = None, max_empty_batches: int | None = None,
+                   **loop_kwargs: Any) -> SimpleNamespace:  # fmt: skip
+    """Run `run_rl_training` for `max_steps` on the in-process engine (2 prompts x 2 samples of
+    at most 4 tokens by default); return its history, the policy, reference and manager."""
+    model, tok = load_model_and_tokenizer(model_dir)
+    buffer = DataBuffer(prompts(tok), seed=0)
+    backend = PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=max_steps,
+        checkpoint_dir=tmp_path / "checkpoints", pack_length=None,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+    rollout = rollout or RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                                       sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+    reference = make_reference(backend) if with_reference else None
+    with backend:
+        manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=reward_fn,
+                                      current_version=lambda: backend.weight_version)  # fmt: skip
+        history = await run_rl_training(
+            backend, buffer, manager, [engine],
+            RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every,
+                         **({} if max_empty_batches is None else
+                            {"max_empty_batches": max_empty_batches})),
+            algorithm=schedule or constant_schedule(algorithm or grpo()),
+            export_dir=tmp_path / "weights", reference=reference, **loop_kwargs,
+        )  # fmt: skip
+        if reference is not None:
+            reference.close()
+    return SimpleNamespace(history=history, backend=backend, reference=reference, manager=manager)

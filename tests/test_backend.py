@@ -110,9 +110,7 @@ async def test_loading_a_missing_checkpoint_names_the_path(tiny_model_dir, tmp_p
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path):
-    with pytest.raises(
-        ModelLoadError, match="cannot load (a tokenizer|model) from .*missing_model"
-    ):
+    with pytest.raises(ModelLoadError, match="missing_model: no such directory"):
         load_model_and_tokenizer(tmp_path / "missing_model")
 
 

@@ -365,6 +365,35 @@ async def test_openai_client_completions_and_chat_with_logprobs(local_engine):
     await client.close()
 
 
+async def test_openai_streaming_completions_carry_the_logprobs_of_each_chunk(local_engine):
+    from openai import AsyncOpenAI
+
+    server, _ = local_engine
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = server.state.served_model_name
+    args = {"model": model, "prompt": "12+34=", "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    whole = (await client.completions.create(**args)).choices[0].logprobs
+    stream = await client.completions.create(**args, stream=True)
+    chunks = [chunk.choices[0] async for chunk in stream if chunk.choices]
+    await client.close()
+    assert all(c.logprobs is not None for c in chunks)
+    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == whole.token_logprobs
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.tokens
+
+
+async def test_openai_echo_returns_the_prompt_with_its_special_tokens(local_engine):
+    from openai import AsyncOpenAI
+
+    server, _ = local_engine
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    prompt = "<|im_start|>user\n12+34<|im_end|>\n<|im_start|>assistant\n"
+    completion = await client.completions.create(
+        model=server.state.served_model_name, prompt=prompt, max_tokens=3, temperature=0, echo=True
+    )
+    await client.close()
+    assert completion.choices[0].text.startswith(prompt)
+
+
 async def test_api_key_is_required_everywhere_except_health(tiny_model_dir):
     async with open_local_engine(tiny_model_dir, num_threads=1, api_key="sekret") as server:
         async with httpx.AsyncClient(base_url=server.url) as http:

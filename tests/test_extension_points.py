@@ -8,68 +8,19 @@ model, 2 prompts × 2 samples of at most 4 tokens, 1-2 steps.
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 import torch
 
-from rollouts.config import RolloutConfig, SamplingConfig
-from rollouts.manager import AsyncRolloutManager
-from rollouts.prompts import PromptItem, prompt_item
 from rollouts.rewards import vector_reward, weighted_sum
 from rollouts.shaping import add_shaping, length_bonus
-from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
-from training.config import OptimConfig
-from training.data.buffer import DataBuffer
-from training.loops.rl import run_rl_training
+from tests.rl_helpers import index_reward, run_loop
 from training.recipes.rl import RLExtensions, run_rl_recipe
 from training.rl.advantages import grpo_advantages
-from training.rl.algorithms import compute_policy_loss, constant_schedule, grpo
-from training.rl.batch import collate_rl
+from training.rl.algorithms import compute_policy_loss, grpo
 from training.rl.kl import kl_estimate
-from training.rl.reference import make_reference, reset_to_policy
+from training.rl.reference import reset_to_policy
 from training.rl.rollout_dump import RolloutDumpWriter, read_rollout_dump
-from training.rl_config import RLLoopConfig, RLRunConfig
-
-
-def index_reward(sample) -> float:
-    """0, 1, ... within each group: every group has a reward spread, whatever was sampled."""
-    return float(sample.index_in_group)
-
-
-def prompts(tokenizer, n: int = 8) -> list[PromptItem]:
-    return [prompt_item(tokenizer, [{"role": "user", "content": f"{i}+{i}"}], {"answer": str(2 * i)})
-            for i in range(n)]  # fmt: skip
-
-
-async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 1,
-                   checkpoint_every: int = 10, reward_fn=index_reward, algorithm=None,
-                   with_reference: bool = False, **loop_kwargs: Any) -> SimpleNamespace:  # fmt: skip
-    """Run `run_rl_training` for `max_steps`; return its history, the policy and reference."""
-    model, tok = load_model_and_tokenizer(model_dir)
-    buffer = DataBuffer(prompts(tok), seed=0)
-    backend = PyTorchTrainingBackend(
-        model, tok, optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=max_steps,
-        checkpoint_dir=tmp_path / "checkpoints", pack_length=None,
-        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
-    )  # fmt: skip
-    rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
-                            sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
-    reference = make_reference(backend) if with_reference else None
-    with backend:
-        manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=reward_fn,
-                                      current_version=lambda: backend.weight_version)  # fmt: skip
-        history = await run_rl_training(
-            backend, buffer, manager, [engine],
-            RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every),
-            algorithm=constant_schedule(algorithm or grpo()), export_dir=tmp_path / "weights",
-            reference=reference, **loop_kwargs,
-        )  # fmt: skip
-        if reference is not None:
-            reference.close()
-    return SimpleNamespace(history=history, backend=backend, reference=reference)
+from training.rl_config import RLRunConfig
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

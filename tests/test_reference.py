@@ -9,15 +9,24 @@ import pytest
 import torch
 
 from rollouts.errors import ConfigError
+from training.backend.state import lerp_params
 from training.rl.reference import ema_update, frozen, kl_triggered_reset, periodic_reset
 
 
+class Weights(SimpleNamespace):
+    """Stand-in for a backend: rules change weights only through these two methods, which
+    the backend implements with the same `lerp_params` (on each rank's shards)."""
+
+    def copy_weights_from(self, other: Weights) -> None:
+        lerp_params(self.model, other.model, 1.0)
+
+    def lerp_weights_from(self, other: Weights, weight: float) -> None:
+        lerp_params(self.model, other.model, weight)
+
+
 def models():
-    """Stand-ins for the two backends: rules only touch `.model`."""
     torch.manual_seed(0)
-    return SimpleNamespace(model=torch.nn.Linear(3, 2)), SimpleNamespace(
-        model=torch.nn.Linear(3, 2)
-    )
+    return Weights(model=torch.nn.Linear(3, 2)), Weights(model=torch.nn.Linear(3, 2))
 
 
 def same(a, b) -> bool:

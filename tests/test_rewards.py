@@ -20,6 +20,9 @@ from rollouts.rewards import (
     last_integer,
     length_penalty,
     lexicographic,
+    list_reward,
+    max_aggregate,
+    mean_aggregate,
     min_aggregate,
     normalize_answer,
     overlong_penalty,
@@ -134,6 +137,45 @@ def test_aggregators():
     # Any correct answer outranks every incorrect one, whatever the style score.
     assert lex({"correct": 1.0, "style": 0.0}) > lex({"correct": 0.0, "style": 1.0})
     assert lex({"correct": 1.0, "style": 0.5}) == 2.5
+
+
+def test_max_and_mean_aggregators():
+    components = {"a": 0.2, "b": 0.9, "c": 0.4}
+    assert max_aggregate(components) == 0.9
+    assert mean_aggregate(components) == pytest.approx(0.5)
+
+
+async def test_a_list_valued_reward_with_an_aggregator_scores_its_components():
+    def multi_objective(sample: Sample) -> list[float]:  # the seeds' vector reward
+        return [1.0, 0.5, 0.0, 0.25]
+
+    weighted = list_reward(multi_objective, weighted_sum([0.4, 0.3, 0.2, 0.1]),
+                           names=["correct", "helpful", "safe", "concise"])  # fmt: skip
+    scored = await score_sample(weighted, make_sample(), timeout_s=5)
+    assert scored.status == "completed" and scored.reward == pytest.approx(0.575)
+    assert scored.reward_components == {"correct": 1.0, "helpful": 0.5, "safe": 0.0,
+                                        "concise": 0.25}  # fmt: skip
+    scored = await score_sample(list_reward(multi_objective, mean_aggregate), make_sample(),
+                                timeout_s=5)  # fmt: skip
+    assert scored.reward == pytest.approx(0.4375) and set(scored.reward_components) == {
+        "r0", "r1", "r2", "r3"}  # fmt: skip
+
+
+async def test_a_vector_reward_from_a_list_of_functions_names_them():
+    def correct(sample: Sample) -> float:
+        return 1.0
+
+    def short(sample: Sample) -> float:
+        return 0.0
+
+    scored = await score_sample(vector_reward([correct, short], max_aggregate), make_sample(),
+                                timeout_s=5)  # fmt: skip
+    assert scored.reward == 1.0 and scored.reward_components == {"correct": 1.0, "short": 0.0}
+
+
+async def test_a_reward_returning_a_list_fails_its_sample_saying_how_to_aggregate():
+    scored = await score_sample(lambda s: [1.0, 0.0], make_sample(), timeout_s=5)
+    assert scored.status == "failed" and "list_reward(fn, mean_aggregate)" in scored.error
 
 
 def test_add_overlong_shaping_keeps_inner_components():

@@ -81,11 +81,29 @@ def test_xml_parser_reads_argument_elements_and_json_bodies():
     ]
 
 
+async def test_the_seeds_plain_text_tool_call_parses_and_runs_as_the_tools_one_argument():
+    (call,) = parse_xml_tool_calls('<tool_call name="calculator">123 + 456</tool_call>')
+    assert call.error is None and call.text == "123 + 456"
+    record = await execute_tool_call(call, tools_by_name([calculator_tool()]))
+    assert record.success and record.output == "579"
+    assert dict(record.arguments) == {"expression": "123 + 456"}
+
+
+async def test_a_plain_text_body_for_a_tool_of_several_arguments_is_a_failed_call():
+    two = Tool("pair", "two args", {"type": "object", "properties": {"a": {}, "b": {}}}, _echo)
+    (call,) = parse_xml_tool_calls('<tool_call name="pair">1 2</tool_call>')
+    record = await execute_tool_call(call, tools_by_name([two]))
+    assert not record.success and "a plain-text body fits a tool with one argument" in record.error
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("<tool_call><expression>1</expression></tool_call>", "no name attribute"),
-        ('<tool_call name="calculator">2*3</tool_call>', "expected <argument>value</argument>"),
+        (
+            '<tool_call name="calculator"><expression>2</expression>*3</tool_call>',
+            "expected <argument>value</argument>",
+        ),
         ('<tool_call name="calculator">{"expression": </tool_call>', "not valid JSON"),
         ('<tool_call name="calculator"><expression>1</expression>', "unterminated"),
     ],

@@ -27,6 +27,11 @@ class ModelConfig(Strict):
     tiny_seed: int = 0
     tiny_size: Literal["tiny", "small"] = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    enable_thinking: bool | None = Field(
+        None,
+        description="thinking mode of chat templates that take it (Qwen3): passed to the "
+        "template for SFT samples and RL prompts; null: the template's default",
+    )
 
 
 class ArithmeticTaskConfig(Strict):
@@ -109,11 +114,30 @@ class OptimConfig(Strict):
     )
 
 
+class FSDPConfig(Strict):
+    """Options of the FSDP2 path (used only under torchrun, world size > 1)."""
+
+    reshard_after_forward: bool = Field(True, description="free gathered params after forward")
+    param_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="mixed precision: dtype of the gathered params in compute"
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="mixed precision: dtype of gradient reduce-scatter"
+    )
+    activation_checkpointing: bool = False
+    cpu_offload: bool = Field(False, description="keep sharded params and grads on CPU")
+    collective_timeout_s: float = Field(600.0, gt=0, description="a collective's deadline")
+    command_timeout_s: float = Field(
+        1800.0, gt=0, description="how long ranks ≥ 1 wait for rank 0's next operation"
+    )
+
+
 class BackendConfig(Strict):
     device: str = "cpu"
     micro_batch_tokens: int = Field(8192, ge=8, description="token budget per micro-batch")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     seed: int = 0
+    fsdp: FSDPConfig = FSDPConfig()
 
 
 class SFTLoopConfig(Strict):

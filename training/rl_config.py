@@ -54,15 +54,56 @@ class EnvSection(Strict):
     tool_timeout_s: float = Field(10.0, gt=0)
 
 
-class AlgorithmSection(Strict):
-    """The algorithm preset and overrides; `then`/`switch_at_step` switch presets mid-run."""
+Preset = Literal[
+    "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "online_dpo", "ppo"
+]
+Overrides = dict[str, float | int | str | bool | None]
 
-    preset: Literal[
-        "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "online_dpo", "ppo"
-    ] = "grpo"
-    overrides: dict[str, float | int | str | bool | None] = {}
-    then: str | None = None
-    switch_at_step: int | None = None
+
+class AlgorithmSwitch(Strict):
+    """From step `at_step` on, train with `preset` and its `overrides`."""
+
+    at_step: int = Field(ge=2)
+    preset: Preset
+    overrides: Overrides = {}
+
+
+class AlgorithmSection(Strict):
+    """The algorithm preset and overrides, and the switches to other presets mid-run.
+
+    ```yaml
+    algorithm:
+      preset: grpo
+      overrides: {kl_coef: 0.2}
+      switches:
+        - {at_step: 30, preset: grpo, overrides: {kl_coef: 0.05}}
+        - {at_step: 60, preset: dapo}
+    ```
+    `then` + `switch_at_step` is the one-switch shorthand (`then` takes no overrides).
+    """
+
+    preset: Preset = "grpo"
+    overrides: Overrides = {}
+    switches: list[AlgorithmSwitch] = []
+    then: Preset | None = None
+    switch_at_step: int | None = Field(None, ge=2)
+
+    @model_validator(mode="after")
+    def _switches_are_ordered(self) -> AlgorithmSection:
+        if (self.then is None) != (self.switch_at_step is None):
+            raise ValueError("algorithm.then and algorithm.switch_at_step go together")
+        if self.then is not None and self.switches:
+            raise ValueError("give algorithm.switches or algorithm.then, not both")
+        steps = [s.at_step for s in self.switches]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"algorithm.switches: at_step must increase, got {steps}")
+        return self
+
+    def all_switches(self) -> list[AlgorithmSwitch]:
+        """`switches`, or the `then` shorthand as one switch."""
+        if self.then is not None and self.switch_at_step is not None:
+            return [AlgorithmSwitch(at_step=self.switch_at_step, preset=self.then)]
+        return list(self.switches)
 
 
 class RLLoopConfig(Strict):
@@ -81,6 +122,11 @@ class RLLoopConfig(Strict):
         1, ge=1, description="optimizer steps per pass over a rollout batch (whole groups each)"
     )
     epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    max_empty_batches: int = Field(
+        3, ge=1,
+        description="rollout batches in a row with no accepted group (every sample failed or "
+        "every group was filtered) before the run ends; each is skipped, logged and counted",
+    )  # fmt: skip
 
 
 class RLRunConfig(Strict):

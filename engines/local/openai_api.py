@@ -154,7 +154,9 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             native["rid"] = body["rid"]
         return native
 
-    def completion_logprobs(seq: Sequence, echo: bool) -> dict[str, Any]:
+    def completion_logprobs(seq: Sequence, echo: bool, start: int = 0) -> dict[str, Any]:
+        """The choice's logprobs: of the prompt too with `echo`, of output tokens from `start`
+        on (a stream sends each chunk's new tokens)."""
         lps: list[float | None] = []
         ids: list[int] = []
         tops: list[Any] = []
@@ -162,9 +164,9 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             lps += seq.input_logprobs or []
             ids += seq.item.input_ids[: len(lps)]
             tops += seq.input_top or [None] * len(lps)
-        lps += seq.output_logprobs
-        ids += seq.output_ids
-        tops += seq.output_top or [None] * len(seq.output_ids)
+        lps += seq.output_logprobs[start:]
+        ids += seq.output_ids[start:]
+        tops += (seq.output_top or [None] * len(seq.output_ids))[start:]
         k = seq.item.top_logprobs_num
         return {
             "text_offset": [-1] * len(ids),
@@ -178,8 +180,8 @@ def register_openai_routes(app: App, state: EngineState) -> None:
     def completion_choice(index: int, seq: Sequence, body: dict[str, Any]) -> dict[str, Any]:
         echo = bool(body.get("echo"))
         text = state.output_text(seq, final=True)
-        if echo:
-            text = state.decode(seq.item.input_ids) + text
+        if echo:  # the prompt as given: its special tokens are part of it
+            text = state.decode(seq.item.input_ids, skip_special_tokens=False) + text
         reason, matched = _finish(seq)
         return {
             "index": index,
@@ -202,7 +204,10 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             "model": state.served_model_name,
         }
         if req.stream:
-            return StreamingResponse(_stream_openai(state, req, body, header, chat=False))
+            return StreamingResponse(
+                _stream_openai(state, req, body, header, chat=False,
+                               logprobs=lambda seq, start: completion_logprobs(seq, False, start))
+            )  # fmt: skip
         async with state.scheduler.submit(req.items) as seqs:
             await wait_finished(seqs)
         failed = [s for s in seqs if s.error is not None]
@@ -377,7 +382,9 @@ async def _stream_openai(
                     choice["logprobs"] = logprobs(seq, sent_tokens[index])
             else:
                 choice["text"] = delta_text
-                choice["logprobs"] = None
+                choice["logprobs"] = (
+                    logprobs(seq, sent_tokens[index]) if seq.item.return_logprob else None
+                )
             sent_text[index] += delta_text
             sent_tokens[index] = len(seq.output_ids)
             yield sse_event({"id": chunk_id, **header, "choices": [choice]})

@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 import trio
@@ -40,6 +40,9 @@ class ParsedToolCall:
     arguments: Mapping[str, Any] = field(default_factory=dict)
     raw: str = ""  # the call as the model wrote it, for logs
     error: str | None = None
+    text: str | None = None  # a plain-text body (`<tool_call name="calculator">1 + 2</tool_call>`)
+    """The whole body as the tool's one argument; execution names that argument (see
+    `text_as_arguments`). Set only when `arguments` is empty."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,20 @@ def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> 
     return None
 
 
+def text_as_arguments(schema: Mapping[str, Any], text: str) -> tuple[dict[str, Any], str | None]:
+    """A plain-text call body as the arguments of a tool with one argument: ({name: text}, None),
+    or ({}, why not) when the tool takes several (the seeds' `<tool_call name="...">` form)."""
+    required = list(schema.get("required", ()))
+    props = list(schema.get("properties", {}))
+    names = required if len(required) == 1 else props
+    if len(names) != 1:
+        return {}, (
+            f"a plain-text body fits a tool with one argument; this one takes {props}: write "
+            "<name>value</name> elements or a JSON object"
+        )
+    return {names[0]: text}, None
+
+
 def truncate_text(text: str, max_chars: int) -> str:
     """`text` cut to `max_chars`: its start and its end, with a note saying how much was dropped.
 
@@ -196,6 +213,11 @@ async def execute_tool_call(
         known = ", ".join(sorted(tools)) or "none"
         return _failed(call, f"unknown tool {call.name!r} (available: {known})", started,
                        max_output_chars)  # fmt: skip
+    if call.text is not None:
+        arguments, problem = text_as_arguments(tool.parameters, call.text)
+        if problem is not None:
+            return _failed(call, f"{call.name}: {problem}", started, max_output_chars)
+        call = replace(call, arguments=arguments, text=None)
     problem = check_arguments(tool.parameters, call.arguments)
     if problem is not None:
         return _failed(call, f"{call.name}: {problem}", started, max_output_chars)

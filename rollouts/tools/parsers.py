@@ -10,9 +10,11 @@ Two formats (a `ToolParser` is any `(text) -> list[ParsedToolCall]`, so others p
   element per argument: `<tool_call name="calculator"><expression>2*3</expression></tool_call>`.
   Values are strings, taken verbatim (no entity decoding; one leading and trailing newline
   stripped) so code with `<` survives. A JSON object body is accepted too:
-  `<tool_call name="calculator">{"expression": "2*3"}</tool_call>`.
+  `<tool_call name="calculator">{"expression": "2*3"}</tool_call>`. So is the seeds' plain-text
+  body, `<tool_call name="calculator">123 + 456</tool_call>`: it becomes the tool's one
+  argument at execution (`ParsedToolCall.text`; a tool with several arguments rejects it).
 
-Malformed calls (bad JSON, no name, no closing tag, a body that is neither form) come back
+Malformed calls (bad JSON, no name, no closing tag, elements mixed with loose text) come back
 flagged with `error`; the rollout turns that into a failed tool result the model reads. Unknown
 tool names are not checked here (the parser does not know the tools); execution flags them.
 """
@@ -119,6 +121,8 @@ def parse_xml_call(attrs: str, body: str) -> ParsedToolCall:
     for match in _ARG_RE.finditer(body):
         args[match.group(1)] = _strip_one_newline(match.group(2))
     leftover = _ARG_RE.sub("", body).strip()
+    if leftover and not args:  # the seeds' form: the body is the tool's one argument
+        return ParsedToolCall(name, raw=raw, text=stripped)
     if leftover:
         return ParsedToolCall(
             name, args, raw=raw,

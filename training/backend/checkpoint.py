@@ -3,7 +3,10 @@
 Layout of one checkpoint directory (`<checkpoint_dir>/step_000010/`):
     config.json, model.safetensors, generation_config.json, tokenizer files   (HF layout: an
         inference server can be started on it, `from_pretrained` loads it)
-    trainer_state.pt     optimizer, scheduler and RNG states (torch.load(weights_only=True))
+    dcp/                 model and optimizer, sharded by parameter name (torch.distributed.checkpoint):
+        written by every rank under torchrun, loadable at any world size
+    trainer_state.pt     scheduler and RNG states, extra tensors (torch.load(weights_only=True));
+        checkpoints older than dcp/ hold the optimizer here
     trainer_state.json   step, weight_version, metrics, extra state (DataBuffer, resolved config)
 `<checkpoint_dir>/latest` names the newest complete checkpoint.
 
@@ -32,6 +35,7 @@ from rollouts.errors import CheckpointError
 LATEST = "latest"
 STATE_JSON = "trainer_state.json"
 STATE_PT = "trainer_state.pt"
+DCP_DIR = "dcp"  # model + optimizer shards (torch.distributed.checkpoint), any world size
 
 
 def checkpoint_name(step: int) -> str:
@@ -58,29 +62,54 @@ def write_checkpoint(
     json_state: dict[str, Any],
     keep_last: int | None,
 ) -> Path:
-    """Write one checkpoint atomically, point `latest` at it and prune old ones.
+    """Write one single-process checkpoint (HF layout + trainer state) atomically, point
+    `latest` at it and prune old ones. The backend composes the same steps itself
+    (`begin_checkpoint`, its files, `write_trainer_state`, `finish_checkpoint`) because under
+    torchrun every rank writes into the temporary directory.
 
     Raises:
         CheckpointError: not enough free space for it (says how much is needed), or the write
             failed (its temporary directory is removed; the previous checkpoint stays).
     """
+    needed = tensor_bytes(model.state_dict()) + tensor_bytes(torch_state)
+    tmp, final = begin_checkpoint(checkpoint_dir, step, needed)
+    try:
+        export_hf(model, tokenizer, tmp)
+        write_trainer_state(tmp, torch_state, json_state)
+    except BaseException as err:
+        abandon(tmp, final, err)
+        raise
+    return finish_checkpoint(checkpoint_dir, tmp, final, keep_last)
+
+
+def begin_checkpoint(checkpoint_dir: Path, step: int, needed_bytes: int) -> tuple[Path, Path]:
+    """(temporary dir, final dir) of the checkpoint of `step`, after reclaiming dead writers'
+    temporary dirs and checking that `needed_bytes` (+ a margin) fit."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     reclaim_temp_dirs(checkpoint_dir)
     final = checkpoint_dir / checkpoint_name(step)
     tmp = checkpoint_dir / f".{final.name}{TMP_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    needed = _tensor_bytes(model.state_dict()) + _tensor_bytes(torch_state) + _MARGIN_BYTES
-    check_free_space(checkpoint_dir, needed, what=f"checkpoint {final.name}")
-    try:
-        export_hf(model, tokenizer, tmp)
-        torch.save(torch_state, tmp / STATE_PT)
-        state_json = json.dumps(json_state, indent=1, default=str)
-        (tmp / STATE_JSON).write_text(state_json, encoding="utf-8")
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError | RuntimeError):  # torch reports a full disk as RuntimeError
-            raise CheckpointError(f"writing {final} failed: {err}") from err
-        raise
+    check_free_space(checkpoint_dir, needed_bytes + _MARGIN_BYTES, what=f"checkpoint {final.name}")
+    tmp.mkdir()
+    return tmp, final
+
+
+def write_trainer_state(tmp: Path, torch_state: dict[str, Any], json_state: dict[str, Any]) -> None:
+    torch.save(torch_state, tmp / STATE_PT)
+    state_json = json.dumps(json_state, indent=1, default=str)
+    (tmp / STATE_JSON).write_text(state_json, encoding="utf-8")
+
+
+def abandon(tmp: Path, final: Path, err: BaseException) -> None:
+    """A write failed: remove its temporary dir; raise an OSError as a CheckpointError."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(err, OSError | RuntimeError):  # torch reports a full disk as RuntimeError
+        raise CheckpointError(f"writing {final} failed: {err}") from err
+
+
+def finish_checkpoint(checkpoint_dir: Path, tmp: Path, final: Path, keep_last: int | None) -> Path:
+    """Rename the complete `tmp` into place, move `latest` to it, prune to `keep_last`."""
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -139,21 +168,25 @@ def check_free_space(directory: Path, needed_bytes: int, *, what: str) -> None:
         )
 
 
-def _tensor_bytes(obj: Any) -> int:
+def tensor_bytes(obj: Any) -> int:
     """Bytes of every tensor in a nested dict/list structure (e.g. an optimizer state)."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, list | tuple):
-        return sum(_tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v) for v in obj)
     return 0
 
 
-def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
-    """Save model (safetensors) and tokenizer in HF layout: what engines load."""
+def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: Path,
+              state_dict: dict[str, torch.Tensor] | None = None) -> Path:  # fmt: skip
+    """Save model (safetensors) and tokenizer in HF layout: what engines load.
+
+    `state_dict`: the full weights to write (gathered from FSDP shards), else the model's own.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -10,6 +10,7 @@ from typing import Generic, TypeVar
 
 import trio
 
+from rollouts.errors import RolloutsError
 from training.config import OptimConfig
 
 R = TypeVar("R")
@@ -52,3 +53,7 @@ def lr_lambda(optim: OptimConfig, max_steps: int) -> Callable[[int], float]:
         )
 
     return factor
+
+
+class BackendError(RolloutsError, RuntimeError):
+    """A backend operation failed, or an earlier one did and the backend refuses to go on."""

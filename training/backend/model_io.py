@@ -10,6 +10,30 @@ import torch
 from rollouts.errors import ModelLoadError
 
 
+def check_model_path(path: str | Path) -> None:
+    """Fail early, naming the path, when `path` means a local directory that is not there.
+
+    A hub id is `name` or `namespace/name`; anything else (absolute, `./`, `~`, two or more
+    slashes, or a path that exists) is taken as a directory, so a typo says "no such
+    directory" rather than the hub client's "Repo id must be in the form ...".
+
+    Raises:
+        ModelLoadError: the directory is missing, or is a file.
+    """
+    text = str(path)
+    local = (Path(text).is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
+             or Path(text).exists())  # fmt: skip
+    if not local:
+        return
+    where = Path(text).expanduser()
+    if not where.is_dir():
+        what = "is a file, not a model directory" if where.exists() else "no such directory"
+        raise ModelLoadError(
+            f"model.path (--model) {text}: {what}; give an HF model directory "
+            "(config.json, weights, tokenizer) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+        )
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """The tokenizer of a model directory or hub id (pad token defaulted to EOS).
 
@@ -18,6 +42,7 @@ def load_tokenizer(path: str | Path) -> Any:
     """
     from transformers import AutoTokenizer
 
+    check_model_path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:
@@ -35,6 +60,7 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
     """
     from transformers import AutoModelForCausalLM
 
+    check_model_path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     except (OSError, ValueError) as err:

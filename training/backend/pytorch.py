@@ -8,31 +8,42 @@ Contract:
   `forward_backward` + `optim_step` pair can be queued back to back.
 - A `forward_backward` splits its samples into micro-batches by a token budget and accumulates
   gradients; the loss is normalised over the whole call (by default per trained token), so the
-  gradient does not depend on the micro-batch size.
+  gradient does not depend on the micro-batch size — nor on the number of processes.
 - After any operation fails, every later one fails too (naming the first error): gradients of
   a half-done step are never applied.
 - `save_checkpoint` writes HF layout + trainer state atomically (see training/backend/checkpoint.py).
 
-Not covered: multi-process data parallelism (one process, one device).
+Any world size, one code path. Under torchrun (training/distributed) every rank builds the
+same backend with its model sharded by FSDP2; each operation is a named op that rank 0 sends
+to the other ranks with their token-balanced share of the rows (`_dispatch`), every rank runs
+its part (`run_local`), and rank 0 combines the results. At world size 1 `_dispatch` runs the
+op on all the rows and combines the one result: the same functions either way. What must be
+the same on every rank is: the loss normaliser (all-reduced before backward), the number of
+forward passes (ranks with fewer micro-batches run idle ones), and the gradient norm (FSDP's
+DTensors give the global one).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from rollouts.errors import RolloutsError
-from training.backend import checkpoint as ckpt
+from training.backend import state as st
+from training.backend.futures import BackendError as BackendError
 from training.backend.futures import TrainFuture, lr_lambda
 from training.backend.model_io import eval_mode, generate_greedy
 from training.backend.model_io import load_model as load_model
 from training.backend.model_io import load_model_and_tokenizer as load_model_and_tokenizer
 from training.backend.model_io import load_tokenizer as load_tokenizer
+from training.backend.persistence import StateOps
+from training.backend.state import merge_metrics as merge_metrics
 from training.config import OptimConfig
 from training.data.packing import (
     forward_logits,
@@ -43,22 +54,36 @@ from training.data.packing import (
     token_logprobs,
 )
 from training.data.prefix_sharing import split_rows_by_budget
+from training.distributed import context as dctx
+from training.distributed.split import rank_shares
+from training.distributed.worker import gather_results, issue
 
 R = TypeVar("R")
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
 CollateFn = Callable[[Sequence[Any]], Any]
 
 
-class BackendError(RolloutsError, RuntimeError):
-    """A backend operation failed, or an earlier one did and the backend refuses to go on."""
+def trained_tokens(batch: Any) -> float:
+    """The default loss weight of a micro-batch: its number of trained tokens."""
+    return batch.n_trained_tokens
 
 
-class PyTorchTrainingBackend:
+def tempered_logprobs(logits: torch.Tensor, batch: Any, *, temperature: float) -> torch.Tensor:
+    """[B, T] logprobs of the target tokens under logits / temperature."""
+    return token_logprobs(temper_logits(logits, temperature), batch.target_ids)
+
+
+def first_output(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    """[B, T] of a one-output-per-token model (a critic's values)."""
+    return logits[..., 0]
+
+
+class PyTorchTrainingBackend(StateOps):
     """Training state of one model; see the module docstring for the contract."""
 
     def __init__(
         self,
-        model: torch.nn.Module | Callable[[], torch.nn.Module],
+        model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
         tokenizer: Any,
         *,
         optim: OptimConfig,
@@ -68,39 +93,70 @@ class PyTorchTrainingBackend:
         pack_length: int | None = 256,
         loss_fn: LossFn = sft_loss,
         collate_fn: CollateFn | None = None,
-        loss_weight_fn: Callable[[Any], float] = lambda batch: batch.n_trained_tokens,
+        loss_weight_fn: Callable[[Any], float] = trained_tokens,
         keep_last: int | None = 2,
         num_threads: int | None = None,
         seed: int = 0,
+        frozen: bool = False,
+        weights_from: PyTorchTrainingBackend | None = None,
+        _backend_id: int | None = None,
     ):
         """Args:
         model: the model, or a zero-argument callable that builds/loads it. A callable runs
             on the backend's worker thread, so that every torch op of the trainer runs on
             that one thread (a second thread running OpenMP-parallel ops slows both, see
-            rollouts/threads.py). The recipes pass `lambda: load_model(path)`.
+            rollouts/threads.py). The recipes pass `partial(load_model, path)`. Under
+            torchrun it must be a callable that every rank can rebuild (a module-level
+            function or a partial of one). None with `weights_from`: a copy of that backend's
+            model (the reference policy).
+        frozen: no gradients and no optimizer (a reference policy).
+        weights_from: start from this backend's current weights.
         """
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self._dist = dctx.current()
         self._failed: BaseException | None = None
-
-        def init_worker() -> torch.nn.Module:
-            if num_threads is not None:
-                torch.set_num_threads(num_threads)
-            torch.manual_seed(seed)
-            return model() if callable(model) and not isinstance(model, torch.nn.Module) else model
-
-        model = self._executor.submit(init_worker).result()
-        self.model = model
+        self._own_executor: ThreadPoolExecutor | None = None
+        if self._dist is None:
+            self._own_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self._executor = self._own_executor or (self._dist.executor if self._dist else None)
+        self.backend_id = self._dist.register(self, _backend_id) if self._dist else 0
+        if isinstance(tokenizer, str):
+            tokenizer = load_tokenizer(tokenizer)
+        self.model_source = (
+            model if model is None or not isinstance(model, torch.nn.Module) else None
+        )
         self.tokenizer = tokenizer
-        self.device = next(model.parameters()).device
         self.optim_config = optim
         self.checkpoint_dir = Path(checkpoint_dir)
         self.micro_batch_tokens = micro_batch_tokens
         self.pack_length = pack_length
         self.loss_fn = loss_fn
         self.loss_weight_fn = loss_weight_fn
+        self.collate_fn = collate_fn
         self.keep_last = keep_last
         self.pad_id = tokenizer.pad_token_id
         self._collate = collate_fn or self._collate_sft
+        spec = dict(
+            model=self.model_source, tokenizer=getattr(tokenizer, "name_or_path", None),
+            optim=optim, max_steps=max_steps, checkpoint_dir=self.checkpoint_dir,
+            micro_batch_tokens=micro_batch_tokens, pack_length=pack_length, loss_fn=loss_fn,
+            collate_fn=collate_fn, loss_weight_fn=loss_weight_fn, keep_last=keep_last,
+            num_threads=num_threads, seed=seed, frozen=frozen, weights_from=weights_from,
+        )  # fmt: skip
+
+        def init_worker() -> torch.nn.Module:
+            if self._dist is not None and self._dist.rank == 0:
+                if isinstance(model, torch.nn.Module):
+                    raise TypeError("under torchrun pass the model as a builder (e.g. "
+                                    "partial(load_model, path)), not a built module")  # fmt: skip
+                issue(self._dist, "create", self.backend_id, spec)
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
+            torch.manual_seed(seed)
+            return self._build_model(model, frozen, weights_from)
+
+        model = self._executor.submit(init_worker).result() if self._executor else init_worker()
+        self.model = model
+        self.device = next(model.parameters()).device
         trainable = [p for p in model.parameters() if p.requires_grad]
         # A frozen model (a reference policy) gets no optimizer; it only answers queries.
         self.optimizer = (
@@ -127,11 +183,44 @@ class PyTorchTrainingBackend:
         self.weight_version = 0
         model.train()
 
+    @classmethod
+    def build_on_worker(cls, spec: dict[str, Any], backend_id: int) -> PyTorchTrainingBackend:
+        """Ranks ≥ 1: the backend rank 0 announced (same arguments, same id)."""
+        return cls(**spec, _backend_id=backend_id)
+
+    def _build_model(self, model: Any, frozen: bool, weights_from: Any) -> torch.nn.Module:
+        if isinstance(model, torch.nn.Module):
+            built = model
+        elif model is None and weights_from is None:
+            raise ValueError("model=None needs weights_from (the backend to copy)")
+        elif model is None and self._dist is None:
+            built = copy.deepcopy(weights_from.model)  # one process: no need to reload it
+        else:
+            source = model if model is not None else weights_from.model_source
+            if source is None:
+                raise TypeError("under torchrun the copied backend must have a model builder")
+            built = source()
+        if frozen:
+            built.eval()
+            for p in built.parameters():
+                p.requires_grad_(False)
+        if self._dist is not None:
+            dctx.shard_model(built, self._dist)
+            if weights_from is not None:  # same sharding: each rank copies its own shards
+                st.copy_params(built, weights_from.model)
+        return built
+
     # -- lifecycle ------------------------------------------------------------------------------
 
+    @property
+    def distributed(self) -> bool:
+        return self._dist is not None
+
     def close(self) -> None:
-        """Wait for queued work to finish and stop the worker thread."""
-        self._executor.shutdown(wait=True)
+        """Wait for queued work to finish and stop the worker thread (the shared one under
+        torchrun stays until the job ends)."""
+        if self._own_executor is not None:
+            self._own_executor.shutdown(wait=True)
 
     def __enter__(self) -> PyTorchTrainingBackend:
         return self
@@ -149,11 +238,43 @@ class PyTorchTrainingBackend:
                 self._failed = err
                 raise
 
+        assert self._executor is not None, "ranks ≥ 1 run operations through serve_commands"
         return TrainFuture(self._executor.submit(guarded))
 
     def call(self, fn: Callable[[], R]) -> TrainFuture[R]:
-        """Queue any function of the model (e.g. a reference-model update) on the worker."""
+        """Queue any function on the trainer thread (e.g. a reference-model update rule).
+
+        Under torchrun it runs on rank 0 only: it must change weights through the backend's
+        collective methods (`copy_weights_from`, `lerp_weights_from`, `full_state`,
+        `load_weights_from_checkpoint`), which are safe to call from inside `fn`.
+        """
         return self._submit(fn)
+
+    # -- dispatch: one op on every rank -----------------------------------------------------------
+
+    def _dispatch(self, op: str, rows: list[Any] | None, args: dict[str, Any], *,
+                  gather: bool = False) -> tuple[list[Any], list[list[int]] | None]:  # fmt: skip
+        """Run `op` on every rank (rank 0: on the trainer thread); (results by rank, shares).
+
+        Rows are split token-balanced across ranks; `results` holds every rank's local result
+        when `gather`, else rank 0's only.
+        """
+        ctx = self._dist
+        if ctx is None:
+            shares = None if rows is None else [list(range(len(rows)))]
+            return [self.run_local(op, rows, args)], shares
+        shares = None
+        if rows is not None:
+            shares = rank_shares(rows, ctx.world, packed=self.pack_length is not None)
+        per_rank = None if shares is None else [[rows[i] for i in share] for share in shares]
+        issue(ctx, op, self.backend_id, args, per_rank, gather=gather)
+        local = self.run_local(op, None if per_rank is None else per_rank[0], args)
+        return (gather_results(ctx, local) if gather else [local]), shares
+
+    def run_local(self, op: str, rows: list[Any] | None, args: dict[str, Any]) -> Any:
+        """This rank's part of `op` (every rank runs it, in the same order)."""
+        fn = getattr(self, f"_local_{op}")
+        return fn(rows, **args) if rows is not None else fn(**args)
 
     # -- batching -------------------------------------------------------------------------------
 
@@ -165,6 +286,8 @@ class PyTorchTrainingBackend:
 
     def split_microbatches(self, samples: Sequence[Any]) -> list[list[Any]]:
         """Group samples into micro-batches of at most `micro_batch_tokens` padded slots."""
+        if not samples:
+            return []
         if self.pack_length is not None:
             rows = pack_balanced(samples, self.pack_length)
             rows_per_mb = max(1, self.micro_batch_tokens // self.pack_length)
@@ -176,6 +299,17 @@ class PyTorchTrainingBackend:
         # `shared_prefix_len`); samples sharing a `unit` (e.g. a DPO pair) stay together.
         # Micro-batches are consecutive whole rows, so collating one re-plans the same rows.
         return split_rows_by_budget(samples, self.micro_batch_tokens)
+
+    def _idle_passes(self, n_done: int, *, backward: bool) -> None:
+        """Forward (and backward) passes on one pad token until every rank ran as many as the
+        busiest one: FSDP's all-gathers and reduce-scatters must match across ranks."""
+        n_max = st.all_max(n_done, self._dist)
+        for _ in range(n_max - n_done):
+            ids = torch.full((1, 1), self.pad_id or 0, dtype=torch.long, device=self.device)
+            with torch.set_grad_enabled(backward):
+                logits = self.model(input_ids=ids).logits
+                if backward:
+                    (logits.float().sum() * 0.0).backward()
 
     # -- queued operations ------------------------------------------------------------------------
 
@@ -193,14 +327,21 @@ class PyTorchTrainingBackend:
         same weights as the loss; keys ending in `_max` / `_min` take the maximum / minimum.
         """
         samples = list(samples)
-        fn = loss_fn or self.loss_fn
-        weight_fn = loss_weight_fn or self.loss_weight_fn
-        return self._submit(lambda: self._forward_backward(samples, fn, weight_fn))
+        args = {
+            "loss_fn": loss_fn or self.loss_fn,
+            "weight_fn": loss_weight_fn or self.loss_weight_fn,
+        }
 
-    def _forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn) -> dict[str, float]:
+        def run() -> dict[str, float]:
+            results, _ = self._dispatch("forward_backward", samples, args, gather=True)
+            return st.combine_step_metrics(results)
+
+        return self._submit(run)
+
+    def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn) -> dict:
         t0 = time.perf_counter()
         batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
-        total_weight = sum(weight_fn(b) for b in batches)
+        total_weight = st.all_sum(float(sum(weight_fn(b) for b in batches)), self._dist)
         if total_weight <= 0:
             raise BackendError("forward_backward got a batch with no trained tokens")
         merged: dict[str, float] = {}
@@ -214,12 +355,13 @@ class PyTorchTrainingBackend:
             n_tokens += batch.n_tokens
             n_slots += batch.n_slots
             n_trained += batch.n_trained_tokens
+        self._idle_passes(len(batches), backward=True)
         return {
-            **merged,
+            "weighted": merged,
             "n_samples": len(samples),
             "n_tokens": n_tokens,
+            "n_slots": n_slots,
             "n_trained_tokens": n_trained,
-            "padding_efficiency": n_tokens / max(1, n_slots),
             "n_microbatches": len(batches),
             "time_forward_backward_s": time.perf_counter() - t0,
         }
@@ -232,15 +374,17 @@ class PyTorchTrainingBackend:
         but the last: the schedule and the versions count training steps, and the weights the
         engines see are those after the step's last update.
         """
-        return self._submit(lambda: self._optim_step(finish_step))
+        return self._submit(
+            lambda: self._dispatch("optim_step", None, {"finish_step": finish_step})[0][0]
+        )
 
-    def _optim_step(self, finish_step: bool = True) -> dict[str, float]:
+    def _local_optim_step(self, finish_step: bool = True) -> dict[str, float]:
         if self.optimizer is None or self.scheduler is None:
             raise BackendError("this backend's model has no trainable parameters (a reference?)")
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.optim_config.grad_clip
         max_norm = clip if clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        grad_norm = st.to_local_scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -253,17 +397,24 @@ class PyTorchTrainingBackend:
     def forward(self, samples: Sequence[Any]) -> TrainFuture[dict[str, float]]:
         """Queue a no-grad loss evaluation (held-out loss), token-weighted over `samples`."""
         samples = list(samples)
-        return self._submit(lambda: self._forward(samples))
 
-    def _forward(self, samples: list[Any]) -> dict[str, float]:
+        def run() -> dict[str, float]:
+            results, _ = self._dispatch("forward", samples, {}, gather=True)
+            return {"loss": sum(results), "n_samples": len(samples)}
+
+        return self._submit(run)
+
+    def _local_forward(self, samples: list[Any]) -> float:
         batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
-        total_weight = sum(self.loss_weight_fn(b) for b in batches)
+        local_weight = float(sum(self.loss_weight_fn(b) for b in batches))
+        total_weight = st.all_sum(local_weight, self._dist)
         loss_sum = 0.0
         with torch.no_grad(), eval_mode(self.model):
             for batch in batches:
                 loss, _ = self.loss_fn(forward_logits(self.model, batch.to(self.device)), batch)
                 loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
-        return {"loss": loss_sum, "n_samples": len(samples)}
+            self._idle_passes(len(batches), backward=False)
+        return loss_sum
 
     def compute_logprobs(
         self, samples: Sequence[Any], *, temperature: float = 1.0
@@ -274,129 +425,56 @@ class PyTorchTrainingBackend:
         so that these logprobs (reference, old policy) are comparable with the policy's in the
         RL loss and with the engine's.
         """
-        samples = list(samples)
-
-        def logprobs(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-            return token_logprobs(temper_logits(logits, temperature), batch.target_ids)
-
-        return self._submit(lambda: self._per_trained_token(samples, logprobs))
+        return self._per_trained_token(samples, partial(tempered_logprobs, temperature=temperature))
 
     def compute_values(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:
         """Queue per-sample outputs of a one-output-per-token model (a critic, see
         training/rl/critic.py) at every trained target position, in sample order."""
-        samples = list(samples)
-        return self._submit(lambda: self._per_trained_token(samples, lambda lg, _: lg[..., 0]))
+        return self._per_trained_token(samples, first_output)
 
-    def _per_trained_token(self, samples: list[Any], fn) -> list[torch.Tensor]:
+    def _per_trained_token(self, samples: Sequence[Any], fn) -> TrainFuture[list[torch.Tensor]]:
+        samples = list(samples)
+
+        def run() -> list[torch.Tensor]:
+            results, shares = self._dispatch("per_trained_token", samples, {"fn": fn}, gather=True)
+            out: list[torch.Tensor | None] = [None] * len(samples)
+            for share, values in zip(shares or [], results, strict=True):
+                for i, v in zip(share, values, strict=True):
+                    out[i] = v
+            return out  # type: ignore[return-value]
+
+        return self._submit(run)
+
+    def _local_per_trained_token(self, samples: list[Any], fn) -> list[torch.Tensor]:
         """`fn(logits, batch)` → [B, T], read at each sample's trained positions (no grad)."""
         out: list[torch.Tensor] = []
         with torch.no_grad(), eval_mode(self.model):
-            for mb in self.split_microbatches(samples):
+            mbs = self.split_microbatches(samples)
+            for mb in mbs:
                 batch = self._collate(mb).to(self.device)
                 values_BT = fn(forward_logits(self.model, batch), batch)
                 trained = batch.target_ids != -100
                 for i in range(len(mb)):
                     sel = (batch.segment_ids == i) & trained
                     out.append(values_BT[sel].float().cpu())
+            self._idle_passes(len(mbs), backward=False)
         return out
 
     def generate_greedy(
         self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int = 256
     ) -> TrainFuture[list[list[int]]]:
-        """Queue greedy decoding of token-id prompts; returns the new token ids (eos included)."""
-        prompts = [list(p) for p in prompts]
-        return self._submit(
-            lambda: generate_greedy(self.model, self.tokenizer, prompts, max_new_tokens, batch_size)
-        )
+        """Queue greedy decoding of token-id prompts; returns the new token ids (eos included).
 
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    async def save_checkpoint(
-        self,
-        step: int,
-        metrics: dict[str, Any],
-        *,
-        extra_state: dict[str, Any] | None = None,
-        extra_tensors: dict[str, Any] | None = None,
-    ) -> Path:
-        """Write a checkpoint after all queued work; returns its directory.
-
-        `extra_state` (JSON) and `extra_tensors` (tensors and plain values, e.g. a reference
-        model's weights) are written into the same atomic checkpoint; `read_extra_tensors`
-        gives the latter back.
+        Under torchrun every rank decodes every prompt (the same forward passes everywhere).
         """
-        return await self._submit(
-            lambda: self._save(step, metrics, extra_state or {}, extra_tensors or {})
-        ).result()
+        args = {"prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens,
+                "batch_size": batch_size}  # fmt: skip
+        return self._submit(lambda: self._dispatch("generate_greedy", None, args)[0][0])
 
-    def _save(self, step: int, metrics: dict[str, Any], extra: dict[str, Any],
-              extra_tensors: dict[str, Any]) -> Path:  # fmt: skip
-        if self.optimizer is None or self.scheduler is None:
-            raise BackendError("a frozen backend (no optimizer) is not checkpointed")
-        torch_state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": ckpt.rng_state(),
-            "extra": extra_tensors,
-        }
-        json_state = {
-            "step": self.step,
-            "weight_version": self.weight_version,
-            "metrics": metrics,
-            "extra": extra,
-        }
-        return ckpt.write_checkpoint(
-            self.checkpoint_dir,
-            step,
-            model=self.model,
-            tokenizer=self.tokenizer,
-            torch_state=torch_state,
-            json_state=json_state,
-            keep_last=self.keep_last,
-        )
-
-    @staticmethod
-    def read_extra_tensors(path: str | Path) -> dict[str, Any]:
-        """The `extra_tensors` saved with the checkpoint at `path` ({} if none were)."""
-        _, torch_state = ckpt.read_checkpoint_state(ckpt.resolve_checkpoint(path))
-        return dict(torch_state.get("extra", {}))
-
-    async def export_weights(self, out_dir: str | Path) -> Path:
-        """Write the current weights in HF layout (what engines load) after queued work."""
-        out = Path(out_dir)
-        return await self._submit(lambda: ckpt.export_hf(self.model, self.tokenizer, out)).result()
-
-    async def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer, scheduler, RNG and counters; returns the extra state."""
-        resolved = ckpt.resolve_checkpoint(path)
-        return await self._submit(lambda: self._load(resolved)).result()
-
-    def _load(self, path: Path) -> dict[str, Any]:
-        json_state, torch_state = ckpt.read_checkpoint_state(path)
-        ckpt.load_weights_into(self.model, path)
-        if self.optimizer is not None and self.scheduler is not None:
-            self.optimizer.load_state_dict(torch_state["optimizer"])
-            self.scheduler.load_state_dict(torch_state["scheduler"])
-        ckpt.set_rng_state(torch_state["rng"])
-        self.step = int(json_state["step"])
-        self.weight_version = int(json_state["weight_version"])
-        self.model.zero_grad(set_to_none=True)
-        return json_state["extra"]
+    def _local_generate_greedy(self, prompts, max_new_tokens: int, batch_size: int):
+        return generate_greedy(self.model, self.tokenizer, prompts, max_new_tokens, batch_size)
 
 
 def _fused_adam_ok(params: Sequence[torch.Tensor]) -> bool:
     """torch's fused AdamW runs floating-point parameters on CPU and CUDA."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-
-
-def merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
-    """Add `weight` × each numeric metric into `into`; `_max` / `_min` keys keep the extreme."""
-    for key, value in metrics.items():
-        if not isinstance(value, int | float):
-            continue
-        if key.endswith("_max"):
-            into[key] = max(into.get(key, float("-inf")), float(value))
-        elif key.endswith("_min"):
-            into[key] = min(into.get(key, float("inf")), float(value))
-        else:
-            into[key] = into.get(key, 0.0) + float(value) * weight

@@ -122,14 +122,13 @@ def _split_run(examples: Sequence[Any], i: int, j: int, prefix: int, k: int) -> 
     return rows
 
 
-def split_rows_by_budget(samples: Sequence[Any], max_slots: int) -> list[list[Any]]:
-    """Consecutive micro-batches of whole rows, each at most `max_slots` padded slots.
+def row_blocks(samples: Sequence[Any]) -> list[tuple[int, list[int]]]:
+    """The samples as blocks that must stay together: (first sample, widths of its rows).
 
-    A micro-batch of R rows padded to the widest costs R × width slots. Samples with the same
-    non-None `unit` (a DPO pair) stay in one micro-batch; a row or unit wider than the budget
-    gets a micro-batch of its own.
+    A block is one planned row (a run of samples sharing a prompt, or one sample), or the rows
+    of samples with the same non-None `unit` (a DPO pair). Blocks are consecutive.
     """
-    blocks: list[tuple[int, list[int]]] = []  # (first sample, row widths)
+    blocks: list[tuple[int, list[int]]] = []
     for row in plan_rows(samples):
         unit = getattr(samples[row.start], "unit", None)
         joins = (
@@ -140,6 +139,17 @@ def split_rows_by_budget(samples: Sequence[Any], max_slots: int) -> list[list[An
             blocks.append((start, [*widths, row.width]))
         else:
             blocks.append((row.start, [row.width]))
+    return blocks
+
+
+def split_rows_by_budget(samples: Sequence[Any], max_slots: int) -> list[list[Any]]:
+    """Consecutive micro-batches of whole rows, each at most `max_slots` padded slots.
+
+    A micro-batch of R rows padded to the widest costs R × width slots. Samples with the same
+    non-None `unit` (a DPO pair) stay in one micro-batch; a row or unit wider than the budget
+    gets a micro-batch of its own.
+    """
+    blocks = row_blocks(samples)
     out: list[list[Any]] = []
     begin = n_rows = widest = 0
     for start, widths in blocks:

@@ -71,6 +71,39 @@ class TokenizeStats:
     n_tokens: int
     n_trained_tokens: int
     n_truncated_tokens: int
+    cut_sources: tuple[str, ...] = ()  # the first `SHOWN_CUT` samples truncated or dropped
+    longest: int = 0  # tokens of the longest sample before any cut
+
+    SHOWN_CUT = 5
+    WARN_SHARE = 0.1  # `overlong_report` warns when more than this share is cut or dropped
+
+    @property
+    def n_overlong(self) -> int:
+        """Samples longer than the limit (truncated or dropped)."""
+        return self.n_truncated + self.n_dropped_overlong
+
+    def overlong_report(self, max_seq_len: int, key: str = "data.max_seq_len"
+                        ) -> tuple[bool, str] | None:  # fmt: skip
+        """(warn?, message) naming the over-long samples and the key that raises the limit.
+
+        `warn` is True when more than `WARN_SHARE` of the records were cut or dropped (the data
+        probably does not fit the configured length); None when no sample was over-long.
+        """
+        if not self.n_overlong:
+            return None
+        share = self.n_overlong / max(1, self.n_records)
+        what = f"truncated {self.n_truncated}" if self.n_truncated else ""
+        if self.n_dropped_overlong:
+            what += (", " if what else "") + f"dropped {self.n_dropped_overlong}"
+        first = ", ".join(self.cut_sources)
+        more = f" and {self.n_overlong - len(self.cut_sources)} more" * (
+            self.n_overlong > len(self.cut_sources)
+        )
+        return share > self.WARN_SHARE, (
+            f"{self.n_overlong} of {self.n_records} samples ({share:.0%}) are longer than "
+            f"{key}={max_seq_len} tokens ({what}; the longest has {self.longest}): "
+            f"{first}{more}; raise {key} to keep them whole"
+        )
 
     def summary(self) -> str:
         """One line for the log."""
@@ -171,6 +204,8 @@ def tokenize_records(
     kept: list[TokenizedSample] = []
     errors: list[str] = []
     n_records = n_truncated = n_dropped_overlong = n_dropped_empty = n_truncated_tokens = 0
+    cut_sources: list[str] = []
+    longest = 0
     for record in records:
         n_records += 1
         try:
@@ -185,6 +220,9 @@ def tokenize_records(
             errors.append(str(e))
             continue
         n_cut = max(0, len(sample) - max_seq_len)
+        longest = max(longest, len(sample))
+        if n_cut and len(cut_sources) < TokenizeStats.SHOWN_CUT:
+            cut_sources.append(sample.source)
         if n_cut and overlong == "drop":
             n_dropped_overlong += 1
             continue
@@ -212,6 +250,8 @@ def tokenize_records(
         n_tokens=sum(len(s) for s in kept),
         n_trained_tokens=sum(s.n_trained for s in kept),
         n_truncated_tokens=n_truncated_tokens,
+        cut_sources=tuple(cut_sources),
+        longest=longest,
     )
     return kept, stats
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -83,7 +84,13 @@ def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
 
 
 class ConsoleLogger:
-    """A progress bar on a TTY; otherwise a `logging` line every `every` steps."""
+    """What a person watches: one progress bar on a terminal, one line per step elsewhere.
+
+    On a terminal (`stream.isatty()`): a tqdm bar whose postfix shows the latest step's `keys`;
+    a step with evaluation results (`eval_*` metrics) also prints them as a line above the bar,
+    so they stay visible. Off a terminal (a log file, CI): a `logging` line every `every`
+    steps and at every evaluation, with the step, the total and the `keys`.
+    """
 
     KEYS = (
         "loss",
@@ -95,22 +102,36 @@ class ConsoleLogger:
         "padding_efficiency",
     )
 
-    def __init__(self, total_steps: int, *, every: int = 10, initial: int = 0, keys=KEYS):
+    def __init__(self, total_steps: int, *, every: int = 10, initial: int = 0, keys=KEYS,
+                 stream: Any = None, tty: bool | None = None):  # fmt: skip
         self.every = every
         self.keys = keys
+        self.total = total_steps
+        self._stream = sys.stderr if stream is None else stream
         self._bar = None
-        if sys.stderr.isatty():
+        if self._stream.isatty() if tty is None else tty:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial, dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=initial, dynamic_ncols=True,
+                             file=self._stream, unit="step")  # fmt: skip
+
+    # Shown only when not zero: failures a person must notice (a reward that raised, an
+    # engine that failed), which are metrics rather than errors.
+    WHEN_NONZERO = ("samples_failed", "groups_failed")
 
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
-        text = format_metrics(metrics, self.keys)
+        evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
+        failed = tuple(k for k in self.WHEN_NONZERO if metrics.get(k))
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix_str(text, refresh=False)
-        elif step % self.every == 0 or "eval_loss" in metrics:
-            log.info("step %d %s", step, text)
+            self._bar.set_postfix_str(format_metrics(metrics, (*self.keys, *failed)),
+                                      refresh=True)  # fmt: skip
+            if evals:
+                self._bar.write(f"step {step}: {format_metrics(evals, tuple(evals))}",
+                                file=self._stream)  # fmt: skip
+        elif step % self.every == 0 or evals:
+            keys = (*self.keys, *(k for k in evals if k not in self.keys), *failed)
+            log.info("step %d/%d %s", step, self.total, format_metrics(metrics, keys))
 
     def close(self) -> None:
         if self._bar is not None:
@@ -174,9 +195,17 @@ def fan_out(*loggers: Logger) -> Logger:
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    """Plain timestamped lines on stderr for the `rollouts` logger (call once in a CLI)."""
+    """Plain timestamped lines on stderr for the `rollouts` logger (call once in a CLI).
+
+    Below DEBUG, the Hugging Face progress bars ("Loading weights", "Writing model shards" at
+    every weight export) are turned off: in a log they are most of the lines.
+    """
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     for noisy in ("httpx", "httpcore"):  # one line per request drowns the training log
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if level > logging.DEBUG:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when HF loads
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].utils.logging.disable_progress_bar()

@@ -26,7 +26,8 @@ from typing import Any, TypeAlias
 import trio
 
 from engines.weight_sync import pause_engines, sync_weights_to_engines
-from rollouts.errors import CheckpointError
+from rollouts.errors import CheckpointError, ConfigError, RolloutsError
+from rollouts.generation import summarize_errors
 from rollouts.nursery import open_nursery
 from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
@@ -35,7 +36,13 @@ from training.data.buffer import DataBuffer
 from training.loops.loggers import Logger
 from training.loops.sft import maybe_resume
 from training.rl.advantages import AdvantageFn
-from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
+from training.rl.algorithms import (
+    AlgorithmConfig,
+    AlgorithmSchedule,
+    PolicyLossFn,
+    compute_policy_loss,
+    constant_schedule,
+)
 from training.rl.kl import KLFn
 from training.rl.reference import (
     ReferenceUpdateFn,
@@ -48,7 +55,6 @@ from training.rl_config import RLLoopConfig
 
 log = logging.getLogger("rollouts.rl")
 
-AlgorithmSchedule: TypeAlias = Callable[[int], AlgorithmConfig]
 EvaluateFn: TypeAlias = Callable[[], Awaitable[dict[str, float]]]
 StopFn: TypeAlias = Callable[[int, Mapping[str, Any]], bool]
 """(step, that step's metrics) -> True to stop after this step (its checkpoint is written)."""
@@ -119,7 +125,7 @@ async def run_rl_training(
     engines: Sequence[Any],
     config: RLLoopConfig,
     *,
-    algorithm: AlgorithmSchedule,
+    algorithm: AlgorithmConfig | AlgorithmSchedule,
     export_dir: str | Path,
     temperature: float = 1.0,
     old_from_rollout: bool = False,
@@ -148,9 +154,16 @@ async def run_rl_training(
         backend: the policy being trained; its checkpoint_dir is where resume looks.
         data_buffer: the prompts (the rollout manager draws from it); checkpointed with held groups.
         rollout_manager: has `async generate_batch() -> RolloutBatch`; its `async settle()`, if
-            it has one, is awaited before each weight push (see `AsyncRolloutManager.settle`).
+            it has one, is awaited before each weight push (see `AsyncRolloutManager.settle`),
+            and its `use_algorithm(algorithm)`, if it has one, is called before the first batch
+            and whenever the algorithm changes (reward shaping and group filtering follow the
+            algorithm: `dapo()` gets its overlong penalty and dynamic sampling).
         engines: every engine that serves the policy; all receive each weight update.
-        algorithm: the algorithm at each step (a schedule allows switching mid-run).
+        algorithm: a preset (`grpo()`, `dapo(...)`) for the whole run, or a schedule: (step,
+            the previous step's metrics) -> that step's algorithm
+            (`training.rl.algorithms.AlgorithmSchedule`, e.g. `switch_at(50, grpo(), dapo())`);
+            it is called once per step, right after the previous step is logged. In overlap
+            and async modes the rollout side follows a switch from the batch generated after it.
         export_dir: where exported weights go for the engines to load (same filesystem).
         old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
         reference: frozen reference policy for KL / DPO (needed only if the algorithm says so).
@@ -173,11 +186,13 @@ async def run_rl_training(
             short responses); False: one model row per sample. Needs sdpa or eager attention.
         on_batch: called with each rollout batch (e.g. `training.rl.rollout_dump.RolloutDumpWriter`).
         on_algorithm_switch: called with the next step's algorithm when it differs from this
-            step's, so the rollout side can change reward shaping and group filtering.
+            step's (after the rollout manager's `use_algorithm`).
 
     Returns:
         The metrics of each step this call ran.
     """
+    algorithm = as_schedule(algorithm)
+    check_rl_backend(backend)
     export_root = Path(export_dir)
     start = await maybe_resume(backend, data_buffer, config)
     if start > 0 and reference is not None:  # the reference continues where it was too
@@ -187,16 +202,22 @@ async def run_rl_training(
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
         await push_weights(backend, engines, export_root, pause_mode=pause_mode)
     history: list[dict[str, Any]] = []
+    empty_total = 0
+    use_algorithm = getattr(rollout_manager, "use_algorithm", None)
+    algo = algorithm(start + 1, {})
+    if use_algorithm is not None:
+        use_algorithm(algo)
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
         settle = getattr(rollout_manager, "settle", None)
         for step in range(start + 1, config.max_steps + 1):
             t0 = time.perf_counter()
-            batch = await rollout_manager.generate_batch()
+            batch, skipped = await _generate_nonempty(rollout_manager, step,
+                                                      config.max_empty_batches)  # fmt: skip
+            empty_total += skipped
             t_generated = time.perf_counter()
             if on_batch is not None:
                 on_batch(step, batch)
-            algo = algorithm(step)
             metrics: dict[str, Any] = dict(batch.metrics)
             metrics |= await train_on_batch(backend, batch, algo, temperature=temperature,
                                             old_from_rollout=old_from_rollout,
@@ -222,6 +243,8 @@ async def run_rl_training(
                                            pause_mode=pause_mode)  # fmt: skip
                 sync_s = time.perf_counter() - t_push
             metrics |= {
+                "empty_batches_skipped": skipped,
+                "empty_batches_total": empty_total,
                 "algorithm": algo.name,
                 "weight_version": backend.weight_version,
                 "time_generate_s": t_generated - t0,
@@ -235,9 +258,14 @@ async def run_rl_training(
                 metrics |= {f"eval_{k}": v for k, v in (await evaluate_fn()).items()}
             logger(step, metrics)
             history.append(metrics)
-            upcoming = algorithm(step + 1)
-            if on_algorithm_switch is not None and upcoming != algo:
-                on_algorithm_switch(upcoming)
+            upcoming = algorithm(step + 1, metrics)
+            if upcoming != algo and step < config.max_steps:
+                log.info("algorithm from step %d: %s", step + 1, upcoming.name)
+                if use_algorithm is not None:
+                    use_algorithm(upcoming)
+                if on_algorithm_switch is not None:
+                    on_algorithm_switch(upcoming)
+            algo = upcoming
             stop = stop_fn is not None and stop_fn(step, metrics)
             if step % config.checkpoint_every == 0 or step == config.max_steps or stop:
                 if critic is not None:  # first: `latest` of the policy implies its critic's
@@ -248,6 +276,58 @@ async def run_rl_training(
                 log.info("stop_fn ended the run after step %d", step)
                 break
     return history
+
+
+async def _generate_nonempty(rollout_manager: Any, step: int, max_empty: int
+                             ) -> tuple[RolloutBatch, int]:  # fmt: skip
+    """The next batch with at least one group, and how many empty ones were skipped before it.
+
+    A batch is empty when every group was rejected: each of its samples failed (a reward that
+    raised, returned a list, read a missing field; an engine error) or every group was filtered
+    (no reward spread under dynamic sampling). It cannot be trained on; it is logged with the
+    samples' errors and skipped. `max_empty` in a row end the run with the same message.
+
+    Raises:
+        RolloutsError: `max_empty` batches in a row were empty; names why.
+    """
+    for skipped in range(max_empty):
+        batch = await rollout_manager.generate_batch()
+        if batch.groups:
+            return batch, skipped
+        why = _why_empty(batch)
+        log.warning("step %d: rollout batch skipped (%d in a row): %s", step, skipped + 1, why)
+    raise RolloutsError(
+        f"step {step}: {max_empty} rollout batches in a row had no group to train on "
+        f"(train.max_empty_batches={max_empty}); the last one: {why}"
+    )
+
+
+def _why_empty(batch: RolloutBatch) -> str:
+    m = batch.metrics
+    counts = (f"no group accepted of {m.get('groups_launched', 0):.0f} launched "
+              f"({m.get('groups_failed', 0):.0f} with failed samples, "
+              f"{m.get('groups_filtered', 0):.0f} filtered out for equal rewards)")  # fmt: skip
+    if batch.failures:
+        return f"{counts}; sample errors: {summarize_errors(batch.failures)}"
+    return counts
+
+
+def as_schedule(algorithm: AlgorithmConfig | AlgorithmSchedule) -> AlgorithmSchedule:
+    """A schedule: `algorithm` itself, or a preset used at every step."""
+    if isinstance(algorithm, AlgorithmConfig):
+        return constant_schedule(algorithm)
+    return algorithm
+
+
+def check_rl_backend(backend: PyTorchTrainingBackend) -> None:
+    """Refuse a backend built for SFT (packed rows, SFT collate) before any rollout is made."""
+    if backend.pack_length is not None or backend._collate == backend._collate_sft:
+        raise ConfigError(
+            "run_rl_training: this backend batches SFT samples (PyTorchTrainingBackend's "
+            "defaults pack_length=256, collate_fn=None); build it with "
+            "training.rl_backend(model_path, checkpoint_dir=..., max_steps=...), or pass "
+            "pack_length=None, collate_fn=partial(collate_rl, pad_id=tokenizer.pad_token_id)"
+        )
 
 
 async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
@@ -268,11 +348,11 @@ async def _restore_reference(backend: PyTorchTrainingBackend, reference: PyTorch
                              rule: ReferenceUpdateFn) -> None:  # fmt: skip
     """Load the reference saved with the checkpoint the policy resumed from."""
     latest = find_latest_checkpoint(backend.checkpoint_dir)
-    state = (await trio.to_thread.run_sync(backend.read_extra_tensors, latest)).get("reference")
-    if state is None:
+    extra = await trio.to_thread.run_sync(backend.read_extra_tensors, latest)
+    if "reference" not in extra:
         raise CheckpointError(
             f"{latest} has no reference model state (written before references were "
             "checkpointed); resume with a fresh reference by starting a new run"
         )
-    await reference.call(partial(load_reference_state, reference, rule, state)).result()
+    await reference.call(partial(load_reference_state, reference, rule, latest)).result()
     log.info("reference model restored from %s", latest)

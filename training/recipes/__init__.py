@@ -1,4 +1,13 @@
 """Recipes: a validated config → components → a loop. What `examples/` and the CLI call.
 
-The top layer: nothing else in `training` imports from here.
+The top layer (`train_rl` is the one-call quick start; `cli` is the `rollouts` command): nothing else in `training` imports from here.
 """
+
+from training.recipes.quick import quick_rl_config as quick_rl_config
+from training.recipes.quick import train_rl as train_rl
+from training.recipes.rl import RLExtensions as RLExtensions
+from training.recipes.rl import RLSummary as RLSummary
+from training.recipes.rl import rl_backend as rl_backend
+from training.recipes.rl import run_rl_recipe as run_rl_recipe
+from training.recipes.sft import SFTSummary as SFTSummary
+from training.recipes.sft import run_sft_recipe as run_sft_recipe

@@ -1,6 +1,7 @@
 """Plotting and printing training curves (matplotlib is optional: the `plot` extra).
 
-python -m training.recipes.plot RUN_DIR [--keys reward_mean,loss] [--out FILE]   # RUN_DIR/curves.png
+rollouts plot RUN_DIR [--keys reward_mean,loss] [--out FILE]   # writes RUN_DIR/curves.png
+(also `python -m training.recipes.plot RUN_DIR ...`)
 """
 
 from __future__ import annotations
@@ -80,8 +81,7 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path | None =
     if keys is None:
         components = sorted({k for r in rows for k in r if k.startswith("reward/")})
         keys = (*DEFAULT_KEYS, *components)
-    series = {k: [(r["step"], r[k]) for r in rows if _is_number(r.get(k))] for k in keys}
-    present = {k: pts for k, pts in series.items() if pts}
+    present = distinct_series(rows, keys)
     if not present:
         raise DataError(f"{path}: no numeric values for any of {list(keys)}")
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), squeeze=False)
@@ -94,6 +94,18 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path | None =
     out = Path(out_png) if out_png is not None else path.with_name("curves.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+def distinct_series(rows: Sequence[dict], keys: Sequence[str]) -> dict[str, list[tuple]]:
+    """(step, value) points per key, leaving out absent keys and any series that repeats an
+    earlier one (`reward/total` is `reward_mean`, `accuracy` is `reward/correct`): one panel
+    per curve."""
+    out: dict[str, list[tuple]] = {}
+    for key in dict.fromkeys(keys):
+        pts = [(r["step"], r[key]) for r in rows if _is_number(r.get(key))]
+        if pts and pts not in out.values():
+            out[key] = pts
     return out
 
 
@@ -124,8 +136,10 @@ def write_reward_png(values: Sequence[float], out_png: str | Path) -> Path | Non
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot the metrics.jsonl of a run directory.")
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Plot the metrics.jsonl of a run directory."
+    )
     parser.add_argument("run_dir", help="a run directory (or its metrics.jsonl)")
     parser.add_argument("--keys", default=None, help="comma-separated metrics (default: common)")
     parser.add_argument("--out", default=None, help="PNG path (default: beside metrics.jsonl)")

@@ -15,27 +15,32 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from engines import EnginePool, SGLangEngine
-from engines.client import EngineTimeouts
+from engines.client import EngineTimeouts, probe_engines
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
 from rollouts.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
-from rollouts.generation import SampleTransform, keep_all, keep_if_reward_varies
+from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
+from rollouts.thinking import thinking_template_kwargs
 from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.model_io import check_model_path
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import SFTRunConfig, config_to_yaml, load_config
+from training.config import OptimConfig, SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
 from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.loops.rl import CheckpointHook, StopFn, push_weights, run_rl_training
 from training.recipes.rl_env import build_episode_setup
-from training.recipes.sft import run_sft_recipe, sft_data_files
+from training.recipes.sft import check_input_file, run_sft_recipe, sft_data_files
 from training.rl import algorithms
 from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import PolicyLossFn
@@ -89,17 +94,16 @@ def make_algorithm(preset: str, overrides: dict[str, Any], budget: int
 
 
 def algorithm_schedule(section: AlgorithmSection, budget: int) -> algorithms.AlgorithmSchedule:
-    """The configured preset (with overrides), switching to `then` at `switch_at_step`.
+    """The configured preset (with overrides), then each of `section.switches` from its step.
 
     `budget` is the episode's generation budget (`generation_budget`).
     """
     first = make_algorithm(section.preset, section.overrides, budget)
-    if section.then is None:
+    switches = {s.at_step: make_algorithm(s.preset, s.overrides, budget)
+                for s in section.all_switches()}  # fmt: skip
+    if not switches:
         return algorithms.constant_schedule(first)
-    if section.switch_at_step is None:
-        raise ConfigError("algorithm.then needs algorithm.switch_at_step")
-    then = make_algorithm(section.then, {}, budget)
-    return algorithms.switch_at(section.switch_at_step, first, then)
+    return algorithms.switch_at_steps(first, switches)
 
 
 async def resolve_start_model(config: RLRunConfig) -> str:
@@ -156,22 +160,17 @@ def _saved_config(checkpoint: Path) -> SFTRunConfig | None:
 
 
 def load_prompts(config: RLRunConfig, tokenizer: Any):
+    """(train prompts, held-out prompts), rendered with `model.enable_thinking` if set."""
     dc = config.data
+    kw = {"template_kwargs": thinking_template_kwargs(tokenizer, config.model.enable_thinking)}
     if dc.train_path is not None:
-        train = load_prompt_jsonl(dc.train_path, tokenizer, max_prompt_len=dc.max_prompt_len)
-        held = load_prompt_jsonl(dc.eval_path, tokenizer) if dc.eval_path else []
+        train_path, eval_path = dc.train_path, dc.eval_path
     else:
         files = dc.write_task_files()
-        train = load_prompt_jsonl(files.rl_train, tokenizer, max_prompt_len=dc.max_prompt_len)
-        held = load_prompt_jsonl(files.rl_eval, tokenizer)
+        train_path, eval_path = files.rl_train, files.rl_eval
+    train = load_prompt_jsonl(train_path, tokenizer, max_prompt_len=dc.max_prompt_len, **kw)
+    held = load_prompt_jsonl(eval_path, tokenizer, **kw) if eval_path else []
     return train, held[: config.train.eval_samples]
-
-
-def group_filter_for(algo: algorithms.AlgorithmConfig, setting: str):
-    """The rollout group filter: as configured, or ("auto") as the algorithm says."""
-    if setting == "reward_varies" or (setting == "auto" and algo.filter_zero_std):
-        return keep_if_reward_varies
-    return keep_all
 
 
 @contextlib.asynccontextmanager
@@ -221,6 +220,87 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
             yield router, clients
         else:
             yield pool, clients
+
+
+async def check_rl_inputs(config: RLRunConfig) -> None:
+    """What can fail fast, before any model loads: input files, the model path, the engines.
+
+    Raises:
+        ConfigError: a data file is missing.
+        ModelLoadError: `model.path` names no directory.
+        EngineUnavailableError: nothing answers at an `--engine-url` / `--router-url`.
+    """
+    dc = config.data
+    if dc.train_path is not None:
+        check_input_file("data.train_path", dc.train_path)
+    if dc.eval_path is not None:
+        check_input_file("data.eval_path", dc.eval_path)
+    if config.model.path is not None:
+        check_model_path(config.model.path)
+    ec = config.engines
+    if ec.urls:
+        await probe_engines(ec.urls, api_key=ec.api_key)
+    if ec.router_url:
+        await probe_engines([ec.router_url], api_key=ec.api_key, flag="--router-url")
+
+
+def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps: int,
+               optim: OptimConfig | None = None, tokenizer: Any = None,
+               micro_batch_tokens: int = 8192, keep_last: int | None = 2,
+               num_threads: int | None = None, seed: int = 0, dtype: str = "float32",
+               device: str = "cpu") -> PyTorchTrainingBackend:  # fmt: skip
+    """A `PyTorchTrainingBackend` that trains on RL batches (what `run_rl_training` needs).
+
+    RL examples are one row per sample (or per group sharing a prompt), never packed SFT rows,
+    so the backend batches with `collate_rl` and `pack_length=None`. Blocking (loads the
+    model): from async code call it in a worker thread.
+
+    Args:
+        model_path: an HF model directory (or hub id); the tokenizer is loaded from it unless
+            given.
+        checkpoint_dir: where checkpoints go (and where resume looks).
+        max_steps: the run's length (the LR schedule's horizon).
+        optim: optimizer settings (default `OptimConfig()`).
+    """
+    tokenizer = load_tokenizer(model_path) if tokenizer is None else tokenizer
+    pad_id = tokenizer.pad_token_id
+    return PyTorchTrainingBackend(
+        partial(load_model, str(model_path), dtype=dtype, device=device), tokenizer,
+        optim=optim or OptimConfig(), max_steps=max_steps, checkpoint_dir=checkpoint_dir,
+        micro_batch_tokens=micro_batch_tokens, pack_length=None,
+        collate_fn=partial(collate_rl, pad_id=pad_id), keep_last=keep_last,
+        num_threads=num_threads, seed=seed,
+    )  # fmt: skip
+
+
+def build_rl_models(config: RLRunConfig, model_path: str, tokenizer: Any,
+                    schedule: algorithms.AlgorithmSchedule) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(policy backend, reference or None, critic or None), as the schedule's algorithms need.
+
+    Blocking (loads model copies): call it in a worker thread from async code.
+    """
+    out = Path(config.output_dir)
+    backend = rl_backend(model_path, tokenizer=tokenizer, optim=config.optim,
+                         max_steps=config.train.max_steps, checkpoint_dir=out / "checkpoints",
+                         micro_batch_tokens=config.backend.micro_batch_tokens,
+                         keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
+                         seed=config.backend.seed, dtype=config.model.dtype,
+                         device=config.backend.device)  # fmt: skip
+    steps = range(1, config.train.max_steps + 1)
+    needs_ref = any(schedule(s, {}).needs_ref_logprobs for s in steps)
+    reference = make_reference(backend) if needs_ref else None
+    critic = None
+    if any(schedule(s, {}).needs_critic for s in steps):
+        critic_optim = config.critic_optim or config.optim.model_copy(
+            update={"lr": config.optim.lr * 10}
+        )
+        critic = make_critic(model_path, tokenizer, optim=critic_optim,
+                             max_steps=config.train.max_steps, checkpoint_dir=out / "critic",
+                             micro_batch_tokens=config.backend.micro_batch_tokens,
+                             keep_last=config.train.keep_last,
+                             num_threads=config.backend.num_threads, dtype=config.model.dtype,
+                             device=config.backend.device)  # fmt: skip
+    return backend, reference, critic
 
 
 def _closing(resource: Any) -> contextlib.AbstractContextManager:
@@ -289,41 +369,28 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             condition and checkpoint hook (defaults: as configured).
     """
     t0 = time.perf_counter()
+    await check_rl_inputs(config)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
-    log.info("resolved config:\n%s", config_to_yaml(config))
-    episodes = build_episode_setup(config.env, config.reward, resolve=resolve_callable)
+    log.debug("resolved config:\n%s", config_to_yaml(config))
+    thinking = config.model.enable_thinking  # checked against the template by load_prompts
+    episodes = build_episode_setup(
+        config.env, config.reward, resolve=resolve_callable,
+        template_kwargs={} if thinking is None else {"enable_thinking": thinking},
+    )  # fmt: skip
     reward_fn = extensions.reward_fn or episodes.reward_fn
     schedule = algorithm_schedule(config.algorithm, generation_budget(config))
     model_path = await resolve_start_model(config)
 
-    tokenizer = load_tokenizer(model_path)
-    train_prompts, held_out = load_prompts(config, tokenizer)
+    # Blocking set-up (tokenizer, prompts, model copies) in a worker thread: a host app's
+    # other tasks keep running meanwhile.
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_path)
+    train_prompts, held_out = await trio.to_thread.run_sync(load_prompts, config, tokenizer)
     buffer = DataBuffer(train_prompts, seed=config.data.shuffle_seed)
-    pad_id = tokenizer.pad_token_id
-    backend = PyTorchTrainingBackend(
-        lambda: load_model(model_path, dtype=config.model.dtype, device=config.backend.device),
-        tokenizer, optim=config.optim, max_steps=config.train.max_steps,
-        checkpoint_dir=out / "checkpoints", micro_batch_tokens=config.backend.micro_batch_tokens,
-        pack_length=None, collate_fn=lambda examples: collate_rl(examples, pad_id=pad_id),
-        keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
-        seed=config.backend.seed,
-    )  # fmt: skip
-    steps = range(1, config.train.max_steps + 1)
-    needs_ref = any(schedule(s).needs_ref_logprobs for s in steps)
-    reference = make_reference(backend) if needs_ref else None
-    critic = None
-    if any(schedule(s).needs_critic for s in steps):
-        critic_optim = config.critic_optim or config.optim.model_copy(
-            update={"lr": config.optim.lr * 10}
-        )
-        critic = make_critic(model_path, tokenizer, optim=critic_optim,
-                             max_steps=config.train.max_steps, checkpoint_dir=out / "critic",
-                             micro_batch_tokens=config.backend.micro_batch_tokens,
-                             keep_last=config.train.keep_last,
-                             num_threads=config.backend.num_threads, dtype=config.model.dtype,
-                             device=config.backend.device)  # fmt: skip
+    backend, reference, critic = await trio.to_thread.run_sync(
+        build_rl_models, config, model_path, tokenizer, schedule
+    )
     if config.train.resume == "never":
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "rollouts.jsonl").unlink(missing_ok=True)
@@ -348,19 +415,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
 
             before = await evaluate() if held_out else {}
             log.info("held-out before RL: %s", before)
-            first = schedule(1)
-            manager = AsyncRolloutManager(
-                engine, buffer, config.rollout,
-                reward_fn=algorithms.shape_reward(first, reward_fn),
-                group_filter=group_filter_for(first, config.rollout.filter_groups),
+            manager = AsyncRolloutManager(  # the loop gives it each step's algorithm
+                engine, buffer, config.rollout, reward_fn=reward_fn,
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
-
-            def switch(algo: algorithms.AlgorithmConfig) -> None:
-                log.info("algorithm switch: %s", algo.name)
-                manager.set_policy(reward_fn=algorithms.shape_reward(algo, reward_fn),
-                                   group_filter=group_filter_for(algo, config.rollout.filter_groups))  # fmt: skip
 
             async with manager:
                 history = await run_rl_training(
@@ -375,7 +434,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
                     evaluate_fn=evaluate if held_out else None,
                     pause_mode=config.engines.pause_mode, on_batch=dump,
-                    resolved_config=config.model_dump(mode="json"), on_algorithm_switch=switch,
+                    resolved_config=config.model_dump(mode="json"),
                 )  # fmt: skip
     last = history[-1] if history else {}
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)

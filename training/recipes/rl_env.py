@@ -7,7 +7,7 @@ answer, so the reward is `env_reward` unless the config names another.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,8 +35,10 @@ class EpisodeSetup:
 
 
 def build_episode_setup(section: EnvSection, reward: RewardConfig, *,
-                        resolve: Callable[[str], Any]) -> EpisodeSetup:  # fmt: skip
-    """GenerateFn and reward for the configured env (`resolve` imports `module:function`)."""
+                        resolve: Callable[[str], Any],
+                        template_kwargs: Mapping[str, Any] | None = None) -> EpisodeSetup:  # fmt: skip
+    """GenerateFn and reward for the configured env (`resolve` imports `module:function`;
+    `template_kwargs`: extra chat-template variables of multi-turn episodes)."""
     if section.kind == "single_turn":
         return EpisodeSetup(single_turn_generate, resolve(reward.fn))
     make_env = tool_env_factory(
@@ -44,7 +46,8 @@ def build_episode_setup(section: EnvSection, reward: RewardConfig, *,
         system_prompt=section.system_prompt, show_specs=section.show_specs,
     )  # fmt: skip
     config = MultiTurnConfig(max_turns=section.max_turns,
-                             max_response_tokens=section.max_response_tokens)  # fmt: skip
+                             max_response_tokens=section.max_response_tokens,
+                             template_kwargs=dict(template_kwargs or {}))  # fmt: skip
     explicit = "fn" in reward.model_fields_set
     return EpisodeSetup(multiturn_generate(make_env, config=config),
                         resolve(reward.fn) if explicit else env_reward)  # fmt: skip

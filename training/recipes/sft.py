@@ -12,10 +12,15 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import trio
+
+from rollouts.errors import ConfigError
 from rollouts.tasks.arithmetic import is_correct
+from rollouts.thinking import thinking_template_kwargs
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.backend.tiny_model import ensure_tiny_model
 from training.config import ModelConfig, SFTRunConfig, config_to_yaml
@@ -23,7 +28,7 @@ from training.data.buffer import DataBuffer
 from training.data.sft_data import load_sft_jsonl
 from training.data.tokenize import TokenizeStats, tokenize_records
 from training.loops.evaluate import EvalPrompt, greedy_accuracy
-from training.loops.loggers import ConsoleLogger, JsonlLogger, fan_out
+from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.loops.sft import SFTData, run_sft_training
 
 log = logging.getLogger("rollouts.recipes")
@@ -70,14 +75,59 @@ class SFTDataFiles:
 
 
 def sft_data_files(config: SFTRunConfig) -> SFTDataFiles:
-    """The JSONL files an SFT config trains on: its paths, or its task's (written if needed)."""
+    """The JSONL files an SFT config trains on: its paths, or its task's (written if needed).
+
+    Raises:
+        ConfigError: `data.train_path` or `data.eval_path` names no file (checked here, before
+            any model is loaded).
+    """
     dc = config.data
     if dc.train_path is not None:
         eval_path = Path(dc.eval_path) if dc.eval_path else None
+        check_input_file("data.train_path (--data)", dc.train_path)
+        if eval_path is not None:
+            check_input_file("data.eval_path (--eval-data)", eval_path)
         return SFTDataFiles(Path(dc.train_path), eval_path, None)
     files = dc.write_task_files()
     accuracy = files.rl_eval if dc.task == "arithmetic" else None  # single-turn: greedy check
     return SFTDataFiles(files.sft_train, files.sft_eval, accuracy)
+
+
+def check_input_file(key: str, path: str | Path) -> None:
+    """Raise ConfigError naming `key` when `path` is not a readable file."""
+    p = Path(path)
+    if not p.is_file():
+        why = "is a directory, not a JSONL file" if p.is_dir() else "no such file"
+        raise ConfigError(f"{key}: {path}: {why}")
+
+
+def check_pack_length(config: SFTRunConfig, samples: list[Any], what: str) -> None:
+    """Packed rows must hold every sample: fail before training, naming the keys to change.
+
+    Raises:
+        ConfigError: a sample is longer than `data.pack_length` (names the first, its length,
+            and `data.max_seq_len`, the other way to make it fit).
+    """
+    dc = config.data
+    if not dc.packing:
+        return
+    too_long = [s for s in samples if len(s) > dc.pack_length]
+    if too_long:
+        first = too_long[0]
+        raise ConfigError(
+            f"{what}: {len(too_long)} sample(s) are longer than data.pack_length="
+            f"{dc.pack_length} tokens, so they fit no packed row (e.g. {first.source}, "
+            f"{len(first)} tokens): raise data.pack_length to at least data.max_seq_len="
+            f"{dc.max_seq_len}, or lower data.max_seq_len"
+        )
+
+
+def report_overlong(stats: TokenizeStats, max_seq_len: int, what: str) -> None:
+    """Log the over-long samples by file:line; a warning when more than 10 % were cut."""
+    report = stats.overlong_report(max_seq_len)
+    if report is not None:
+        warn, message = report
+        log.log(logging.WARNING if warn else logging.INFO, "%s: %s", what, message)
 
 
 def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
@@ -94,10 +144,16 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
         accuracy_prompts = load_eval_prompts(files.accuracy)[: config.train.greedy_eval_samples]
     train_records = load_sft_jsonl(files.train)
     eval_records = load_sft_jsonl(files.eval) if files.eval else []
-    kw = dict(max_seq_len=dc.max_seq_len, overlong=dc.overlong)
+    kw = dict(max_seq_len=dc.max_seq_len, overlong=dc.overlong,
+              template_kwargs=thinking_template_kwargs(tokenizer, config.model.enable_thinking))  # fmt: skip
     train_samples, stats = tokenize_records(train_records, tokenizer, **kw)
-    eval_samples, _ = tokenize_records(eval_records[: config.train.eval_samples], tokenizer, **kw)
+    eval_samples, eval_stats = tokenize_records(eval_records[: config.train.eval_samples],
+                                                tokenizer, **kw)  # fmt: skip
     log.info("train data %s: %s", files.train, stats.summary())
+    report_overlong(stats, dc.max_seq_len, "train data")
+    report_overlong(eval_stats, dc.max_seq_len, "eval data")
+    check_pack_length(config, train_samples, str(files.train))
+    check_pack_length(config, eval_samples, str(files.eval))
     buffer = DataBuffer(train_samples, seed=dc.shuffle_seed)
     data = SFTData(buffer, tuple(eval_samples))
     return PreparedSFTData(data, stats, accuracy_prompts, files.fingerprint())
@@ -107,7 +163,7 @@ def build_backend(config: SFTRunConfig, model_path: str) -> PyTorchTrainingBacke
     """Load the model and tokenizer and wrap them in a backend configured by `config`."""
     tokenizer = load_tokenizer(model_path)
     return PyTorchTrainingBackend(
-        lambda: load_model(model_path, dtype=config.model.dtype, device=config.backend.device),
+        partial(load_model, model_path, dtype=config.model.dtype, device=config.backend.device),
         tokenizer,
         optim=config.optim,
         max_steps=config.train.max_steps,
@@ -141,18 +197,28 @@ class SFTSummary:
         )
 
 
-async def run_sft_recipe(config: SFTRunConfig) -> SFTSummary:
-    """Everything `examples/run_sft.py` does: model, data, backend, loop, loggers, summary."""
+async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None) -> SFTSummary:
+    """Everything `examples/run_sft.py` does: model, data, backend, loop, loggers, summary.
+
+    Input paths and lengths are checked before the model loads; the blocking set-up (writing
+    task data, loading the model, tokenizing) runs in a worker thread, so a host app's other
+    tasks keep running.
+
+    Args:
+        on_step: an extra logger called after every step (e.g. a host app watching progress).
+    """
     t0 = time.perf_counter()
+    await trio.to_thread.run_sync(sft_data_files, config)  # missing files fail here, at once
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     resolved = config.model_dump(mode="json")
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
-    log.info("resolved config:\n%s", config_to_yaml(config))
+    log.debug("resolved config:\n%s", config_to_yaml(config))
 
-    model_path = resolve_model_path(config.model)
-    with build_backend(config, model_path) as backend:
-        prepared = prepare_sft_data(config, backend.tokenizer)
+    model_path = await trio.to_thread.run_sync(resolve_model_path, config.model)
+    backend = await trio.to_thread.run_sync(build_backend, config, model_path)
+    with backend:
+        prepared = await trio.to_thread.run_sync(prepare_sft_data, config, backend.tokenizer)
 
         async def accuracy(b: PyTorchTrainingBackend) -> dict[str, float]:
             return await greedy_accuracy(b, prepared.accuracy_prompts, is_correct)
@@ -166,7 +232,7 @@ async def run_sft_recipe(config: SFTRunConfig) -> SFTSummary:
                 backend,
                 prepared.data,
                 config.train,
-                logger=fan_out(jsonl, console),
+                logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
                 evaluate_fn=accuracy if prepared.accuracy_prompts else None,
                 resolved_config=resolved,
                 extra_state={"data_sha256": prepared.fingerprint},

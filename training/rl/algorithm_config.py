@@ -13,7 +13,7 @@ DPO (`online_dpo()`), a different algorithm.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
 from pydantic import Field, model_validator
@@ -240,13 +240,19 @@ def online_dpo(**overrides: Any) -> AlgorithmConfig:
     return _preset({"name": "online_dpo", "loss": "pairwise"}, overrides)
 
 
-AlgorithmSchedule: TypeAlias = Callable[[int], AlgorithmConfig]
+AlgorithmSchedule: TypeAlias = Callable[[int, Mapping[str, Any]], AlgorithmConfig]
+"""(step, the previous step's metrics) -> that step's algorithm.
+
+`run_rl_training` calls it once per step, right after the previous step is logged, with that
+step's metrics ({} for the first step of a run or of a resumed run); e.g. lower `kl_coef` once
+`reward_mean` passes 0.5. The schedules below ignore the metrics (and may be called with the
+step alone)."""
 
 
 def constant_schedule(config: AlgorithmConfig) -> AlgorithmSchedule:
     """The same algorithm at every step."""
 
-    def schedule(step: int) -> AlgorithmConfig:
+    def schedule(step: int, metrics: Mapping[str, Any] | None = None) -> AlgorithmConfig:
         return config
 
     return schedule
@@ -254,8 +260,28 @@ def constant_schedule(config: AlgorithmConfig) -> AlgorithmSchedule:
 
 def switch_at(step: int, first: AlgorithmConfig, then: AlgorithmConfig) -> AlgorithmSchedule:
     """`first` for steps < `step`, `then` from `step` on (e.g. GRPO for 50 steps, then DAPO)."""
+    return switch_at_steps(first, {step: then})
 
-    def schedule(current: int) -> AlgorithmConfig:
-        return first if current < step else then
+
+def switch_at_steps(first: AlgorithmConfig, switches: Mapping[int, AlgorithmConfig]
+                    ) -> AlgorithmSchedule:  # fmt: skip
+    """`first`, then `switches[s]` from step s on, for each s in increasing order.
+
+    E.g. `switch_at_steps(grpo(kl_coef=0.2), {30: grpo(kl_coef=0.05), 60: dapo(...)})`.
+
+    Raises:
+        ConfigError: a switch step is below 1.
+    """
+    bad = sorted(s for s in switches if s < 1)
+    if bad:
+        raise ConfigError(f"algorithm switch steps must be >= 1, got {bad}")
+    phases = sorted(switches.items())
+
+    def schedule(step: int, metrics: Mapping[str, Any] | None = None) -> AlgorithmConfig:
+        current = first
+        for at, config in phases:
+            if step >= at:
+                current = config
+        return current
 
     return schedule

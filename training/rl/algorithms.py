@@ -6,10 +6,13 @@ shaping and dynamic sampling. `AlgorithmConfig` names each choice; the presets (
 `dapo(...)`, ...) fill them in as the papers do, and take keyword overrides. The RL trainer
 calls only `compute_advantages` and `compute_policy_loss`; the rollout side reads
 `filter_zero_std` (drop groups with no reward spread, over-sample to refill) and `overlong`
-(wrap the reward with `rollouts.rewards.add_overlong_shaping`).
+(`shape_reward`: the reward plus DAPO's overlong penalty). `run_rl_training` hands each step's
+algorithm to the rollout manager (`AsyncRolloutManager.use_algorithm`), so `dapo()` gets both
+wherever it is used.
 
-The choice may change during a run: an `AlgorithmSchedule` maps the step to a config, e.g.
-`switch_at(50, grpo(), dapo(max_response_len=512))`.
+The choice may change during a run: an `AlgorithmSchedule` maps the step and the previous
+step's metrics to a config, e.g. `switch_at(50, grpo(), dapo(max_response_len=512))`,
+`switch_at_steps(grpo(), {30: ..., 60: ...})`, or a function of `metrics["reward_mean"]`.
 
 What DAPO is here (Yu et al. 2025): clip-higher (0.2 / 0.28) + dynamic sampling + token-level
 loss + overlong reward shaping, without a KL term. The pairwise best-vs-worst loss is online
@@ -24,7 +27,7 @@ from typing import TypeAlias
 import torch
 
 from rollouts.errors import ConfigError
-from rollouts.rewards import RewardFn, add_overlong_shaping
+from rollouts.rewards import shape_reward as shape_reward
 from training.rl import advantages as adv
 from training.rl.algorithm_config import (
     AdvantageEstimator as AdvantageEstimator,
@@ -77,6 +80,9 @@ from training.rl.algorithm_config import (
 from training.rl.algorithm_config import (
     switch_at as switch_at,
 )
+from training.rl.algorithm_config import (
+    switch_at_steps as switch_at_steps,
+)
 from training.rl.kl import (
     KLFn,
     bool_mask,
@@ -98,18 +104,6 @@ from training.rl.losses import (
 )
 
 # ----- the dispatch ----------------------------------------------------------------------------
-
-
-def shape_reward(config: AlgorithmConfig, reward_fn: RewardFn) -> RewardFn:
-    """`reward_fn` with the config's reward shaping (DAPO's overlong penalty) applied."""
-    if config.overlong is None:
-        return reward_fn
-    return add_overlong_shaping(
-        reward_fn,
-        max_response_len=config.overlong.max_response_len,
-        cache_len=config.overlong.cache_len,
-        penalty_factor=config.overlong.penalty_factor,
-    )
 
 
 def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,

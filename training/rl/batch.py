@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from itertools import pairwise
 
 import torch
@@ -356,39 +357,56 @@ def rl_loss_fn(
     `kl_fn` is passed to it for the KL term.
     """
 
-    def loss(logits: torch.Tensor, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = temper_logits(logits, temperature)
-        logprobs_BT = token_logprobs(logits, batch.target_ids)
-        mask_BT = (batch.target_ids != IGNORE_INDEX).float()
-        common = {"ref_logprobs_BT": batch.ref_logprobs_BT, "rewards_GN": batch.rewards_GN,
-                  "kl_fn": kl_fn}  # fmt: skip
-        if algorithm.entropy_coef > 0:
-            common["entropy_BT"] = token_entropy(logits)
-        advantages = (batch.token_advantages_BT if batch.token_advantages_BT is not None
-                      else batch.advantages_B)  # fmt: skip
-        if old_from_rollout and batch.rollout_logprobs_BT is not None:
-            # the engine's logprobs are the behaviour policy; mismatch is measured against the
-            # trainer's current logprobs (before this update) instead.
-            loss_value, metrics = policy_loss_fn(
-                algorithm, logprobs_BT, batch.rollout_logprobs_BT, advantages, mask_BT, **common
-            )  # fmt: skip
-            mismatch = logprob_mismatch_metrics(
-                logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
-            )
-            return loss_value, {**metrics, **mismatch}
-        old_BT = (
-            batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
-        )
-        return policy_loss_fn(
-            algorithm, logprobs_BT, old_BT, advantages, mask_BT,
-            rollout_logprobs_BT=batch.rollout_logprobs_BT, **common,
-        )  # fmt: skip
+    return partial(rl_microbatch_loss, algorithm=algorithm, temperature=temperature,
+                   old_from_rollout=old_from_rollout, policy_loss_fn=policy_loss_fn,
+                   kl_fn=kl_fn)  # fmt: skip
 
-    return loss
+
+def rl_microbatch_loss(
+    logits: torch.Tensor,
+    batch: RLBatch,
+    *,
+    algorithm: AlgorithmConfig,
+    temperature: float,
+    old_from_rollout: bool,
+    policy_loss_fn: PolicyLossFn,
+    kl_fn: KLFn | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`rl_loss_fn`'s loss (module-level, so that torchrun ranks can rebuild it by name)."""
+    logits = temper_logits(logits, temperature)
+    logprobs_BT = token_logprobs(logits, batch.target_ids)
+    mask_BT = (batch.target_ids != IGNORE_INDEX).float()
+    common = {"ref_logprobs_BT": batch.ref_logprobs_BT, "rewards_GN": batch.rewards_GN,
+              "kl_fn": kl_fn}  # fmt: skip
+    if algorithm.entropy_coef > 0:
+        common["entropy_BT"] = token_entropy(logits)
+    advantages = (batch.token_advantages_BT if batch.token_advantages_BT is not None
+                  else batch.advantages_B)  # fmt: skip
+    if old_from_rollout and batch.rollout_logprobs_BT is not None:
+        # the engine's logprobs are the behaviour policy; mismatch is measured against the
+        # trainer's current logprobs (before this update) instead.
+        loss_value, metrics = policy_loss_fn(
+            algorithm, logprobs_BT, batch.rollout_logprobs_BT, advantages, mask_BT, **common
+        )  # fmt: skip
+        mismatch = logprob_mismatch_metrics(
+            logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
+        )
+        return loss_value, {**metrics, **mismatch}
+    old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
+    return policy_loss_fn(
+        algorithm, logprobs_BT, old_BT, advantages, mask_BT,
+        rollout_logprobs_BT=batch.rollout_logprobs_BT, **common,
+    )  # fmt: skip
 
 
 def loss_weight_fn(algorithm: AlgorithmConfig):
     """How micro-batch losses are weighted into the step loss: by tokens or by sequences."""
-    if algorithm.aggregation == "token-mean":
-        return lambda batch: batch.n_trained_tokens
-    return lambda batch: batch.n_samples
+    return trained_tokens if algorithm.aggregation == "token-mean" else n_sequences
+
+
+def trained_tokens(batch: RLBatch) -> float:
+    return batch.n_trained_tokens
+
+
+def n_sequences(batch: RLBatch) -> float:
+    return batch.n_samples

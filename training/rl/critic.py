@@ -14,6 +14,7 @@ predicts: the positions of the policy's logprobs (`target_ids != -100`).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,10 @@ def make_critic(model_path: str | Path, tokenizer: Any, *, optim: OptimConfig, m
     """A backend over a value model initialised from `model_path` (see the module docstring)."""
     pad_id = tokenizer.pad_token_id
     return PyTorchTrainingBackend(
-        lambda: load_value_model(model_path, dtype=dtype, device=device), tokenizer,
+        partial(load_value_model, model_path, dtype=dtype, device=device), tokenizer,
         optim=optim, max_steps=max_steps, checkpoint_dir=checkpoint_dir,
         micro_batch_tokens=micro_batch_tokens, pack_length=None,
-        collate_fn=lambda examples: collate_rl(examples, pad_id=pad_id), keep_last=keep_last,
+        collate_fn=partial(collate_rl, pad_id=pad_id), keep_last=keep_last,
         num_threads=num_threads,
     )  # fmt: skip
 
@@ -84,25 +85,28 @@ def value_loss_fn(value_clip: float | None):
     ½ max((V − R)², (V_old + clip(V − V_old, ±ε) − R)²).
     """
 
-    def loss(logits: torch.Tensor, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        if batch.returns_BT is None:
-            raise ValueError("the critic's batch carries no returns (GAE targets)")
-        mask_BT = batch.target_ids != IGNORE_INDEX
-        values_BT = logits[..., 0].float()
-        returns_BT = batch.returns_BT
-        loss_BT = (values_BT - returns_BT).square()
-        clipped = torch.zeros_like(mask_BT)
-        if value_clip is not None and batch.old_values_BT is not None:
-            old_BT = batch.old_values_BT
-            clipped_values_BT = old_BT + (values_BT - old_BT).clamp(-value_clip, value_clip)
-            clipped_loss_BT = (clipped_values_BT - returns_BT).square()
-            clipped = clipped_loss_BT > loss_BT
-            loss_BT = torch.maximum(loss_BT, clipped_loss_BT)
-        value_loss = 0.5 * masked_mean(loss_BT, mask_BT)
-        return value_loss, {
-            "value_loss": value_loss.item(),
-            "value_clip_fraction": masked_mean(clipped.float(), mask_BT).item(),
-            "value_mean": masked_mean(values_BT.detach(), mask_BT).item(),
-        }
+    return partial(value_loss, value_clip=value_clip)
 
-    return loss
+
+def value_loss(logits: torch.Tensor, batch: RLBatch, *, value_clip: float | None
+               ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """`value_loss_fn`'s loss (module-level: torchrun ranks rebuild it by name)."""
+    if batch.returns_BT is None:
+        raise ValueError("the critic's batch carries no returns (GAE targets)")
+    mask_BT = batch.target_ids != IGNORE_INDEX
+    values_BT = logits[..., 0].float()
+    returns_BT = batch.returns_BT
+    loss_BT = (values_BT - returns_BT).square()
+    clipped = torch.zeros_like(mask_BT)
+    if value_clip is not None and batch.old_values_BT is not None:
+        old_BT = batch.old_values_BT
+        clipped_values_BT = old_BT + (values_BT - old_BT).clamp(-value_clip, value_clip)
+        clipped_loss_BT = (clipped_values_BT - returns_BT).square()
+        clipped = clipped_loss_BT > loss_BT
+        loss_BT = torch.maximum(loss_BT, clipped_loss_BT)
+    value_loss = 0.5 * masked_mean(loss_BT, mask_BT)
+    return value_loss, {
+        "value_loss": value_loss.item(),
+        "value_clip_fraction": masked_mean(clipped.float(), mask_BT).item(),
+        "value_mean": masked_mean(values_BT.detach(), mask_BT).item(),
+    }

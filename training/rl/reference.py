@@ -18,11 +18,9 @@ continues where it was instead of restarting from the initial policy.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal, TypeAlias
-
-import torch
 
 from rollouts.errors import ConfigError
 from training.backend.pytorch import PyTorchTrainingBackend
@@ -34,18 +32,13 @@ ReferenceUpdateFn: TypeAlias = Callable[
 
 
 def make_reference(policy: PyTorchTrainingBackend) -> PyTorchTrainingBackend:
-    """A frozen copy of `policy`'s current model, with the same batching."""
-
-    def frozen_copy() -> torch.nn.Module:
-        model = copy.deepcopy(policy.model).eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return model
-
+    """A frozen copy of `policy`'s current model, with the same batching (sharded alike under
+    torchrun: every rank copies its own shards)."""
     return PyTorchTrainingBackend(
-        frozen_copy, policy.tokenizer, optim=policy.optim_config, max_steps=1,
-        checkpoint_dir=policy.checkpoint_dir / "reference", collate_fn=policy._collate,
+        None, policy.tokenizer, optim=policy.optim_config, max_steps=1,
+        checkpoint_dir=policy.checkpoint_dir / "reference", collate_fn=policy.collate_fn,
         micro_batch_tokens=policy.micro_batch_tokens, pack_length=policy.pack_length,
+        frozen=True, weights_from=policy,
     )  # fmt: skip
 
 
@@ -54,22 +47,23 @@ def reference_state(reference: PyTorchTrainingBackend, rule: ReferenceUpdateFn) 
 
     Call on the reference's worker (`reference.call`), after the step's update.
     """
-    weights = {k: v.detach().clone() for k, v in reference.model.state_dict().items()}
+    weights = reference.full_state()
     rule_state = rule.state_dict() if hasattr(rule, "state_dict") else {}
     return {"weights": weights, "rule": rule_state}
 
 
 def load_reference_state(reference: PyTorchTrainingBackend, rule: ReferenceUpdateFn,
-                         state: dict[str, Any]) -> None:  # fmt: skip
-    """Inverse of `reference_state` (on the reference's worker)."""
-    reference.model.load_state_dict(state["weights"])
+                         checkpoint: Path) -> None:  # fmt: skip
+    """Inverse of `reference_state`, from the checkpoint it was saved in (on the reference's
+    worker; under torchrun every rank reads its weights from the file)."""
+    reference.load_weights_from_checkpoint(checkpoint, "reference")
     if hasattr(rule, "load_state_dict"):
-        rule.load_state_dict(state["rule"])
+        rule.load_state_dict(reference.read_extra_tensors(checkpoint)["reference"]["rule"])
 
 
 def reset_to_policy(reference: PyTorchTrainingBackend, policy: PyTorchTrainingBackend) -> None:
     """ref ← policy (copy every weight)."""
-    reference.model.load_state_dict(policy.model.state_dict())
+    reference.copy_weights_from(policy)
 
 
 def frozen(
@@ -90,9 +84,7 @@ def ema_update(alpha: float) -> ReferenceUpdateFn:
         step: int,
         metrics: Mapping[str, Any],
     ) -> None:
-        with torch.no_grad():
-            for r, p in zip(reference.model.parameters(), policy.model.parameters(), strict=True):
-                r.mul_(alpha).add_(p.detach(), alpha=1 - alpha)
+        reference.lerp_weights_from(policy, 1 - alpha)
 
     return update
 

@@ -36,6 +36,7 @@ from training.rl.batch import (
     rl_loss_fn,
     sample_to_example,
     split_mini_batches,
+    trained_tokens,
     with_old_logprobs,
     with_ref_logprobs,
 )
@@ -65,6 +66,11 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
         "n_updates" and "kl_to_old_last" (how far the last update had moved from the
         behaviour policy).
     """
+    if not batch.groups:
+        raise ValueError(
+            "train_on_batch: the rollout batch has no groups (every sample failed or every "
+            f"group was filtered; sample errors: {dict(batch.failures) or 'none'})"
+        )
     if algorithm.needs_ref_logprobs and reference is None:
         raise ValueError(f"{algorithm.name} needs a reference model (kl_coef > 0 or DPO)")
     if algorithm.needs_critic and critic is None:
@@ -94,7 +100,7 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
     if algorithm.needs_critic:  # queued first: the critic's thread works beside the policy's
         value_loss = value_loss_fn(algorithm.value_clip)
         critic_futures = _queue_updates(critic, chunks, n_updates, value_loss,
-                                        lambda batch: batch.n_trained_tokens)  # fmt: skip
+                                        trained_tokens)  # fmt: skip
     futures = _queue_updates(backend, chunks, n_updates, loss_fn, loss_weight_fn(algorithm))
     updates = [{**await fb.result(), **await opt.result()} for fb, opt in futures]
     metrics |= _merge_updates(updates)

@@ -1,0 +1,165 @@
+"""FSDP2 under torchrun, for real: two gloo processes on this machine against one process.
+
+The properties: the gradient of a step is the one-process gradient (SFT and the RL
+aggregations), the CLI's losses are the one-process losses, a checkpoint written at one world
+size resumes at the other, RL driven from rank 0 pushes weights to the engine, and a rank that
+dies ends the job quickly, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).parent.parent
+MODES = ("sft", "grpo-token-mean", "grpo-seq-mean")
+
+
+def launch(script: str, *args: str, world: int, cwd: Path, timeout: float = 300):
+    """Run `script` under plain python (world 1) or torchrun (world 2), one thread per rank."""
+    prefix = [sys.executable]
+    if world > 1:
+        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*prefix, str(ROOT / script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def grads(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grads")
+    for world in (1, 2):
+        proc = launch("tests/distributed_grads.py", str(tiny_model_dir), str(out / f"w{world}"),
+                      ",".join(MODES), world=world, cwd=out)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_process_gradient_equals_the_one_process_gradient(grads, mode):
+    one = load_file(str(grads / "w1" / mode / "grads.safetensors"))
+    two = load_file(str(grads / "w2" / mode / "grads.safetensors"))
+    assert one.keys() == two.keys() and len(one) > 10
+    for name, g in one.items():
+        scale = g.abs().max().clamp_min(1e-12)
+        assert ((two[name] - g).abs().max() / scale).item() < 1e-5, name
+    m1 = json.loads((grads / "w1" / mode / "metrics.json").read_text())
+    m2 = json.loads((grads / "w2" / mode / "metrics.json").read_text())
+    assert m2["n_trained_tokens"] == m1["n_trained_tokens"]
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
+
+
+def sft(world: int, out: Path, steps: int, *extra: str):
+    proc = launch("examples/run_sft.py", "--config", str(ROOT / "configs" / "sft_tiny.yaml"),
+                  "--output-dir", str(out), "--max-steps", str(steps), "train.log_every=1",
+                  "train.eval_every=1000", "train.checkpoint_every=2", "train.eval_samples=16",
+                  "train.greedy_eval_samples=0", "backend.num_threads=1", "train.batch_size=16",
+                  *extra, world=world, cwd=out.parent)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())}
+
+
+def test_torchrun_sft_resumes_a_one_process_run_with_the_same_losses(tiny_model_dir, tmp_path):
+    """1 → 2 processes here; the RL test below resumes 2 → 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = f"model.path={tiny_model_dir}"
+    data = f"data.task_dir={tmp_path / 'data'}"
+    straight = sft(1, tmp_path / "one", 4, model, data)
+    mixed = sft(1, tmp_path / "mixed", 2, model, data)  # saved by 1 process ...
+    mixed |= sft(2, tmp_path / "mixed", 4, model, data, "--resume")  # ... resumed by 2
+    assert (tmp_path / "mixed" / "checkpoints" / "step_000004" / "dcp").is_dir()
+    assert sorted(mixed) == sorted(straight) == [1, 2, 3, 4]
+    for step, loss in straight.items():
+        assert mixed[step] == pytest.approx(loss, rel=1e-4), step
+    final = tmp_path / "mixed" / "checkpoints" / "step_000004"  # HF layout, written by rank 0
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "one" / "checkpoints" / "step_000004"
+    )
+    for (name, a), b in zip(loaded.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), name
+
+
+def test_torchrun_rl_with_a_reference_drives_the_engine_and_resumes_at_one_process(
+    tiny_model_dir, tmp_path
+):
+    args = ["--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--model", str(tiny_model_dir),
+            "--output-dir", str(tmp_path / "rl"), "rollout.batch_size=4",
+            "rollout.n_samples_per_prompt=4", "rollout.filter_groups=none",
+            "train.eval_samples=8", "train.eval_every=1000", "train.checkpoint_every=3",
+            "optim.lr=1e-3", "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
+            "algorithm.overrides.kl_coef=0.05",  # a reference model, sharded like the policy
+            f"data.task_dir={tmp_path / 'data'}"]  # fmt: skip
+    first = launch("examples/run_rl.py", *args, "--max-steps", "3", world=2, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.strip().splitlines()[-1].startswith("RL done")
+    again = launch("examples/run_rl.py", *args, "--max-steps", "5", "--resume", world=1,
+                   cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["grad_norm"] > 0 for r in rows)
+    assert rows[0]["kl"] == 0.0  # the sharded reference starts as an exact copy of the policy
+    assert all(r["kl"] > 0 for r in rows[1:])  # ... and stays behind, also after the resume
+    exports = sorted((tmp_path / "rl" / "weights").glob("v*"))
+    assert exports, "no weight push was exported for the engine"
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def test_a_killed_rank_ends_the_job_quickly_and_is_named(tiny_model_dir, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "examples" / "run_sft.py"), "--config", str(ROOT / "configs" / "sft_tiny.yaml"),
+           "--output-dir", str(tmp_path / "out"), "--max-steps", "100000", "train.log_every=1",
+           f"model.path={tiny_model_dir}", f"data.task_dir={tmp_path / 'data'}",
+           "backend.num_threads=1", "train.greedy_eval_samples=0"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines = []
+    deadline = threading.Timer(240, proc.kill)  # the wait for training to start has a deadline
+    deadline.start()
+    try:
+        for line in proc.stdout:  # wait until training runs ("step 3/100000 ..." off a tty)
+            lines.append(line)
+            if re.search(r"\bstep 3\b", line):
+                break
+        deadline.cancel()
+        victim = _rank_pid(proc.pid, 1)
+        assert victim is not None, "".join(lines[-20:])
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        rest, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - t0
+    finally:
+        deadline.cancel()
+        proc.kill()
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after rank 1 died"
+    assert proc.returncode != 0
+    assert "rank      : 1" in rest or "rank 1" in rest, rest[-3000:]

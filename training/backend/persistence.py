@@ -1,0 +1,172 @@
+"""The backend's state operations: weights across backends, checkpoints, exports, resume.
+
+A mixin of `PyTorchTrainingBackend` (training/backend/pytorch.py), split off to keep each file
+readable; every method goes through the backend's `_submit` / `_dispatch`, so it runs in queue
+order on every rank like the training operations.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from training.backend import checkpoint as ckpt
+from training.backend import state as st
+from training.backend.futures import BackendError, TrainFuture
+
+if TYPE_CHECKING:
+    from training.backend.pytorch import PyTorchTrainingBackend
+
+
+class StateOps:
+    # -- weights across backends (collective: safe inside `call`) ------------------------------
+
+    def copy_weights_from(self, other: PyTorchTrainingBackend) -> None:
+        """self ← other, every weight (run on the trainer thread, e.g. inside `call`)."""
+        self._dispatch("lerp_weights", None, {"other": other, "weight": 1.0})
+
+    def lerp_weights_from(self, other: PyTorchTrainingBackend, weight: float) -> None:
+        """self ← self + weight · (other − self) (an EMA step with weight = 1 − alpha)."""
+        self._dispatch("lerp_weights", None, {"other": other, "weight": weight})
+
+    def _local_lerp_weights(self, other: PyTorchTrainingBackend, weight: float) -> None:
+        st.lerp_params(self.model, other.model, weight)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict, on rank 0 (trainer thread, e.g. inside `call`)."""
+        return self._dispatch("full_state", None, {})[0][0]
+
+    def _local_full_state(self) -> dict[str, torch.Tensor]:
+        return st.full_model_state(self.model)
+
+    def load_weights_from_checkpoint(self, path: str | Path, key: str) -> None:
+        """Weights ← `extra_tensors[key]["weights"]` of the checkpoint at `path` (every rank
+        reads the file; trainer thread, e.g. inside `call`)."""
+        self._dispatch("load_extra_weights", None, {"path": Path(path), "key": key})
+
+    def _local_load_extra_weights(self, path: Path, key: str) -> None:
+        weights = self.read_extra_tensors(path)[key]["weights"]
+        st.load_full_model_state(self.model, weights)
+
+    def full_grads(self) -> TrainFuture[dict[str, torch.Tensor]]:
+        """Queue a read of the accumulated gradients, whole (gathered to rank 0 under torchrun):
+        what a test compares across world sizes."""
+        return self._submit(lambda: self._dispatch("full_grads", None, {})[0][0])
+
+    def _local_full_grads(self) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                full = getattr(p.grad, "full_tensor", None)  # a collective: every rank calls it
+                grads[name] = (full() if full is not None else p.grad).detach().clone().cpu()
+        return grads
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    async def save_checkpoint(
+        self,
+        step: int,
+        metrics: dict[str, Any],
+        *,
+        extra_state: dict[str, Any] | None = None,
+        extra_tensors: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write a checkpoint after all queued work; returns its directory.
+
+        `extra_state` (JSON) and `extra_tensors` (tensors and plain values, e.g. a reference
+        model's weights) are written into the same atomic checkpoint; `read_extra_tensors`
+        gives the latter back. Under torchrun every rank writes its shards of the model and
+        optimizer (DCP), rank 0 the HF layout and the rest, and `latest` moves when all did.
+        """
+        return await self._submit(
+            lambda: self._save(step, metrics, extra_state or {}, extra_tensors or {})
+        ).result()
+
+    def _save(self, step: int, metrics: dict[str, Any], extra: dict[str, Any],
+              extra_tensors: dict[str, Any]) -> Path:  # fmt: skip
+        if self.optimizer is None or self.scheduler is None:
+            raise BackendError("a frozen backend (no optimizer) is not checkpointed")
+        torch_state = {
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "extra": extra_tensors,
+        }
+        json_state = {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "metrics": metrics,
+            "extra": extra,
+            "world_size": self._dist.world if self._dist else 1,
+        }
+        needed = 3 * st.model_bytes(self.model) * (self._dist.world if self._dist else 1)
+        tmp, final = ckpt.begin_checkpoint(
+            self.checkpoint_dir, step, needed + ckpt.tensor_bytes(torch_state)
+        )
+        try:
+            self._dispatch("write_shards", None, {"tmp": tmp})
+            ckpt.write_trainer_state(tmp, torch_state, json_state)
+        except BaseException as err:
+            ckpt.abandon(tmp, final, err)
+            raise
+        return ckpt.finish_checkpoint(self.checkpoint_dir, tmp, final, self.keep_last)
+
+    def _local_write_shards(self, tmp: Path) -> None:
+        st.save_sharded(self.model, self.optimizer, tmp / ckpt.DCP_DIR, self._dist)
+        self._local_export(tmp)
+        st.barrier(self._dist)
+
+    @staticmethod
+    def read_extra_tensors(path: str | Path) -> dict[str, Any]:
+        """The `extra_tensors` saved with the checkpoint at `path` ({} if none were)."""
+        _, torch_state = ckpt.read_checkpoint_state(ckpt.resolve_checkpoint(path))
+        return dict(torch_state.get("extra", {}))
+
+    async def export_weights(self, out_dir: str | Path) -> Path:
+        """Write the current weights in HF layout (what engines load) after queued work.
+
+        Under torchrun the full weights are gathered to rank 0 (its CPU memory holds one full
+        copy while it writes), which writes them.
+        """
+        out = Path(out_dir)
+        return await self._submit(
+            lambda: self._dispatch("export", None, {"out": out})[0][0]
+        ).result()
+
+    def _local_export(self, out: Path) -> Path:
+        full = st.full_model_state(self.model)
+        if self._dist is None or self._dist.rank == 0:
+            ckpt.export_hf(self.model, self.tokenizer, out, state_dict=full)
+        return out
+
+    async def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, scheduler, RNG and counters; returns the extra state.
+
+        A checkpoint written at any world size loads at any other (DCP reshards).
+        """
+        resolved = ckpt.resolve_checkpoint(path)
+        return await self._submit(
+            lambda: self._dispatch("load", None, {"path": resolved})[0][0]
+        ).result()
+
+    def _local_load(self, path: Path) -> dict[str, Any]:
+        json_state, torch_state = ckpt.read_checkpoint_state(path)
+        if (path / ckpt.DCP_DIR).is_dir():
+            st.load_sharded(self.model, self.optimizer, path / ckpt.DCP_DIR)
+        elif self._dist is None:  # written before DCP: optimizer in trainer_state.pt
+            ckpt.load_weights_into(self.model, path)
+            if self.optimizer is not None and "optimizer" in torch_state:
+                self.optimizer.load_state_dict(torch_state["optimizer"])
+        else:
+            raise ckpt.CheckpointError(
+                f"{path} predates sharded checkpoints (no {ckpt.DCP_DIR}/): resume it once "
+                "with plain python, then under torchrun"
+            )
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(torch_state["scheduler"])
+        ckpt.set_rng_state(torch_state["rng"])
+        self.step = int(json_state["step"])
+        self.weight_version = int(json_state["weight_version"])
+        self.model.zero_grad(set_to_none=True)
+        return json_state["extra"]

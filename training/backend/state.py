@@ -1,0 +1,165 @@
+"""Model and optimizer state at any world size: reductions, full and sharded state dicts.
+
+Each function takes the rank's `DistContext` (None at world size 1, where the reductions are
+the identity and the "sharded" checkpoint is written by one process) so that the backend has
+one code path. Full state dicts come from `torch.distributed.checkpoint.state_dict`, which
+gathers FSDP2's DTensor shards (to rank 0's CPU memory: one full copy of the model) and is a
+plain `state_dict()` for an unsharded model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from training.distributed.context import DistContext
+
+_FULL = None  # StateDictOptions, built lazily (importing torch.distributed.checkpoint is slow)
+
+
+def _reduce(value: float, ctx: DistContext | None, op: Any) -> float:
+    if ctx is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=op, group=ctx.group)
+    return float(t.item())
+
+
+def all_sum(value: float, ctx: DistContext | None) -> float:
+    return _reduce(value, ctx, dist.ReduceOp.SUM)
+
+
+def all_max(value: int, ctx: DistContext | None) -> int:
+    return int(_reduce(float(value), ctx, dist.ReduceOp.MAX))
+
+
+def barrier(ctx: DistContext | None) -> None:
+    if ctx is not None:
+        dist.barrier(group=ctx.group)
+
+
+def to_local_scalar(t: torch.Tensor) -> float:
+    """A scalar tensor's value; a DTensor (a global norm under FSDP) is made whole first."""
+    full = getattr(t, "full_tensor", None)
+    return float((full() if full is not None else t).item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def lerp_params(dst: torch.nn.Module, src: torch.nn.Module, weight: float) -> None:
+    """dst ← (1 − weight)·dst + weight·src, parameter by parameter on each rank's own shards
+    (both models sharded alike); weight 1 copies exactly."""
+    with torch.no_grad():
+        for d, s in zip(dst.parameters(), src.parameters(), strict=True):
+            d_local, s_local = _local(d), _local(s)
+            if weight == 1.0:
+                d_local.copy_(s_local)
+            else:
+                d_local.mul_(1.0 - weight).add_(s_local, alpha=weight)
+
+
+def copy_params(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    lerp_params(dst, src, 1.0)
+
+
+def _options(**kw: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kw)
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight, whole, on CPU: on rank 0 under torchrun (a collective: every rank calls
+    it; the others get {}), a detached copy at world size 1."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if not dist.is_initialized():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Inverse of `full_model_state` (every rank passes the whole state)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    if not dist.is_initialized():
+        model.load_state_dict(state)
+        return
+    set_model_state_dict(model, state, options=_options(full_state_dict=True))
+
+
+def save_sharded(
+    model: torch.nn.Module, optimizer: Any, out: Path, ctx: DistContext | None
+) -> None:
+    """Model and optimizer with `torch.distributed.checkpoint`: each rank writes its shards,
+    keyed by parameter name, so any world size can load them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # world size 1: "assuming ... a single process" is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
+
+
+def load_sharded(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
+    """Inverse of `save_sharded`, at this process's world size (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if optimizer is None:
+        raise ValueError("load_sharded needs the optimizer (a frozen backend is not resumed)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # also creates the optimizer's state
+    state = {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])  # fmt: skip
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's parameters (its shards under FSDP)."""
+    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def combine_step_metrics(results: list[dict[str, Any]]) -> dict[str, float]:
+    """One forward_backward's metrics from each rank's part: loss metrics are already weighted
+    by the global normaliser, so they add up; `_max` / `_min` take the extreme; counts add."""
+    merged: dict[str, float] = {}
+    for part in results:
+        merge_metrics(merged, part["weighted"], 1.0)
+
+    def total(key: str) -> int:
+        return sum(int(part[key]) for part in results)
+
+    return {
+        **merged,
+        "n_samples": total("n_samples"),
+        "n_tokens": total("n_tokens"),
+        "n_trained_tokens": total("n_trained_tokens"),
+        "padding_efficiency": total("n_tokens") / max(1, total("n_slots")),
+        "n_microbatches": total("n_microbatches"),
+        "time_forward_backward_s": max(part["time_forward_backward_s"] for part in results),
+    }
+
+
+def merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
+    """Add `weight` × each numeric metric into `into`; `_max` / `_min` keys keep the extreme."""
+    for key, value in metrics.items():
+        if not isinstance(value, int | float):
+            continue
+        if key.endswith("_max"):
+            into[key] = max(into.get(key, float("-inf")), float(value))
+        elif key.endswith("_min"):
+            into[key] = min(into.get(key, float("inf")), float(value))
+        else:
+            into[key] = into.get(key, 0.0) + float(value) * weight
