@@ -44,6 +44,7 @@ SECTIONS = (
     "engine_abuse",
     "checkpoint_kill",
     "distributed_scaling",
+    "demo",
 )
 
 

@@ -13,7 +13,9 @@ from demo import DemoResult  # noqa: E402
 
 
 def result(rl: float, continued: float, last=(0.58, 0.585, 0.58, 0.59, 0.58), **kw):
-    fields = dict(sft_checkpoint="ckpt", sft_accuracy=last[-1], sft_last_evals=last, sft_wall_s=300.0, rl_before=0.58,
+    steps = tuple(range(1600, 2001, 100))
+    fields = dict(sft_checkpoint="ckpt", sft_accuracy=last[-1], sft_last_evals=last,
+                  sft_last_steps=steps, sft_wall_s=300.0, rl_before=0.58,
                   rl_accuracy=rl, rl_steps=300, rl_wall_s=120.0, continued_accuracy=continued,
                   continued_steps=1000, continued_wall_s=150.0)  # fmt: skip
     return DemoResult(**{**fields, **kw})
@@ -26,11 +28,22 @@ def test_verdict_says_when_rl_did_not_beat_continued_sft():
 
 
 def test_verdict_flags_an_sft_curve_still_moving_and_a_short_baseline():
-    assert "spread 1.0 points: flat" in result(0.8, 0.6).verdict()
+    assert "(flat), spread 1.0" in result(0.8, 0.6).verdict()
     climbing = result(0.8, 0.6, last=(0.15, 0.3, 0.45, 0.56, 0.81))
-    assert "spread 66.0 points: NOT flat" in climbing.verdict()
+    assert "drift +63.2 points (NOT flat)" in climbing.verdict()
+    jitter = result(0.8, 0.6, last=(0.608, 0.592, 0.588, 0.618, 0.578))  # measured, p=0.8
+    assert "(flat), spread 4.0" in jitter.verdict()
+    assert "mean 59.7%" in jitter.verdict()
     assert "raise --continued-steps" in result(0.8, 0.6, continued_wall_s=100.0).verdict()
     assert "raise --continued-steps" not in result(0.8, 0.6).verdict()
+
+
+def test_rl_gain_is_measured_against_the_plateau_mean():
+    assert (
+        "RL gain over the plateau mean: +21.7 points (met: target +15)"
+        in result(0.8, 0.6).verdict()
+    )
+    assert "+12.7 points (MISSED" in result(0.71, 0.6).verdict()
 
 
 def test_table_gives_each_arm_its_gain_over_sft():
@@ -57,7 +70,8 @@ def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
     assert not (out / "rl" / "stale.txt").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl_steps"] == 2 and summary["continued_steps"] == 2
-    assert len(summary["sft_last_evals"]) == 2  # the evals at steps 2 and 4
+    assert summary["sft_last_steps"] == [2, 4]  # its evals
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("RL beat continued SFT") or "did NOT beat" in lines[-1]
-    assert lines[-2].startswith("SFT plateau: last")
+    assert lines[-2].startswith("RL gain over the plateau mean")
+    assert lines[-3].startswith("SFT plateau: last")

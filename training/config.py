@@ -143,6 +143,12 @@ class BackendConfig(Strict):
 class SFTLoopConfig(Strict):
     batch_size: int = Field(32, ge=1, description="samples per optimizer step")
     max_steps: int = Field(400, ge=1)
+    max_wall_s: float | None = Field(
+        None,
+        gt=0,
+        description="also stop after the first step ending this many seconds into "
+        "this call's training (a time-matched baseline); evaluated and saved like the last step",
+    )
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(100, ge=1)
     eval_samples: int = Field(256, ge=0, description="held-out samples for eval loss")
