@@ -6,6 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
+PLOT_STAMP := $(VENV)/.installed-plot
 # Benchmarks, in the order `make bench` runs them; BENCH_ARGS=--quick gives a smoke run.
 BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/grpo_update.py \
 	benchmarks/rollout_throughput.py \
@@ -50,9 +51,15 @@ sft: setup  ## SFT the tiny model on the synthetic arithmetic task
 rl: setup  ## GRPO on the SFT'd tiny model against a launched local engine
 	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml --overwrite
 
-demo: setup  ## the main job on the embedded default: SFT, then RL, of the tiny model
-	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --overwrite
-	$(PY) examples/run_rl.py --config configs/rl_tiny.yaml --overwrite
+# The demo also draws its curves: the plot extra (matplotlib) on top of dev, installed once.
+$(PLOT_STAMP): pyproject.toml $(STAMP)
+	$(PIP) install -q -e ".[dev,plot]" "torch==$(TORCH_VERSION)"
+	touch $(PLOT_STAMP)
+
+# Every run starts afresh and overwrites runs/demo (DEMO_ARGS: e.g. --out DIR, --sft KEY=VALUE).
+DEMO_ARGS ?=
+demo: $(PLOT_STAMP)  ## SFT on an imperfect teacher to a plateau, then RL vs continued SFT (runs/demo)
+	$(PY) examples/demo.py $(DEMO_ARGS)
 
 # The bench extra (TRL, accelerate, datasets, matplotlib) is only for benchmarks: `make test`
 # never installs it. torch stays pinned so that nothing pulls a CUDA build.

@@ -46,6 +46,7 @@ SECTIONS = (
     "distributed_scaling",
     "lora",
     "lora_small",
+    "demo",
 )
 
 

@@ -63,3 +63,44 @@ def test_held_out_split_takes_a_small_share_of_every_stratum_and_warns_when_it_c
         write_arithmetic_datasets(tmp_path / "b", n_sft=10, n_rl=10, n_eval=50, min_digits=1,
                                   max_digits=1, ops="+")  # fmt: skip
     assert "1+1-digit" in caplog.text
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_imperfect_teacher_drops_the_carry_in_its_share_of_carry_sums_and_nothing_else(tmp_path):
+    from rollouts.tasks.arithmetic import dropped_carry
+
+    files = write_arithmetic_datasets(tmp_path, n_sft=4000, n_rl=50, n_eval=50, min_digits=1,
+                                      max_digits=2, ops="+", teacher_carry_error=0.7)  # fmt: skip
+    carry = wrong = 0
+    for r in _records(files.sft_train):
+        question, given = r["messages"][0]["content"], r["messages"][1]["content"]
+        left, right = map(int, question.split("+"))
+        truth = ArithmeticProblem(question, str(left + right))
+        slip = dropped_carry(truth)
+        if slip is None:  # no units carry: the teacher is always right
+            assert given == truth.answer, question
+            continue
+        carry += 1
+        assert given in (truth.answer, slip) and int(slip) == left + right - 10, question
+        wrong += given == slip
+    assert carry > 1000 and 0.66 < wrong / carry < 0.74
+    # The reward and the held-out split still know the truth.
+    for r in _records(files.rl_train) + _records(files.rl_eval):
+        left, right = map(int, r["messages"][0]["content"].split("+"))
+        assert r["answer"] == str(left + right)
+    for r in _records(files.sft_eval):
+        left, right = map(int, r["messages"][0]["content"].split("+"))
+        assert r["messages"][1]["content"] == str(left + right)
+
+
+def test_a_perfect_teacher_writes_the_same_files_as_before_the_option_existed(tmp_path):
+    kw = dict(n_sft=500, n_rl=50, n_eval=50, min_digits=1, max_digits=2, ops="+")
+    plain = write_arithmetic_datasets(tmp_path / "a", **kw)
+    perfect = write_arithmetic_datasets(tmp_path / "b", teacher_carry_error=0.0, **kw)
+    assert plain.sft_train.read_bytes() == perfect.sft_train.read_bytes()
+    for r in _records(perfect.sft_train):
+        left, right = map(int, r["messages"][0]["content"].split("+"))
+        assert r["messages"][1]["content"] == str(left + right)

@@ -30,10 +30,10 @@ def make_backend(model_dir, out_dir, max_steps):
     )  # fmt: skip
 
 
-async def run(model_dir, out_dir, samples, *, max_steps, total_steps=20):
+async def run(model_dir, out_dir, samples, *, max_steps, total_steps=20, max_wall_s=None):
     config = SFTLoopConfig(
         batch_size=8, max_steps=max_steps, eval_every=5, eval_samples=8,
-        checkpoint_every=5, resume="auto",
+        checkpoint_every=5, resume="auto", max_wall_s=max_wall_s,
     )  # fmt: skip
     data = SFTData(DataBuffer(samples[:100], seed=3), tuple(samples[100:108]))
     logger = JsonlLogger(out_dir / "metrics.jsonl")
@@ -69,3 +69,10 @@ async def test_resuming_a_finished_run_does_nothing(tiny_model_dir, tmp_path, sa
     await run(tiny_model_dir, tmp_path, samples, max_steps=5)
     again, _ = await run(tiny_model_dir, tmp_path, samples, max_steps=5)
     assert again == []
+
+
+async def test_a_wall_time_budget_ends_on_an_evaluated_checkpointed_step(tiny_model_dir, tmp_path,
+                                                                         samples):  # fmt: skip
+    history, _ = await run(tiny_model_dir, tmp_path, samples, max_steps=20, max_wall_s=1e-6)
+    assert len(history) == 1 and "eval_loss" in history[0]  # the budget ran out in step 1
+    assert find_latest_checkpoint(tmp_path / "checkpoints").name.endswith("1")

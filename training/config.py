@@ -82,6 +82,9 @@ class ArithmeticTaskConfig(Strict):
     n_rl: int = Field(4000, ge=1)
     n_eval: int = Field(500, ge=1)
     seed: int = 0
+    teacher_carry_error: float = Field(
+        0.0, ge=0, le=1, description="share of SFT sums with a units carry answered without it"
+    )
 
 
 class MultiplyTaskConfig(Strict):
@@ -180,6 +183,12 @@ class BackendConfig(Strict):
 class SFTLoopConfig(Strict):
     batch_size: int = Field(32, ge=1, description="samples per optimizer step")
     max_steps: int = Field(400, ge=1)
+    max_wall_s: float | None = Field(
+        None,
+        gt=0,
+        description="also stop after the first step ending this many seconds into "
+        "this call's training (a time-matched baseline); evaluated and saved like the last step",
+    )
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(100, ge=1)
     eval_samples: int = Field(256, ge=0, description="held-out samples for eval loss")

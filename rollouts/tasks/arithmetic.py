@@ -137,6 +137,31 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def dropped_carry(problem: ArithmeticProblem) -> str | None:
+    """The answer a teacher who forgets the units carry writes, or None when there is none.
+
+    Only sums of non-negative operands whose units digits add up to 10 or more have one:
+    "57+38" -> "85" (the right answer is 95). This is the classic arithmetic slip, so a
+    teacher that makes it is wrong in a realistic, systematic way rather than at random.
+    """
+    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)", problem.question).groups()
+    if op != "+" or int(a[-1]) + int(b[-1]) < 10:
+        return None
+    return str(int(a) + int(b) - 10)
+
+
+def teacher_record(problem: ArithmeticProblem, rng: random.Random, carry_error: float) -> dict:
+    """An SFT record as an imperfect teacher writes it.
+
+    With probability `carry_error` a problem with a units carry gets the carry-dropped answer
+    (`dropped_carry`); everything else is answered right. The reward still checks the truth.
+    """
+    wrong = dropped_carry(problem)
+    if wrong is not None and rng.random() < carry_error:
+        return ArithmeticProblem(problem.question, wrong).sft_record()
+    return problem.sft_record()
+
+
 def held_out_shares(problems: list[ArithmeticProblem], n_ops: int = 1
                     ) -> dict[tuple[int, int], float]:  # fmt: skip
     """Share of each operand-digit stratum (e.g. 1+1 digits: 100 problems per op) in `problems`.
@@ -174,8 +199,13 @@ def write_arithmetic_datasets(
     min_digits: int = 1,
     max_digits: int = 3,
     ops: str = "+-",
+    teacher_carry_error: float = 0.0,
 ) -> ArithmeticFiles:
     """Write SFT (chat) and RL (prompt + answer) JSONL files with a shared held-out split.
+
+    `teacher_carry_error`: the SFT demonstrations come from an imperfect teacher that drops
+    the units carry of that share of the sums that have one (`teacher_record`); the RL prompts
+    and the held-out files always carry the true answer. 0 is a perfect teacher.
 
     The held-out problems are drawn first, uniformly over the distinct questions, and excluded
     from both training sets, so eval accuracy measures generalisation, not memorisation. A
@@ -195,8 +225,11 @@ def write_arithmetic_datasets(
     excluded = {p.question for p in held_out}
     train = make_problems(n_sft + n_rl, seed=seed + 1, exclude=excluded, distinct=False, **kwargs)
     sft, rl = train[:n_sft], train[n_sft:]
+    teacher = random.Random(seed + 2)
     return ArithmeticFiles(
-        sft_train=write_jsonl(out / "sft_train.jsonl", [p.sft_record() for p in sft]),
+        sft_train=write_jsonl(
+            out / "sft_train.jsonl", [teacher_record(p, teacher, teacher_carry_error) for p in sft]
+        ),
         sft_eval=write_jsonl(out / "sft_eval.jsonl", [p.sft_record() for p in held_out]),
         rl_train=write_jsonl(out / "rl_train.jsonl", [p.rl_record() for p in rl]),
         rl_eval=write_jsonl(out / "rl_eval.jsonl", [p.rl_record() for p in held_out]),

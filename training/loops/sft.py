@@ -76,7 +76,7 @@ async def run_sft_training(
     resolved_config: dict[str, Any] | None = None,
     extra_state: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Train until `config.max_steps` optimizer steps are done.
+    """Train until `config.max_steps` optimizer steps are done, or `config.max_wall_s` passed.
 
     Args:
         backend: owns the model and optimizer; its `checkpoint_dir` is where resume looks.
@@ -93,6 +93,7 @@ async def run_sft_training(
     """
     start = await maybe_resume(backend, data.train, config)
     history: list[dict[str, Any]] = []
+    began = time.perf_counter()
     for step in range(start + 1, config.max_steps + 1):
         t0 = time.perf_counter()
         samples = data.train.get_prompts(config.batch_size)
@@ -104,12 +105,17 @@ async def run_sft_training(
         metrics["tokens_per_s"] = metrics["n_tokens"] / elapsed
         metrics["trained_tokens_per_s"] = metrics["n_trained_tokens"] / elapsed
         metrics["epoch"] = data.train.epoch_id
-        if step % config.eval_every == 0 or step == config.max_steps:
+        last = step == config.max_steps or (
+            config.max_wall_s is not None and time.perf_counter() - began >= config.max_wall_s
+        )
+        if step % config.eval_every == 0 or last:
             metrics.update(await evaluate(backend, data, evaluate_fn))
         logger(step, metrics)
         history.append(metrics)
-        if step % config.checkpoint_every == 0 or step == config.max_steps:
+        if step % config.checkpoint_every == 0 or last:
             extra = {**(extra_state or {}), "data_buffer": data.train.state_dict(),
                      "config": resolved_config or {}}  # fmt: skip
             await backend.save_checkpoint(step, metrics, extra_state=extra)
+        if last:
+            break
     return history

@@ -1,0 +1,251 @@
+"""The demo (`make demo`): SFT on an imperfect teacher until it plateaus, then RL against more SFT.
+
+    python examples/demo.py [--out runs/demo] [--continued-steps MAX] [--sft KEY=VALUE ...]
+        [--rl KEY=VALUE ...] [--start SFT_CHECKPOINT]
+
+The task is 1-2 digit addition whose SFT demonstrations come from a teacher that drops the
+units carry in 80 % of the sums that have one (configs/demo_sft.yaml): the kind of data a
+weaker model or a hurried annotator writes. SFT learns the teacher, mistakes included, and is
+trained until its held-out accuracy is flat. From that one checkpoint two arms run:
+- RL (configs/demo_rl.yaml): GRPO rewarded by the true sum, which the teacher never gave;
+- continued SFT: the same SFT data for the same wall time as RL took, at SFT's final rate.
+More SFT can only imitate the teacher better; a verifiable reward can do better than it.
+
+Every phase starts afresh: a second run overwrites OUT/sft, OUT/rl and OUT/sft_continued.
+`--start CKPT` skips SFT and runs both arms from an existing SFT checkpoint (its run's
+metrics.jsonl gives the SFT curve), e.g. to compare arms again without retraining.
+The last lines are a table (accuracy and wall time of each phase) and a verdict; OUT/summary.json
+holds the same numbers, OUT/accuracy.png and OUT/reward.png the curves (with matplotlib).
+`--sft`/`--rl` override config fields of the SFT phases and the RL phase (e.g. the kernel
+variants: `--sft backend.num_threads=1 --sft optim.fused=true`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import trio
+
+from rollouts.errors import RolloutsError
+from training.config import SFTRunConfig, load_config
+from training.loops.loggers import setup_logging
+from training.recipes.plot import read_metrics
+from training.recipes.rl import run_rl_recipe
+from training.recipes.sft import run_sft_recipe
+from training.rl_config import RLRunConfig
+
+FLAT_EVALS = 5  # the plateau: the last this many SFT evals
+FLAT_POINTS = 2.0  # ... whose least-squares line moves at most this many points across them
+RL_TARGET_POINTS = 15.0  # what RL should add to the plateau's mean
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    sft_checkpoint: str  # where both arms started
+    sft_accuracy: float  # held-out greedy accuracy at the end of SFT (trainer's decode)
+    sft_last_evals: tuple[float, ...]  # the last FLAT_EVALS evals of SFT
+    sft_last_steps: tuple[int, ...]  # ... and their steps
+    sft_wall_s: float | None  # None: SFT was not run here (--start)
+    rl_before: float  # the same checkpoint measured through the engine
+    rl_accuracy: float
+    rl_steps: int
+    rl_wall_s: float
+    continued_accuracy: float
+    continued_steps: int
+    continued_wall_s: float
+
+    @property
+    def plateau_spread(self) -> float:
+        """Points between the highest and lowest of the last evals (eval-to-eval jitter)."""
+        return 100 * (max(self.sft_last_evals) - min(self.sft_last_evals))
+
+    @property
+    def plateau_mean(self) -> float:
+        return sum(self.sft_last_evals) / len(self.sft_last_evals)
+
+    @property
+    def plateau_drift(self) -> float:
+        """Points the least-squares line through the last evals climbs (or falls) across them.
+
+        A curve still climbing toward a cliff drifts by many points; a plateau with eval-to-eval
+        jitter (greedy answers flipping on a few held-out sums) drifts by ~0.
+        """
+        xs, ys = self.sft_last_steps, [100 * a for a in self.sft_last_evals]
+        if len(xs) < 2:
+            return float("nan")
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        return slope * (xs[-1] - xs[0])
+
+    def table(self) -> str:
+        rows = [("SFT (imperfect teacher)", self.sft_accuracy, None, self.sft_wall_s),
+                ("+ RL (GRPO, true-sum reward)", self.rl_accuracy, self.rl_steps, self.rl_wall_s),
+                ("+ continued SFT (baseline)", self.continued_accuracy, self.continued_steps,
+                 self.continued_wall_s)]  # fmt: skip
+        lines = [f"{'phase':<30} {'held-out':>9} {'vs SFT':>8} {'steps':>6} {'wall':>8}"]
+        for name, acc, steps, wall in rows:
+            gain = "" if steps is None else f"{100 * (acc - self.sft_accuracy):+.1f}"
+            wall_s = "n/a" if wall is None else f"{wall:.0f}s"
+            lines.append(f"{name:<30} {acc:>9.1%} {gain:>8} {steps or '':>6} {wall_s:>8}")
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        flat = "flat" if abs(self.plateau_drift) <= FLAT_POINTS else "NOT flat"
+        evals = " ".join(f"{a:.1%}" for a in self.sft_last_evals)
+        gain = 100 * (self.rl_accuracy - self.plateau_mean)
+        met = "met" if gain >= RL_TARGET_POINTS else "MISSED"
+        lead = 100 * (self.rl_accuracy - self.continued_accuracy)
+        beat = (f"RL beat continued SFT by {lead:.1f} points" if lead > 0 else
+                f"RL did NOT beat continued SFT ({lead:+.1f} points)")  # fmt: skip
+        time_note = ("" if self.continued_wall_s >= self.rl_wall_s else
+                     f" (but continued SFT ran {self.continued_wall_s:.0f}s, less than RL's "
+                     f"{self.rl_wall_s:.0f}s: raise --continued-steps)")  # fmt: skip
+        steps = f"steps {self.sft_last_steps[0]}-{self.sft_last_steps[-1]}"
+        return (f"SFT plateau: last {len(self.sft_last_evals)} evals ({steps}) {evals}: mean "
+                f"{self.plateau_mean:.1%}, drift {self.plateau_drift:+.1f} points ({flat}), "
+                f"spread {self.plateau_spread:.1f}\n"
+                f"RL gain over the plateau mean: {gain:+.1f} points ({met}: target "
+                f"+{RL_TARGET_POINTS:.0f})\n{beat}{time_note}")  # fmt: skip
+
+
+def sft_evals(checkpoint: Path, key: str = "accuracy") -> list[tuple[int, float]]:
+    """(step, `key`) of every eval up to `checkpoint` in its SFT run's metrics.jsonl."""
+    step = int(checkpoint.name.split("_")[-1])
+    rows = read_metrics(checkpoint.parent.parent)
+    return [(m["step"], m[key]) for m in rows if key in m and m["step"] <= step]
+
+
+async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
+                   rl_overrides: list[str], sft_config: str, rl_config: str,
+                   start: Path | None = None) -> DemoResult:  # fmt: skip
+    for phase in ("sft", "rl", "sft_continued"):
+        shutil.rmtree(out / phase, ignore_errors=True)
+    sft_cfg = load_config(SFTRunConfig, sft_config, [*sft_overrides, f"output_dir={out / 'sft'}"])
+    sft_wall = None
+    if start is None:
+        sft = await run_sft_recipe(sft_cfg)
+        print(sft.line(), flush=True)
+        start, sft_wall = sft.checkpoint, sft.wall_time_s
+    evals = sft_evals(start)[-FLAT_EVALS:]
+
+    rl_cfg = load_config(RLRunConfig, rl_config,
+                         [*rl_overrides, f"output_dir={out / 'rl'}", f"model.path={start}"])  # fmt: skip
+    rl = await run_rl_recipe(rl_cfg)
+    print(rl.line(), flush=True)
+
+    # The baseline gets the same wall time as RL (train.max_wall_s), at SFT's final rate.
+    final_lr = sft_cfg.optim.lr * (sft_cfg.optim.min_lr_ratio
+                                   if sft_cfg.optim.schedule == "cosine" else 1.0)  # fmt: skip
+    step_times = sorted(m["step_time_s"] for m in read_metrics(start.parent.parent)
+                        if "step_time_s" in m)  # fmt: skip
+    expected = rl.wall_time_s / step_times[len(step_times) // 2] if step_times else continued_steps
+    every = max(1, int(min(expected, continued_steps)) // 5)
+    cont_cfg = load_config(SFTRunConfig, sft_config, [
+        *sft_overrides, f"output_dir={out / 'sft_continued'}", f"model.path={start}",
+        f"train.max_steps={continued_steps}", f"train.max_wall_s={rl.wall_time_s:.3f}",
+        "optim.schedule=constant", "optim.warmup_steps=0", f"optim.lr={final_lr}",
+        f"train.eval_every={every}", f"train.checkpoint_every={continued_steps}",
+    ])  # fmt: skip
+    cont = await run_sft_recipe(cont_cfg)
+    print(cont.line(), flush=True)
+    return DemoResult(
+        sft_checkpoint=str(start), sft_accuracy=evals[-1][1],
+        sft_last_evals=tuple(a for _, a in evals), sft_last_steps=tuple(s for s, _ in evals),
+        sft_wall_s=sft_wall, rl_before=rl.accuracy_before, rl_accuracy=rl.accuracy_after,
+        rl_steps=rl.steps, rl_wall_s=rl.wall_time_s, continued_accuracy=cont.accuracy,
+        continued_steps=cont.steps, continued_wall_s=cont.wall_time_s,
+    )  # fmt: skip
+
+
+def write_pngs(out: Path, start: Path) -> list[Path]:
+    """OUT/accuracy.png (SFT, then both arms against their own wall time) and OUT/reward.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rl, cont = (read_metrics(out / p) for p in ("rl", "sft_continued"))
+    sft = sft_evals(start)
+
+    def clock(rows: list[dict], key: str, time_key: str) -> tuple[list[float], list[float]]:
+        t, xs, ys = 0.0, [], []
+        for r in rows:
+            t += r.get(time_key, 0.0)
+            if key in r:
+                xs.append(t)
+                ys.append(100 * r[key])
+        return xs, ys
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a1.plot([s for s, _ in sft], [100 * a for _, a in sft], marker=".")
+    a1.set(xlabel="SFT step", ylabel="held-out greedy accuracy (%)", title="SFT on the teacher")
+    at_start = 100 * sft[-1][1]
+    for rows, key, tkey, label in ((rl, "eval_accuracy", "time_step_s", "RL (GRPO)"),
+                                   (cont, "accuracy", "step_time_s", "continued SFT")):  # fmt: skip
+        xs, ys = clock(rows, key, tkey)
+        a2.plot([0.0, *xs], [at_start, *ys], marker=".", label=label)
+    a2.set(xlabel="seconds of training after the SFT checkpoint", ylabel="held-out accuracy (%)",
+           title="From the same checkpoint")  # fmt: skip
+    a2.legend()
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot([r["step"] for r in rl], [r["reward_mean"] for r in rl], lw=0.8)
+    ax.set(xlabel="RL step", ylabel="reward_mean (share correct)", title="GRPO reward")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=100)
+    plt.close(fig)
+    return [out / "accuracy.png", out / "reward.png"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/demo", help="run directory (overwritten)")
+    parser.add_argument("--sft-config", default="configs/demo_sft.yaml")
+    parser.add_argument("--rl-config", default="configs/demo_rl.yaml")
+    parser.add_argument("--continued-steps", type=int, default=100_000,
+                        help="cap on continued-SFT steps; it runs for RL's wall time")  # fmt: skip
+    parser.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for both SFT phases")  # fmt: skip
+    parser.add_argument("--start", type=Path, default=None, metavar="SFT_CHECKPOINT",
+                        help="skip SFT: run both arms from this SFT checkpoint")  # fmt: skip
+    parser.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for the RL phase")  # fmt: skip
+    args = parser.parse_args()
+    setup_logging()
+    out = Path(args.out)
+    try:
+        result = trio.run(run_demo, out, args.continued_steps, args.sft, args.rl,
+                          args.sft_config, args.rl_config, args.start)  # fmt: skip
+    except RolloutsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    summary = {
+        **asdict(result),
+        "plateau_spread_points": result.plateau_spread,
+        "plateau_mean": result.plateau_mean,
+        "plateau_drift_points": result.plateau_drift,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    pngs = write_pngs(out, Path(result.sft_checkpoint))
+    print(f"wrote {out / 'summary.json'}" + "".join(f", {p}" for p in pngs)
+          + ("" if pngs else " (no PNGs: pip install matplotlib)"))  # fmt: skip
+    print(result.table())
+    print(result.verdict())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

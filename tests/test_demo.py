@@ -1,0 +1,77 @@
+"""examples/demo.py: SFT, then RL and continued SFT from the same checkpoint, one verdict."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from demo import DemoResult  # noqa: E402
+
+
+def result(rl: float, continued: float, last=(0.58, 0.585, 0.58, 0.59, 0.58), **kw):
+    steps = tuple(range(1600, 2001, 100))
+    fields = dict(sft_checkpoint="ckpt", sft_accuracy=last[-1], sft_last_evals=last,
+                  sft_last_steps=steps, sft_wall_s=300.0, rl_before=0.58,
+                  rl_accuracy=rl, rl_steps=300, rl_wall_s=120.0, continued_accuracy=continued,
+                  continued_steps=1000, continued_wall_s=150.0)  # fmt: skip
+    return DemoResult(**{**fields, **kw})
+
+
+def test_verdict_says_when_rl_did_not_beat_continued_sft():
+    assert "RL beat continued SFT by 20.0 points" in result(0.79, 0.59).verdict()
+    assert "RL did NOT beat continued SFT (-1.0 points)" in result(0.58, 0.59).verdict()
+    assert "RL did NOT beat" in result(0.59, 0.59).verdict()
+
+
+def test_verdict_flags_an_sft_curve_still_moving_and_a_short_baseline():
+    assert "(flat), spread 1.0" in result(0.8, 0.6).verdict()
+    climbing = result(0.8, 0.6, last=(0.15, 0.3, 0.45, 0.56, 0.81))
+    assert "drift +63.2 points (NOT flat)" in climbing.verdict()
+    jitter = result(0.8, 0.6, last=(0.608, 0.592, 0.588, 0.618, 0.578))  # measured, p=0.8
+    assert "(flat), spread 4.0" in jitter.verdict()
+    assert "mean 59.7%" in jitter.verdict()
+    assert "raise --continued-steps" in result(0.8, 0.6, continued_wall_s=100.0).verdict()
+    assert "raise --continued-steps" not in result(0.8, 0.6).verdict()
+
+
+def test_rl_gain_is_measured_against_the_plateau_mean():
+    assert (
+        "RL gain over the plateau mean: +21.7 points (met: target +15)"
+        in result(0.8, 0.6).verdict()
+    )
+    assert "+12.7 points (MISSED" in result(0.71, 0.6).verdict()
+
+
+def test_table_gives_each_arm_its_gain_over_sft():
+    lines = result(0.79, 0.59).table().splitlines()
+    assert "+21.0" in lines[2] and "+1.0" in lines[3] and "1000" in lines[3]
+
+
+@pytest.mark.slow
+def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
+    out = tmp_path / "demo"
+    (out / "rl").mkdir(parents=True)
+    (out / "rl" / "stale.txt").write_text("from an earlier run")
+    data = [f"data.task_dir={tmp_path / 'data'}", "data.arithmetic.n_sft=200",
+            "data.arithmetic.n_rl=64", "data.arithmetic.n_eval=16"]  # fmt: skip
+    sft = [*data, f"model.path={tiny_model_dir}", "train.max_steps=4", "train.eval_every=2",
+           "train.greedy_eval_samples=8", "train.eval_samples=8", "backend.num_threads=1"]  # fmt: skip
+    rl = [*data, "train.max_steps=2", "train.eval_every=1", "train.eval_samples=8",
+          "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.filter_groups=none"]  # fmt: skip
+    args = ["--out", str(out), "--continued-steps", "2"]
+    args += [a for kv in sft for a in ("--sft", kv)] + [a for kv in rl for a in ("--rl", kv)]
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "rl" / "stale.txt").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and summary["continued_steps"] == 2
+    assert summary["sft_last_steps"] == [2, 4]  # its evals
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("RL beat continued SFT") or "did NOT beat" in lines[-1]
+    assert lines[-2].startswith("RL gain over the plateau mean")
+    assert lines[-3].startswith("SFT plateau: last")
