@@ -99,37 +99,51 @@ async def sync_weights_to_engines(
             failures.setdefault(engine.url, []).append(str(exc))
         finally:
             # Also after a failed pause: the request may have reached the server.
-            with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
-                try:
-                    await engine.resume()
-                except EngineUnavailableError as exc:
-                    down.setdefault(engine.url, str(exc))
-                except EngineError as exc:
-                    failures.setdefault(engine.url, []).append(
-                        f"could not be resumed, it may still be paused: {exc}"
-                    )
-            if scope.cancelled_caught and is_paused:
-                failures.setdefault(engine.url, []).append(
-                    f"resume timed out after {resume_timeout_s} s"
-                )
+            await _resume_noting(engine, is_paused, resume_timeout_s, down, failures)
 
     async with trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
+    _raise_failures(f"weight sync to {weight_version!r} from {path}", len(engines), down,
+                    failures)  # fmt: skip
+    logger.debug("synced weights %s to %d engine(s) in %.3f s", weight_version,
+                 len(engines) - len(down), duration)  # fmt: skip
+    return duration
+
+
+async def _resume_noting(engine: InferenceEngine, is_paused: bool, timeout_s: float,
+                         down: dict[str, str], failures: dict[str, list[str]]) -> None:  # fmt: skip
+    """Resume `engine` whatever happened (shielded, bounded), noting how that went."""
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout_s) as scope:
+        try:
+            await engine.resume()
+        except EngineUnavailableError as exc:
+            down.setdefault(engine.url, str(exc))
+        except EngineError as exc:
+            failures.setdefault(engine.url, []).append(
+                f"could not be resumed, it may still be paused: {exc}"
+            )
+    if scope.cancelled_caught and is_paused:
+        failures.setdefault(engine.url, []).append(f"resume timed out after {timeout_s} s")
+
+
+def _raise_failures(what: str, n_engines: int, down: dict[str, str],
+                    failures: dict[str, list[str]]) -> None:  # fmt: skip
+    """Log the engines a sync skipped as down; raise one error naming every failed engine.
+
+    Raises:
+        WeightSyncError: some engine failed, or every engine was down.
+    """
     for url, reason in down.items():
-        logger.warning("weight sync %s skipped %s, which is down: %s", weight_version, url, reason)
-    if len(down) == len(engines) and not failures:
+        logger.warning("%s skipped %s, which is down: %s", what, url, reason)
+    if len(down) == n_engines and not failures:
         failures = {url: [f"down: {reason}"] for url, reason in down.items()}
     if failures:
         lines = [f"{url}: {'; '.join(reasons)}" for url, reasons in failures.items()]
         raise WeightSyncError(
-            f"weight sync to {weight_version!r} from {path} failed on {len(failures)} of "
-            f"{len(engines)} engine(s):\n  " + "\n  ".join(lines)
+            f"{what} failed on {len(failures)} of {n_engines} engine(s):\n  " + "\n  ".join(lines)
         )
-    logger.debug("synced weights %s to %d engine(s) in %.3f s", weight_version,
-                 len(engines) - len(down), duration)  # fmt: skip
-    return duration
 
 
 async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
@@ -301,17 +315,7 @@ async def sync_lora_to_engines(
             if not loaded and engine.url not in down:  # refused: back to the newest it has
                 have = [n for n in getattr(engine, "lora_loaded", []) if n != lora_name]
                 engine.active_lora = have[-1] if have else None
-            with trio.CancelScope(shield=True), trio.move_on_after(resume_timeout_s) as scope:
-                try:
-                    await engine.resume()
-                except EngineUnavailableError as exc:
-                    down.setdefault(engine.url, str(exc))
-                except EngineError as exc:
-                    failures.setdefault(engine.url, []).append(
-                        f"could not be resumed, it may still be paused: {exc}")  # fmt: skip
-            if scope.cancelled_caught and is_paused:
-                failures.setdefault(engine.url, []).append(
-                    f"resume timed out after {resume_timeout_s} s")  # fmt: skip
+            await _resume_noting(engine, is_paused, resume_timeout_s, down, failures)
         if loaded:
             await _unload_old(engine, keep)
 
@@ -319,16 +323,8 @@ async def sync_lora_to_engines(
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
-    for url, reason in down.items():
-        logger.warning("LoRA sync %s skipped %s, which is down: %s", lora_name, url, reason)
-    if len(down) == len(engines) and not failures:
-        failures = {url: [f"down: {reason}"] for url, reason in down.items()}
-    if failures:
-        lines = [f"{url}: {'; '.join(reasons)}" for url, reasons in failures.items()]
-        raise WeightSyncError(
-            f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path} failed on "
-            f"{len(failures)} of {len(engines)} engine(s):\n  " + "\n  ".join(lines)
-        )
+    _raise_failures(f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path}",
+                    len(engines), down, failures)  # fmt: skip
     logger.debug("synced LoRA %s to %d engine(s) in %.3f s", lora_name,
                  len(engines) - len(down), duration)  # fmt: skip
     return duration
