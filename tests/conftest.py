@@ -17,6 +17,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def distributed_grads(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One step's gradients at world 1 and 2 for every mode (tests/distributed_launch.py)."""
+    from tests.distributed_launch import gradient_runs
+
+    return gradient_runs(tiny_model_dir, tmp_path_factory.mktemp("grads"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir_seed1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture and tokenizer as `tiny_model_dir`, different weights (seed 1)."""
     from training.backend.tiny_model import build_tiny_model

@@ -22,32 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).parent.parent
+from tests.distributed_launch import ROOT, launch
+
 MODES = ("sft", "grpo-token-mean", "grpo-seq-mean")
 
 
-def launch(script: str, *args: str, world: int, cwd: Path, timeout: float = 300):
-    """Run `script` under plain python (world 1) or torchrun (world 2), one thread per rank."""
-    prefix = [sys.executable]
-    if world > 1:
-        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*prefix, str(ROOT / script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def grads(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("grads")
-    for world in (1, 2):
-        proc = launch("tests/distributed_grads.py", str(tiny_model_dir), str(out / f"w{world}"),
-                      ",".join(MODES), world=world, cwd=out)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_two_process_gradient_equals_the_one_process_gradient(grads, mode):
+def test_two_process_gradient_equals_the_one_process_gradient(distributed_grads, mode):
+    grads = distributed_grads
     one = load_file(str(grads / "w1" / mode / "grads.safetensors"))
     two = load_file(str(grads / "w2" / mode / "grads.safetensors"))
     assert one.keys() == two.keys() and len(one) > 10

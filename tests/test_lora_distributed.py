@@ -15,25 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_distributed import ROOT, launch
+from tests.distributed_launch import ROOT, launch
 
-pytestmark = pytest.mark.slow  # five process launches, ~2 min on two busy cores
+pytestmark = pytest.mark.slow  # three process launches besides the shared gradient runs
 
 MODES = ("sft-lora", "grpo-token-mean-lora")
 
 
-@pytest.fixture(scope="module")
-def grads(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora_grads")
-    for world in (1, 2):
-        proc = launch("tests/distributed_grads.py", str(tiny_model_dir), str(out / f"w{world}"),
-                      ",".join(MODES), world=world, cwd=out)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_two_process_adapter_gradient_equals_the_one_process_gradient(grads, mode):
+def test_two_process_adapter_gradient_equals_the_one_process_gradient(distributed_grads, mode):
+    grads = distributed_grads
     one = load_file(str(grads / "w1" / mode / "grads.safetensors"))
     two = load_file(str(grads / "w2" / mode / "grads.safetensors"))
     assert one.keys() == two.keys() and len(one) > 10
