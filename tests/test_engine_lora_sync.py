@@ -102,8 +102,8 @@ async def test_an_engine_down_during_a_lora_sync_gets_the_adapter_when_it_return
             await sync_lora_to_engines([a, b], adapters["a2"], "policy-v2", "v2")  # b is down
             assert pool.active_lora == "policy-v2"
             await nursery.start(run_engine, tiny_model_dir, ports[1])  # back, without adapters
-            with trio.fail_after(30):
-                while not pool.statistics().engines[1].healthy:
+            with trio.fail_after(30):  # `healthy` alone can still be the pre-restart state
+                while not (s := pool.statistics().engines[1]).healthy or s.rejoined < 1:
                     await trio.sleep(0.05)
             assert await loaded_on(b.url) == {"policy-v2": str(adapters["a2"])}
             assert (await b.model_info()).weight_version == "v2"
