@@ -7,7 +7,7 @@ The task is 1-2 digit addition whose SFT demonstrations come from a teacher that
 units carry in 80 % of the sums that have one (configs/demo_sft.yaml): the kind of data a
 weaker model or a hurried annotator writes. SFT learns the teacher, mistakes included, and is
 trained until its held-out accuracy is flat. From that one checkpoint two arms run:
-- RL (configs/demo_rl.yaml): GRPO rewarded by the true sum, which the teacher never gave;
+- RL (configs/demo_rl.yaml): DAPO rewarded by the true sum, which the teacher never gave;
 - continued SFT: the same SFT data for the same wall time as RL took, at SFT's final rate.
 More SFT can only imitate the teacher better; a verifiable reward can do better than it.
 
@@ -58,6 +58,7 @@ class DemoResult:
     continued_accuracy: float
     continued_steps: int
     continued_wall_s: float
+    rl_algorithm: str = "grpo"  # the RL phase's algorithm preset, for the table
 
     @property
     def plateau_spread(self) -> float:
@@ -85,7 +86,7 @@ class DemoResult:
 
     def table(self) -> str:
         rows = [("SFT (imperfect teacher)", self.sft_accuracy, None, self.sft_wall_s),
-                ("+ RL (GRPO, true-sum reward)", self.rl_accuracy, self.rl_steps, self.rl_wall_s),
+                (f"+ RL ({self.rl_algorithm.upper()}, true-sum reward)", self.rl_accuracy, self.rl_steps, self.rl_wall_s),
                 ("+ continued SFT (baseline)", self.continued_accuracy, self.continued_steps,
                  self.continued_wall_s)]  # fmt: skip
         lines = [f"{'phase':<30} {'held-out':>9} {'vs SFT':>8} {'steps':>6} {'wall':>8}"]
@@ -160,10 +161,11 @@ async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
         sft_wall_s=sft_wall, rl_before=rl.accuracy_before, rl_accuracy=rl.accuracy_after,
         rl_steps=rl.steps, rl_wall_s=rl.wall_time_s, continued_accuracy=cont.accuracy,
         continued_steps=cont.steps, continued_wall_s=cont.wall_time_s,
+        rl_algorithm=rl_cfg.algorithm.preset,
     )  # fmt: skip
 
 
-def write_pngs(out: Path, start: Path) -> list[Path]:
+def write_pngs(out: Path, start: Path, algorithm: str) -> list[Path]:
     """OUT/accuracy.png (SFT, then both arms against their own wall time) and OUT/reward.png."""
     try:
         import matplotlib
@@ -188,7 +190,7 @@ def write_pngs(out: Path, start: Path) -> list[Path]:
     a1.plot([s for s, _ in sft], [100 * a for _, a in sft], marker=".")
     a1.set(xlabel="SFT step", ylabel="held-out greedy accuracy (%)", title="SFT on the teacher")
     at_start = 100 * sft[-1][1]
-    for rows, key, tkey, label in ((rl, "eval_accuracy", "time_step_s", "RL (GRPO)"),
+    for rows, key, tkey, label in ((rl, "eval_accuracy", "time_step_s", f"RL ({algorithm.upper()})"),
                                    (cont, "accuracy", "step_time_s", "continued SFT")):  # fmt: skip
         xs, ys = clock(rows, key, tkey)
         a2.plot([0.0, *xs], [at_start, *ys], marker=".", label=label)
@@ -200,9 +202,16 @@ def write_pngs(out: Path, start: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=100)
     plt.close(fig)
+    # Every generated group's reward (a group filter's kept groups alone hover near 0.5).
+    generated = all("reward_mean_generated" in r for r in rl)
+    key = "reward_mean_generated" if generated else "reward_mean"
+    evals = [r for r in rl if "eval_accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot([r["step"] for r in rl], [r["reward_mean"] for r in rl], lw=0.8)
-    ax.set(xlabel="RL step", ylabel="reward_mean (share correct)", title="GRPO reward")
+    ax.plot([r["step"] for r in rl], [r[key] for r in rl], lw=0.8, label="training samples")
+    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], marker=".",
+            label="held-out greedy accuracy")  # fmt: skip
+    ax.set(xlabel="RL step", ylabel="share correct", title=f"{algorithm.upper()} reward")
+    ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "reward.png", dpi=100)
@@ -239,7 +248,7 @@ def main() -> int:
         "plateau_drift_points": result.plateau_drift,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    pngs = write_pngs(out, Path(result.sft_checkpoint))
+    pngs = write_pngs(out, Path(result.sft_checkpoint), result.rl_algorithm)
     print(f"wrote {out / 'summary.json'}" + "".join(f", {p}" for p in pngs)
           + ("" if pngs else " (no PNGs: pip install matplotlib)"))  # fmt: skip
     print(result.table())

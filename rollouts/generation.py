@@ -236,12 +236,18 @@ class CollectResult:
     n_failed_samples: int = 0
     n_interrupted: int = 0  # groups with samples aborted by someone else, held for later
     completion_tokens: int = 0
+    reward_sum: float = 0.0  # over every scored sample, accepted or filtered out
+    n_scored: int = 0
     wall_time_s: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)  # "url: kind" of dropped groups
     sample_errors: Counter[str] = field(default_factory=Counter)  # error text of failed samples
 
     def metrics(self) -> dict[str, float]:
+        # With a group filter (DAPO's dynamic sampling) `reward_mean` is the kept groups' mean;
+        # this is the policy's: every group generated and scored, kept or not.
+        scored = {"reward_mean_generated": self.reward_sum / self.n_scored} if self.n_scored else {}
         return {
+            **scored,
             "groups_launched": float(self.n_launched),
             "groups_filtered": float(self.n_filtered),
             "groups_failed": float(self.n_failed_groups),
@@ -379,11 +385,13 @@ async def collect_groups(
             result.sample_errors.update(s.error or "failed" for s in group if s.status == "failed")
             if kind == "failed" or n_failed or len(group) < n_samples:
                 result.n_failed_groups += 1
-            elif group_filter(group):
-                result.accepted.append(group)
-                result.completion_tokens += sum(len(s.response_ids) for s in group)
-                continue
             else:
+                result.reward_sum += sum(s.reward for s in group)
+                result.n_scored += len(group)
+                if group_filter(group):
+                    result.accepted.append(group)
+                    result.completion_tokens += sum(len(s.response_ids) for s in group)
+                    continue
                 result.n_filtered += 1
             if result.n_launched < cap:
                 launch()

@@ -358,6 +358,8 @@ def _accumulate(total: CollectResult, part: CollectResult) -> None:
     total.n_failed_samples += part.n_failed_samples
     total.n_interrupted += part.n_interrupted
     total.completion_tokens += part.completion_tokens
+    total.reward_sum += part.reward_sum
+    total.n_scored += part.n_scored
     total.wall_time_s += part.wall_time_s
     total.failures.update(part.failures)
     total.sample_errors.update(part.sample_errors)

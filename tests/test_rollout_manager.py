@@ -83,6 +83,12 @@ async def test_filtered_groups_are_refilled_by_over_sampling(local_engine, tiny_
     assert all(prompt_index(g[0]) % 2 == 0 for g in batch.groups)
     assert batch.metrics["groups_filtered"] >= 1
     assert batch.metrics["groups_launched"] == 4 + batch.metrics["groups_filtered"]
+    # reward_mean is the kept groups' (0.5 each); the policy's mean counts the dropped ones (1.0)
+    n_dropped = batch.metrics["groups_filtered"]
+    assert batch.metrics["reward_mean"] == pytest.approx(0.5)
+    assert batch.metrics["reward_mean_generated"] == pytest.approx(
+        (4 * 0.5 + n_dropped) / (4 + n_dropped)
+    )
     for g in batch.groups:  # token in, token out: engine ids and logprobs kept per sample
         for s in g:
             assert len(s.rollout_logprobs) == len(s.response_ids) == len(s.loss_mask) > 0
