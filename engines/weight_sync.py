@@ -105,8 +105,8 @@ async def sync_weights_to_engines(
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
-    _raise_failures(f"weight sync to {weight_version!r} from {path}", len(engines), down,
-                    failures)  # fmt: skip
+    await _raise_failures(f"weight sync to {weight_version!r} from {path}", len(engines), down,
+                          failures)  # fmt: skip
     logger.debug("synced weights %s to %d engine(s) in %.3f s", weight_version,
                  len(engines) - len(down), duration)  # fmt: skip
     return duration
@@ -128,13 +128,18 @@ async def _resume_noting(engine: InferenceEngine, is_paused: bool, timeout_s: fl
         failures.setdefault(engine.url, []).append(f"resume timed out after {timeout_s} s")
 
 
-def _raise_failures(what: str, n_engines: int, down: dict[str, str],
-                    failures: dict[str, list[str]]) -> None:  # fmt: skip
+async def _raise_failures(what: str, n_engines: int, down: dict[str, str],
+                          failures: dict[str, list[str]]) -> None:  # fmt: skip
     """Log the engines a sync skipped as down; raise one error naming every failed engine.
+
+    A caller cancelled meanwhile (Ctrl-C, a host app cancelling training) gets its Cancelled
+    instead: its teardown may have taken the engines down during the shielded resume, and
+    that failure is a consequence, not the cause.
 
     Raises:
         WeightSyncError: some engine failed, or every engine was down.
     """
+    await trio.lowlevel.checkpoint_if_cancelled()
     for url, reason in down.items():
         logger.warning("%s skipped %s, which is down: %s", what, url, reason)
     if len(down) == n_engines and not failures:
@@ -323,8 +328,8 @@ async def sync_lora_to_engines(
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
-    _raise_failures(f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path}",
-                    len(engines), down, failures)  # fmt: skip
+    await _raise_failures(f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path}",
+                          len(engines), down, failures)  # fmt: skip
     logger.debug("synced LoRA %s to %d engine(s) in %.3f s", lora_name,
                  len(engines) - len(down), duration)  # fmt: skip
     return duration

@@ -106,3 +106,25 @@ async def test_sync_updates_both_engines_and_a_failure_names_the_engine_and_leav
         assert wrong.url in str(info.value) and engines[1].url not in str(info.value)
         assert (await engines[1].server_info())["internal_states"][0]["paused"] is False
         nursery.cancel_scope.cancel()
+
+
+async def test_a_sync_cancelled_while_its_engine_goes_down_raises_cancelled_not_a_sync_error(
+    local_engine, tiny_model_dir
+):
+    # A host that cancels training also tears its engines down: the resume after the update
+    # then finds the engine gone. The cancel is the cause; a WeightSyncError would mask it.
+    _, engine = local_engine
+    async with SGLangEngine(f"http://127.0.0.1:{find_free_port()}", max_retries=0) as gone:
+        with trio.CancelScope() as scope:
+
+            class GoesDownWithTheCancel:
+                def __getattr__(self, name):  # everything else is the live engine's
+                    return getattr(engine, name)
+
+                async def resume(self) -> None:
+                    scope.cancel()
+                    await gone.resume()  # nothing listens there: "cannot reach the engine"
+
+            await sync_weights_to_engines([GoesDownWithTheCancel()], tiny_model_dir, "v1")
+    assert scope.cancelled_caught
+    await engine.resume()
