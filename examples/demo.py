@@ -32,6 +32,8 @@ from pathlib import Path
 import trio
 
 from rollouts.errors import RolloutsError
+from training.backend.checkpoint import checkpoint_step
+from training.backend.futures import lr_lambda
 from training.config import SFTRunConfig, load_config
 from training.loops.loggers import setup_logging
 from training.recipes.plot import read_metrics
@@ -115,11 +117,10 @@ class DemoResult:
                 f"+{RL_TARGET_POINTS:.0f})\n{beat}{time_note}")  # fmt: skip
 
 
-def sft_evals(checkpoint: Path, key: str = "accuracy") -> list[tuple[int, float]]:
-    """(step, `key`) of every eval up to `checkpoint` in its SFT run's metrics.jsonl."""
-    step = int(checkpoint.name.split("_")[-1])
-    rows = read_metrics(checkpoint.parent.parent)
-    return [(m["step"], m[key]) for m in rows if key in m and m["step"] <= step]
+def sft_evals(checkpoint: Path, rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, held-out accuracy) of every eval up to `checkpoint` in its SFT run's `rows`."""
+    step = checkpoint_step(checkpoint)
+    return [(m["step"], m["accuracy"]) for m in rows if "accuracy" in m and m["step"] <= step]
 
 
 async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
@@ -133,18 +134,20 @@ async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
         sft = await run_sft_recipe(sft_cfg)
         print(sft.line(), flush=True)
         start, sft_wall = sft.checkpoint, sft.wall_time_s
-    evals = sft_evals(start)[-FLAT_EVALS:]
+    sft_rows = read_metrics(start.parent.parent)  # the SFT run's metrics.jsonl
+    evals = sft_evals(start, sft_rows)[-FLAT_EVALS:]
 
     rl_cfg = load_config(RLRunConfig, rl_config,
                          [*rl_overrides, f"output_dir={out / 'rl'}", f"model.path={start}"])  # fmt: skip
     rl = await run_rl_recipe(rl_cfg)
     print(rl.line(), flush=True)
 
-    # The baseline gets the same wall time as RL (train.max_wall_s), at SFT's final rate.
-    final_lr = sft_cfg.optim.lr * (sft_cfg.optim.min_lr_ratio
-                                   if sft_cfg.optim.schedule == "cosine" else 1.0)  # fmt: skip
-    step_times = sorted(m["step_time_s"] for m in read_metrics(start.parent.parent)
-                        if "step_time_s" in m)  # fmt: skip
+    # The baseline gets the same wall time as RL (train.max_wall_s), at the rate SFT's schedule
+    # had reached at the checkpoint.
+    final_lr = sft_cfg.optim.lr * lr_lambda(sft_cfg.optim, sft_cfg.train.max_steps)(
+        checkpoint_step(start)
+    )
+    step_times = sorted(m["step_time_s"] for m in sft_rows if "step_time_s" in m)
     expected = rl.wall_time_s / step_times[len(step_times) // 2] if step_times else continued_steps
     every = max(1, int(min(expected, continued_steps)) // 5)
     cont_cfg = load_config(SFTRunConfig, sft_config, [
@@ -175,7 +178,7 @@ def write_pngs(out: Path, start: Path, algorithm: str) -> list[Path]:
     except ImportError:
         return []
     rl, cont = (read_metrics(out / p) for p in ("rl", "sft_continued"))
-    sft = sft_evals(start)
+    sft = sft_evals(start, read_metrics(start.parent.parent))
 
     def clock(rows: list[dict], key: str, time_key: str) -> tuple[list[float], list[float]]:
         t, xs, ys = 0.0, [], []

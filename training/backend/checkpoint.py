@@ -42,6 +42,11 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint directory named by `checkpoint_name` was saved at."""
+    return int(checkpoint.name.split("_")[-1])
+
+
 def rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 

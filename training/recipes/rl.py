@@ -32,7 +32,7 @@ from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
 from rollouts.thinking import thinking_template_kwargs
-from training.backend.checkpoint import find_latest_checkpoint
+from training.backend.checkpoint import checkpoint_step, find_latest_checkpoint
 from training.backend.lora import loadable_model_dir
 from training.backend.model_io import check_model_path
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
@@ -141,17 +141,13 @@ def sft_checkpoint_mismatch(checkpoint: Path, sft: SFTRunConfig) -> str | None:
     Compares the step count, the saved config (defaults of newer fields filled in) and the
     fingerprint of the data files (task files are regenerated, so a changed generator counts).
     """
-    if _steps_of(checkpoint) < sft.train.max_steps:
+    if checkpoint_step(checkpoint) < sft.train.max_steps:
         return "is unfinished"
     if _saved_config(checkpoint) != sft:
         return "was made with another config"
     if _saved_extra(checkpoint).get("data_sha256") != sft_data_files(sft).fingerprint():
         return "was trained on other data"
     return None
-
-
-def _steps_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.split("_")[-1])
 
 
 def _saved_extra(checkpoint: Path) -> dict[str, Any]:
