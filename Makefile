@@ -16,7 +16,7 @@ BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/g
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint format test demo sft rl bench clean
+.PHONY: help setup lint format test stress demo sft rl bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -44,6 +44,9 @@ format: setup  ## apply ruff fixes and formatting
 
 test: setup lint  ## lint, then the test suite
 	$(PY) -m pytest -q
+
+stress: setup  ## the long stress and generated-shape runs that `make test` leaves out
+	$(PY) -m pytest -q -m stress
 
 sft: setup  ## SFT the tiny model on the synthetic arithmetic task
 	$(PY) examples/run_sft.py --config configs/sft_tiny.yaml --overwrite
