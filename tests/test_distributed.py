@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed_launch import ROOT, launch
+from tests.torchrun_exit import judge, launch_probed, rl_args
 
 MODES = ("sft", "grpo-token-mean", "grpo-seq-mean")
 
@@ -74,21 +75,17 @@ def test_torchrun_sft_resumes_a_one_process_run_with_the_same_losses(tiny_model_
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), name
 
 
-def test_torchrun_rl_with_a_reference_drives_the_engine_and_resumes_at_one_process(
+def test_torchrun_rl_with_a_reference_exits_0_with_threads_joined_and_resumes_at_one_process(
     tiny_model_dir, tmp_path
 ):
-    args = ["--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--model", str(tiny_model_dir),
-            "--output-dir", str(tmp_path / "rl"), "rollout.batch_size=4",
-            "rollout.n_samples_per_prompt=4", "rollout.filter_groups=none",
-            "train.eval_samples=8", "train.eval_every=1000", "train.checkpoint_every=3",
-            "optim.lr=1e-3", "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
-            "algorithm.overrides.kl_coef=0.05",  # a reference model, sharded like the policy
-            f"data.task_dir={tmp_path / 'data'}"]  # fmt: skip
-    first = launch("examples/run_rl.py", *args, "--max-steps", "3", world=2, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    """3 steps on 2 ranks, then 2 more at 1 process. The 2-rank job must exit 0 with every
+    rank's gloo threads joined before its interpreter finalizes and a complete last checkpoint
+    (tests/torchrun_exit.py; `pytest -m stress` repeats it 30 times)."""
+    first = launch_probed(ROOT, rl_args(tiny_model_dir, tmp_path), cwd=tmp_path)
+    assert judge(first, tmp_path) == [], first.stderr[-3000:]
     assert first.stdout.strip().splitlines()[-1].startswith("RL done")
-    again = launch("examples/run_rl.py", *args, "--max-steps", "5", "--resume", world=1,
-                   cwd=tmp_path)  # fmt: skip
+    args = rl_args(tiny_model_dir, tmp_path, steps=5)
+    again = launch("examples/run_rl.py", *args, "--resume", world=1, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

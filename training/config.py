@@ -170,6 +170,9 @@ class FSDPConfig(Strict):
     command_timeout_s: float = Field(
         1800.0, gt=0, description="how long ranks ≥ 1 wait for rank 0's next operation"
     )
+    shutdown_timeout_s: float = Field(
+        60.0, gt=0, description="how long a finished rank waits for the others at the end"
+    )
 
 
 class BackendConfig(Strict):

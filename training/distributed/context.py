@@ -23,6 +23,11 @@ import torch
 import torch.distributed as dist
 
 from rollouts.errors import ConfigError
+from training.distributed.teardown import (
+    end_process_groups,
+    final_barrier,
+    import_before_default_group,
+)
 
 if TYPE_CHECKING:
     from training.config import BackendConfig, FSDPConfig
@@ -51,11 +56,18 @@ class DistContext:
         self.backends[backend_id] = backend
         return backend_id
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
+        """End this rank's part of the job; returns the gloo threads still alive (empty: every
+        process group was destroyed and its threads joined; see training/distributed/teardown.py).
+        """
         if self.executor is not None:
             self.executor.shutdown(wait=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.commands is not None:
+            final_barrier(self.commands, self.fsdp.shutdown_timeout_s)
+        # Our own references to the groups go first: the backends' FSDP modules hold them.
+        self.backends.clear()
+        self.group = self.commands = None
+        return end_process_groups()
 
 
 _CURRENT: DistContext | None = None
@@ -95,6 +107,7 @@ def init_distributed(backend: BackendConfig) -> DistContext | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     fsdp = backend.fsdp
+    import_before_default_group()  # else it holds the default group for good (teardown.py)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         timeout=timedelta(seconds=fsdp.collective_timeout_s),
@@ -110,11 +123,13 @@ def init_distributed(backend: BackendConfig) -> DistContext | None:
     return _CURRENT
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed() -> list[str]:
+    """End the job's process groups on this rank; returns the gloo threads still alive."""
     global _CURRENT
-    if _CURRENT is not None:
-        _CURRENT.close()
-        _CURRENT = None
+    if _CURRENT is None:
+        return []
+    ctx, _CURRENT = _CURRENT, None
+    return ctx.close()
 
 
 def _rank_device(configured: str, local_rank: int) -> torch.device:

@@ -13,6 +13,8 @@ ends with an error after `fsdp.command_timeout_s`, or at once when its socket cl
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -67,7 +69,8 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
             raise SystemExit(f"rank {ctx.rank}: lost rank 0 ({err}); exiting") from None
         except KeyboardInterrupt:
             raise SystemExit(130) from None
-        shutdown_distributed()
+        if shutdown_distributed():
+            _exit_without_finalizing(0)
         return None
     try:
         result = main()
@@ -77,6 +80,21 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
     shutdown_workers(ctx)
     shutdown_distributed()
     return result
+
+
+def _exit_without_finalizing(code: int) -> None:
+    """A rank ≥ 1 whose gloo threads outlived its process groups: end the process without
+    finalizing the interpreter, which such a thread can abort (training/distributed/teardown.py).
+
+    Safe here: every operation of this rank has returned (its checkpoint shards are written and
+    closed inside the operation) and nothing else runs in this process; logs and output are
+    flushed first. Only atexit handlers are skipped.
+    """
+    log.info("ending the process without finalizing the interpreter (see teardown.py)")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _release_workers_if_idle(ctx: DistContext, wait_s: float = 10.0) -> None:
