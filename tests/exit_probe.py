@@ -27,8 +27,9 @@ def gloo_threads() -> list[str]:
 
 
 def report() -> None:
-    print(f"exit probe: rank {os.environ.get('RANK', '0')} gloo threads {gloo_threads()}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    # one write: the ranks share stderr, and print() may split a line between two writes
+    line = f"exit probe: rank {os.environ.get('RANK', '0')} gloo threads {gloo_threads()}\n"
+    os.write(2, line.encode())
 
 
 if __name__ == "__main__":

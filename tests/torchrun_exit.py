@@ -38,7 +38,7 @@ def rl_args(model_dir: Path, out: Path, steps: int = STEPS) -> list[str]:
 
 
 def launch_probed(root: Path, args: list[str], cwd: Path, timeout: float = 300):
-    """torchrun, 2 ranks, `root`'s examples/run_rl.py through `root`'s exit probe."""
+    """torchrun, 2 ranks: `root`'s examples/run_rl.py through this checkout's exit probe."""
     probe = ROOT / "tests" / "exit_probe.py"
     # another checkout runs in its own venv (`make setup` there): its packages are installed
     # in editable mode, which no PYTHONPATH overrides
@@ -58,7 +58,7 @@ def judge(proc: subprocess.CompletedProcess, out: Path) -> list[str]:
     if "terminate called" in proc.stderr:
         problems.append("a rank called std::terminate")
     for rank in (0, 1):
-        m = re.search(rf"exit probe: rank {rank} gloo threads (\[.*\])", proc.stderr)
+        m = re.search(rf"exit probe: rank {rank} gloo threads (\[[^\]]*\])", proc.stderr)
         if m is None:
             problems.append(f"rank {rank} did not reach interpreter finalization normally")
         elif m.group(1) != "[]":
