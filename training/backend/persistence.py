@@ -117,9 +117,12 @@ class StateOps:
         return ckpt.finish_checkpoint(self.checkpoint_dir, tmp, final, self.keep_last)
 
     def _local_write_shards(self, tmp: Path) -> None:
-        adapter_only = self.lora is not None  # the frozen base is the model it was built from
+        # A full model's weights are in the HF export only; an adapter is also in DCP (it is
+        # small, and peft's file renames its weights). The frozen base of a LoRA model is the
+        # model it was built from.
+        adapter_only = self.lora is not None
         st.save_sharded(self.model, self.optimizer, tmp / ckpt.DCP_DIR, self._dist,
-                        trainable_only=adapter_only)  # fmt: skip
+                        with_model=adapter_only, trainable_only=adapter_only)  # fmt: skip
         self._local_export(tmp, checkpoint=True)
         st.barrier(self._dist)
 
@@ -182,11 +185,14 @@ class StateOps:
 
     def _local_load(self, path: Path) -> dict[str, Any]:
         json_state, torch_state = ckpt.read_checkpoint_state(path)
-        if (path / ckpt.DCP_DIR).is_dir():
-            st.load_sharded(self.model, self.optimizer, path / ckpt.DCP_DIR,
+        dcp_dir = path / ckpt.DCP_DIR
+        if dcp_dir.is_dir():
+            if not st.sharded_holds_model(dcp_dir):  # the HF export holds the weights
+                self._local_load_hf_weights(path)
+            st.load_sharded(self.model, self.optimizer, dcp_dir,
                             trainable_only=self.lora is not None)  # fmt: skip
         elif self._dist is None:  # written before DCP: optimizer in trainer_state.pt
-            ckpt.load_weights_into(self.model, path)
+            self._local_load_hf_weights(path)
             if self.optimizer is not None and "optimizer" in torch_state:
                 self.optimizer.load_state_dict(torch_state["optimizer"])
         else:
@@ -201,3 +207,14 @@ class StateOps:
         self.weight_version = int(json_state["weight_version"])
         self.model.zero_grad(set_to_none=True)
         return json_state["extra"]
+
+    def _local_load_hf_weights(self, path: Path) -> None:
+        """Weights ← the checkpoint's HF export (rank 0 reads it; the others get their shards)."""
+        if self.lora is not None:
+            raise ckpt.CheckpointError(
+                f"{path} holds no LoRA adapter in {ckpt.DCP_DIR}/: it was written by a run "
+                "without model.lora; resume it without model.lora"
+            )
+        rank0 = self._dist is None or self._dist.rank == 0
+        full = ckpt.read_hf_weights(path) if rank0 else None
+        st.load_full_weights(self.model, full, self._dist, source=path)
