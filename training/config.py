@@ -155,7 +155,8 @@ class OptimConfig(Strict):
 
 
 class FSDPConfig(Strict):
-    """Options of the FSDP2 path (used only under torchrun, world size > 1)."""
+    """Options of the FSDP2 path (used only under torchrun, world size > 1, unless
+    `at_world_size_1`)."""
 
     reshard_after_forward: bool = Field(True, description="free gathered params after forward")
     param_dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -169,6 +170,12 @@ class FSDPConfig(Strict):
     collective_timeout_s: float = Field(600.0, gt=0, description="a collective's deadline")
     command_timeout_s: float = Field(
         1800.0, gt=0, description="how long ranks ≥ 1 wait for rank 0's next operation"
+    )
+    at_world_size_1: bool = Field(
+        False,
+        description="shard with FSDP2 in a process group of one too (WORLD_SIZE=1 with "
+        "MASTER_ADDR/PORT set, or torchrun --nproc_per_node 1): the multi-GPU code path on "
+        "one GPU, as benchmarks/gpu_check.py runs it",
     )
 
 
