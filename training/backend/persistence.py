@@ -78,8 +78,9 @@ class StateOps:
 
         `extra_state` (JSON) and `extra_tensors` (tensors and plain values, e.g. a reference
         model's weights) are written into the same atomic checkpoint; `read_extra_tensors`
-        gives the latter back. Under torchrun every rank writes its shards of the model and
-        optimizer (DCP), rank 0 the HF layout and the rest, and `latest` moves when all did.
+        gives the latter back. The model's weights are stored once, in the HF layout (written
+        by rank 0 under torchrun); every rank writes its shards of the optimizer state (DCP;
+        with LoRA the adapter's too), rank 0 the rest, and `latest` moves when all did.
         """
         return await self._submit(
             lambda: self._save(step, metrics, extra_state or {}, extra_tensors or {})
@@ -176,7 +177,8 @@ class StateOps:
     async def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, scheduler, RNG and counters; returns the extra state.
 
-        A checkpoint written at any world size loads at any other (DCP reshards).
+        A checkpoint written at any world size loads at any other: rank 0 reads the weights
+        and every rank receives its shards; DCP reshards the optimizer state.
         """
         resolved = ckpt.resolve_checkpoint(path)
         return await self._submit(
