@@ -16,7 +16,7 @@ BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/g
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint format test stress demo sft rl bench clean
+.PHONY: help setup lint format test stress demo sft rl bench wheels gpu-check clean
 
 help:  ## list targets
 	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -72,6 +72,29 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 
 bench: $(BENCH_STAMP)  ## run every benchmark (installs TRL etc.); writes benchmarks/RESULTS.md
 	@for f in $(BENCHES); do echo "== $$f"; $(PY) $$f $(BENCH_ARGS) || exit 1; done
+
+# A GPU machine without network (DEVELOPERS.md): its image has torch (CUDA), transformers, peft,
+# safetensors, httpx and h11; these wheels are the rest, plus the project's own. For another
+# interpreter or platform than this one: make wheels WHEELS_PYTHON=3.10
+# WHEELS_PLATFORM=manylinux2014_x86_64.
+GPU_WHEELS := trio pydantic pyyaml tqdm hypercorn pytest pytest-trio
+WHEELS_PYTHON ?=
+WHEELS_PLATFORM ?=
+wheels: setup  ## the wheels a GPU machine without network needs, into wheels/ (DEVELOPERS.md)
+	rm -rf wheels && mkdir wheels
+	$(PIP) download -q -d wheels --only-binary=:all: \
+		$(if $(WHEELS_PYTHON),--python-version $(WHEELS_PYTHON)) \
+		$(if $(WHEELS_PLATFORM),--platform $(WHEELS_PLATFORM)) $(GPU_WHEELS)
+	$(PIP) wheel -q --no-deps --no-build-isolation -w wheels . && rm -rf build
+	@echo "wheels/ holds $$(ls wheels | wc -l) wheels; on the GPU machine: make gpu-check (DEVELOPERS.md)"
+
+# On the GPU machine, from a copy of the repository with wheels/ in it: install the wheels into
+# the image's Python (no index, nothing else replaced), then run the check.
+GPU_PY ?= python3
+gpu-check:  ## on a GPU machine: install wheels/ offline, run benchmarks/gpu_check.py
+	$(GPU_PY) -m pip install --no-index --find-links wheels $(GPU_WHEELS)
+	$(GPU_PY) -m pip install --no-index --no-deps --find-links wheels rollouts
+	$(GPU_PY) benchmarks/gpu_check.py
 
 clean:  ## remove the venv and run outputs
 	rm -rf $(VENV) runs

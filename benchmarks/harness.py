@@ -47,6 +47,7 @@ SECTIONS = (
     "lora",
     "lora_small",
     "demo",
+    "gpu_check",
 )
 
 
@@ -118,7 +119,8 @@ def publish(key: str, title: str, label: str, parts: list[str], notes: list[str]
     return write_section(key, title, body, quick=quick, started=started)
 
 
-def write_section(key: str, title: str, body: str, *, quick: bool, started: float) -> Path:
+def write_section(key: str, title: str, body: str, *, quick: bool, started: float,
+                  path: Path | None = None, smoke: str = "") -> Path:  # fmt: skip
     """Replace (or add) this script's section of RESULTS.md, keeping the others.
 
     Args:
@@ -126,11 +128,15 @@ def write_section(key: str, title: str, body: str, *, quick: bool, started: floa
         title: the section heading.
         body: markdown (tables, notes, image links relative to RESULTS.md).
         started: time.time() when the measurement began (the section shows its date).
+        path: the RESULTS.md to write (default: `results_md(quick)`).
+        smoke: the warning a smoke run's section starts with (default: the `--quick` one).
     """
-    path = results_md(quick)
+    path = path or results_md(quick)
     when = dt.datetime.fromtimestamp(started, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     took = time.time() - started
-    smoke = "**Smoke run (`--quick`): not comparable to the full results.**\n\n" if quick else ""
+    if quick:
+        smoke = smoke or "Smoke run (`--quick`): not comparable to the full results."
+    smoke = f"**{smoke}**\n\n" if smoke else ""
     section = (
         f"<!-- begin {key} -->\n## {title}\n\n{smoke}"
         f"- Machine: {machine_line()}\n- Date: {when} (took {took / 60:.1f} min)\n"

@@ -1,10 +1,13 @@
-"""Launching scripts under plain python (world 1) or torchrun (world 2), for the FSDP2 tests."""
+"""Launching scripts under plain python (world 1), torchrun (world 2) or as two torchrun nodes,
+for the FSDP2 tests."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
@@ -30,3 +33,52 @@ def gradient_runs(model_dir: Path, out: Path) -> Path:
                       ",".join(GRAD_MODES), world=world, cwd=out)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+def launch_two_nodes(script: str, *args: str, cwd: Path, timeout: float = 300):
+    """Run `script` as two torchrun "nodes" on this machine (one process each), joined by a
+    c10d rendezvous on 127.0.0.1, the way two real nodes are launched (README: Two nodes).
+
+    Node 0 hosts the rendezvous store (`is_host=1`; on real nodes the host whose address is the
+    endpoint does so by itself). Which node's process becomes rank 0 is the rendezvous's choice.
+
+    Returns:
+        The two nodes' CompletedProcess, node 0 first.
+    """
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs, logs = [], []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc_per_node", "1", "--node_rank", str(node), "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"two-nodes-{port}",
+               "--rdzv_conf", f"is_host={int(node == 0)}", "--local_addr", "127.0.0.1",
+               str(ROOT / script), *args]  # fmt: skip
+        # Files, not pipes: a node blocked on a full pipe would stall the other in a collective.
+        out, err = (open(cwd / f"node{node}-{port}.{kind}", "w+") for kind in ("out", "err"))  # noqa: SIM115
+        logs.append((out, err))
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    done = []
+    for proc, (out, err) in zip(procs, logs, strict=True):
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, *texts))
+    return done
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -155,7 +155,8 @@ class OptimConfig(Strict):
 
 
 class FSDPConfig(Strict):
-    """Options of the FSDP2 path (used only under torchrun, world size > 1)."""
+    """Options of the FSDP2 path (used only under torchrun, world size > 1, unless
+    `at_world_size_1`)."""
 
     reshard_after_forward: bool = Field(True, description="free gathered params after forward")
     param_dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -172,6 +173,12 @@ class FSDPConfig(Strict):
     )
     shutdown_timeout_s: float = Field(
         60.0, gt=0, description="how long a finished rank waits for the others at the end"
+    )
+    at_world_size_1: bool = Field(
+        False,
+        description="shard with FSDP2 in a process group of one too (WORLD_SIZE=1 with "
+        "MASTER_ADDR/PORT set, or torchrun --nproc_per_node 1): the multi-GPU code path on "
+        "one GPU, as benchmarks/gpu_check.py runs it",
     )
 
 

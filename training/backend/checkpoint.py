@@ -3,8 +3,12 @@
 Layout of one checkpoint directory (`<checkpoint_dir>/step_000010/`):
     config.json, model.safetensors, generation_config.json, tokenizer files   (HF layout: an
         inference server can be started on it, `from_pretrained` loads it)
-    dcp/                 model and optimizer, sharded by parameter name (torch.distributed.checkpoint):
-        written by every rank under torchrun, loadable at any world size
+    dcp/                 optimizer state, sharded by parameter name (torch.distributed.checkpoint):
+        written by every rank under torchrun, loadable at any world size. The model's weights
+        are stored once, in model.safetensors, and read back from there on resume (rank 0 reads,
+        every rank gets its shards); a LoRA checkpoint holds its adapter here too (peft's
+        adapter files beside it are what engines load). Checkpoints written before this also
+        hold the model in dcp/, and still load.
     trainer_state.pt     scheduler and RNG states, extra tensors (torch.load(weights_only=True));
         checkpoints older than dcp/ hold the optimizer here
     trainer_state.json   step, weight_version, metrics, extra state (DataBuffer, resolved config)
@@ -189,7 +193,14 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: Path,
     """Save model (safetensors) and tokenizer in HF layout: what engines load.
 
     `state_dict`: the full weights to write (gathered from FSDP shards), else the model's own.
+    A weight tied to another (an output layer tied to the embeddings) is written once, as
+    `save_pretrained` writes the model's own: a gathered copy no longer shares its storage.
     """
+    from training.backend.state import tied_names
+
+    if state_dict is not None:
+        tied = tied_names(model)
+        state_dict = {k: v for k, v in state_dict.items() if k not in tied}
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, state_dict=state_dict)
     if tokenizer is not None:
@@ -252,27 +263,35 @@ def read_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return json_state, torch_state
 
 
-def load_weights_into(model: torch.nn.Module, path: Path) -> None:
-    """Load `model.safetensors` of `path` into `model` in place (tied weights allowed missing).
+HF_INDEX = "model.safetensors.index.json"  # a sharded export names its files here
+
+
+def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF export in `path`: `model.safetensors`, or the files a sharded
+    export's `model.safetensors.index.json` names (save_pretrained splits big models).
 
     Raises:
-        CheckpointError: the file is missing, or its tensors do not match the model.
+        CheckpointError: no weights there, or a file cannot be read (names it).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    file = path / "model.safetensors"
-    if not file.is_file():
-        raise CheckpointError(f"{file} not found")
-    state = load_file(str(file))
+    index = path / HF_INDEX
     try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as err:
-        raise CheckpointError(f"{file} does not match the model: {err}") from err
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded_ptrs = {params[k].data_ptr() for k in state if k in params}
-    untied_missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded_ptrs]
-    if untied_missing or result.unexpected_keys:
-        raise CheckpointError(
-            f"{file} does not match the model: missing {untied_missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}"
-        )
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = [path / name for name in sorted(set(weight_map.values()))]
+        else:
+            files = [path / "model.safetensors"]
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot read {index}: {err}") from err
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: weight files {missing} not found")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(str(file)))
+        except (OSError, SafetensorError) as err:
+            raise CheckpointError(f"cannot read the model weights in {file}: {err}") from err
+    return weights

@@ -78,8 +78,9 @@ class StateOps:
 
         `extra_state` (JSON) and `extra_tensors` (tensors and plain values, e.g. a reference
         model's weights) are written into the same atomic checkpoint; `read_extra_tensors`
-        gives the latter back. Under torchrun every rank writes its shards of the model and
-        optimizer (DCP), rank 0 the HF layout and the rest, and `latest` moves when all did.
+        gives the latter back. The model's weights are stored once, in the HF layout (written
+        by rank 0 under torchrun); every rank writes its shards of the optimizer state (DCP;
+        with LoRA the adapter's too), rank 0 the rest, and `latest` moves when all did.
         """
         return await self._submit(
             lambda: self._save(step, metrics, extra_state or {}, extra_tensors or {})
@@ -117,9 +118,12 @@ class StateOps:
         return ckpt.finish_checkpoint(self.checkpoint_dir, tmp, final, self.keep_last)
 
     def _local_write_shards(self, tmp: Path) -> None:
-        adapter_only = self.lora is not None  # the frozen base is the model it was built from
+        # A full model's weights are in the HF export only; an adapter is also in DCP (it is
+        # small, and peft's file renames its weights). The frozen base of a LoRA model is the
+        # model it was built from.
+        adapter_only = self.lora is not None
         st.save_sharded(self.model, self.optimizer, tmp / ckpt.DCP_DIR, self._dist,
-                        trainable_only=adapter_only)  # fmt: skip
+                        with_model=adapter_only, trainable_only=adapter_only)  # fmt: skip
         self._local_export(tmp, checkpoint=True)
         st.barrier(self._dist)
 
@@ -173,7 +177,8 @@ class StateOps:
     async def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, scheduler, RNG and counters; returns the extra state.
 
-        A checkpoint written at any world size loads at any other (DCP reshards).
+        A checkpoint written at any world size loads at any other: rank 0 reads the weights
+        and every rank receives its shards; DCP reshards the optimizer state.
         """
         resolved = ckpt.resolve_checkpoint(path)
         return await self._submit(
@@ -182,11 +187,14 @@ class StateOps:
 
     def _local_load(self, path: Path) -> dict[str, Any]:
         json_state, torch_state = ckpt.read_checkpoint_state(path)
-        if (path / ckpt.DCP_DIR).is_dir():
-            st.load_sharded(self.model, self.optimizer, path / ckpt.DCP_DIR,
+        dcp_dir = path / ckpt.DCP_DIR
+        if dcp_dir.is_dir():
+            if not st.sharded_holds_model(dcp_dir):  # the HF export holds the weights
+                self._local_load_hf_weights(path)
+            st.load_sharded(self.model, self.optimizer, dcp_dir,
                             trainable_only=self.lora is not None)  # fmt: skip
         elif self._dist is None:  # written before DCP: optimizer in trainer_state.pt
-            ckpt.load_weights_into(self.model, path)
+            self._local_load_hf_weights(path)
             if self.optimizer is not None and "optimizer" in torch_state:
                 self.optimizer.load_state_dict(torch_state["optimizer"])
         else:
@@ -201,3 +209,14 @@ class StateOps:
         self.weight_version = int(json_state["weight_version"])
         self.model.zero_grad(set_to_none=True)
         return json_state["extra"]
+
+    def _local_load_hf_weights(self, path: Path) -> None:
+        """Weights ← the checkpoint's HF export (rank 0 reads it; the others get their shards)."""
+        if self.lora is not None:
+            raise ckpt.CheckpointError(
+                f"{path} holds no LoRA adapter in {ckpt.DCP_DIR}/: it was written by a run "
+                "without model.lora; resume it without model.lora"
+            )
+        rank0 = self._dist is None or self._dist.rank == 0
+        full = ckpt.read_hf_weights(path) if rank0 else None
+        st.load_full_weights(self.model, full, self._dist, source=path)

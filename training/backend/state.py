@@ -97,10 +97,12 @@ def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]
 
 
 def save_sharded(model: torch.nn.Module, optimizer: Any, out: Path, ctx: DistContext | None,
-                 *, trainable_only: bool = False) -> None:  # fmt: skip
-    """Model and optimizer with `torch.distributed.checkpoint`: each rank writes its shards,
-    keyed by parameter name, so any world size can load them.
+                 *, with_model: bool, trainable_only: bool = False) -> None:  # fmt: skip
+    """The optimizer state (and with `with_model` the model) with `torch.distributed.checkpoint`:
+    each rank writes its shards, keyed by parameter name, so any world size can load them.
 
+    A full model's weights stay out (`with_model=False`): the checkpoint's HF export holds
+    them, and `load_full_weights` reads them back, so the model is on disk once.
     `trainable_only`: leave out frozen parameters (a LoRA model's base: the model it is built
     from has them, so a checkpoint holds the adapter and its optimizer state only).
     """
@@ -109,30 +111,94 @@ def save_sharded(model: torch.nn.Module, optimizer: Any, out: Path, ctx: DistCon
 
     options = _options(ignore_frozen_params=trainable_only)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_sd, "optim": optim_sd} if with_model else {"optim": optim_sd}
     with warnings.catch_warnings():  # world size 1: "assuming ... a single process" is the point
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
+        dcp.save(state, checkpoint_id=str(out))
+
+
+def sharded_holds_model(path: Path) -> bool:
+    """Whether the DCP checkpoint at `path` has model weights (LoRA adapters, or a checkpoint
+    written before the HF export became the one copy of a full model's weights)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("model.") for key in keys)
 
 
 def load_sharded(model: torch.nn.Module, optimizer: Any, path: Path, *,
                  trainable_only: bool = False) -> None:  # fmt: skip
     """Inverse of `save_sharded` (same `trainable_only`), at this process's world size (DCP
-    reshards). Every saved key must be loaded: a checkpoint missing one is an error (DCP's)."""
+    reshards): the optimizer, and the model when the checkpoint holds it. Every saved key
+    must be loaded: a checkpoint missing one is an error (DCP's)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
 
     if optimizer is None:
         raise ValueError("load_sharded needs the optimizer (a frozen backend is not resumed)")
     options = _options(ignore_frozen_params=trainable_only)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)  # creates optim state
-    state = {"model": model_sd, "optim": optim_sd}
+    with_model = sharded_holds_model(path)
+    state = {"model": model_sd, "optim": optim_sd} if with_model else {"optim": optim_sd}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(path))
     # Frozen parameters are not in `state` when trainable_only: not strict about those.
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
-                   options=_options(strict=not trainable_only))  # fmt: skip
+    options = _options(strict=not trainable_only)
+    if with_model:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=options)  # fmt: skip
+    else:
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
+
+
+def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor] | None,
+                      ctx: DistContext | None, *, source: Path) -> None:  # fmt: skip
+    """model ← `full`, every weight whole (an HF export read back): at world size 1 directly;
+    under torchrun rank 0 passes them and the others None, and each rank receives its shards
+    by broadcast (so only rank 0 reads the file and holds a full copy).
+
+    A weight the model ties to another (an output layer tied to the embeddings, which an HF
+    export writes once) is filled from the one it is tied to.
+
+    Raises:
+        CheckpointError: the names in `full` are not the model's (names `source`).
+    """
+    from rollouts.errors import CheckpointError
+
+    if full is not None:
+        for name, twin in tied_names(model).items():
+            if name not in full and twin in full:
+                full[name] = full[twin]
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - full.keys()), sorted(full.keys() - expected)
+        if missing or unexpected:
+            raise CheckpointError(f"the weights in {source} do not match the model: missing "
+                                  f"{missing[:5]}, unexpected {unexpected[:5]}")  # fmt: skip
+    if ctx is None:
+        assert full is not None
+        model.load_state_dict(full)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    options = _options(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full if full is not None else {}, options=options)
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name that shares its parameter with an earlier name → that name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
 
 
 def model_bytes(model: torch.nn.Module, *, trainable_only: bool = False) -> int:

@@ -1,7 +1,8 @@
 """The process-group context of a torchrun job, the device of this rank, and FSDP2 sharding.
 
 `init_distributed(backend_config)` reads `WORLD_SIZE` / `RANK` / `LOCAL_RANK` (set by torchrun):
-world size 1 returns None and nothing is initialised. Otherwise it creates the training group
+world size 1 returns None and nothing is initialised (unless `fsdp.at_world_size_1`: then a
+group of one, so one GPU runs the sharded code path). Otherwise it creates the training group
 (NCCL on CUDA, gloo on CPU) whose collectives time out after `fsdp.collective_timeout_s`, and a
 gloo group for the command channel (rank 0 → others), whose waits time out after
 `fsdp.command_timeout_s` (a worker idles there while rank 0 generates rollouts).
@@ -93,7 +94,7 @@ def init_distributed(backend: BackendConfig) -> DistContext | None:
     if _CURRENT is not None:
         return _CURRENT
     world = world_size_from_env()
-    if world == 1:
+    if world == 1 and not backend.fsdp.at_world_size_1:
         return None
     missing = [
         k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ

@@ -1,0 +1,383 @@
+"""GPU check: SFT and GRPO in bf16 on a Qwen2.5-0.5B-shaped model, FSDP2 over NCCL, the local
+engine on CUDA serving the same model, and a weight sync — one command on a GPU machine.
+
+What runs (the project's own parts, nothing mocked):
+- a Qwen2 model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864,
+  vocabulary 151,936, tied embeddings) built here with random weights (the machine has no
+  network), saved in HF layout with the project's tokenizer;
+- `PyTorchTrainingBackend`s sharded with FSDP2 in a process group of one (NCCL;
+  `fsdp.at_world_size_1`), bf16 compute over fp32 master weights (`fsdp.param_dtype`);
+- SFT steps on packed rows, then GRPO steps (`train_on_batch`, `grpo()`) on groups the local
+  engine (`python -m engines.local --device cuda --dtype bfloat16`) sampled, each followed by a
+  weight sync (`export_weights` + `sync_weights_to_engines`, what the RL loop does).
+
+It prints step time, tokens/s, MFU against the GPU's dense bf16 peak and peak memory per phase,
+and writes the `gpu_check` section of benchmarks/RESULTS.md. MFU counts the model's FLOPs as
+PaLM's appendix B does: 6·N per token for the N weights that multiply (the output layer included,
+the embedding lookup not) plus 12·layers·hidden·T for attention over each sample's T tokens.
+
+`--dry-run` runs the same code on CPU at tiny size (fp32, gloo; the "peak" is a measured fp32
+matmul rate), writing to benchmarks/results/quick/ unless `--results` says where; make test runs
+it (tests/test_gpu_check.py), so it cannot rot. DEVELOPERS.md says how to carry the
+dependencies to a GPU machine without network.
+
+    python benchmarks/gpu_check.py [--dry-run] [--results PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import harness  # benchmarks/harness.py: this script's folder is on sys.path
+
+import rollouts.threads  # noqa: F401  (before torch: the project's OpenMP settings)
+
+# Dense bf16 peak (TFLOP/s, no sparsity) by device name, from NVIDIA's datasheets; the first
+# substring that matches wins.
+BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                max_position_embeddings=32768, rope_theta=1_000_000.0)  # fmt: skip
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512, max_position_embeddings=512)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of one run: the real check, or the dry run."""
+
+    device: str
+    param_dtype: str  # compute dtype (FSDP mixed precision); master weights stay fp32
+    engine_dtype: str
+    shape: dict
+    sft_steps: int
+    sft_sample_len: int
+    sft_samples: int  # per step
+    pack_length: int
+    rl_steps: int
+    rl_prompts: int
+    rl_group: int
+    prompt_len: int
+    response_len: int
+    micro_batch_tokens: int
+    warmup: int  # steps of each phase left out of the figures
+
+
+GPU = Plan("cuda", "bfloat16", "bfloat16", QWEN_05B, sft_steps=6, sft_sample_len=512,
+           sft_samples=64, pack_length=2048, rl_steps=4, rl_prompts=16, rl_group=8,
+           prompt_len=128, response_len=256, micro_batch_tokens=8192, warmup=1)  # fmt: skip
+DRY = Plan("cpu", "bfloat16", "bfloat16", TINY, sft_steps=3, sft_sample_len=24, sft_samples=8,
+           pack_length=64, rl_steps=2, rl_prompts=2, rl_group=4, prompt_len=8, response_len=8,
+           micro_batch_tokens=512, warmup=1)  # fmt: skip
+
+
+def build_model_dir(out: Path, shape: dict) -> Path:
+    """A Qwen2 model of `shape` with random weights (seed 0) and the project's tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from training.backend.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(**shape, tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def matmul_params(shape: dict) -> int:
+    """Weights that multiply activations: all but the embedding lookup, plus the (tied) output
+    layer, which is a matmul of vocabulary × hidden."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    return body + shape["vocab_size"] * shape["hidden_size"]
+
+
+def model_flops(shape: dict, n_matmul: int, lengths: list[int]) -> float:
+    """Training FLOPs (forward + backward) of samples of these lengths (see the docstring)."""
+    attn = 12 * shape["num_hidden_layers"] * shape["hidden_size"]
+    return sum(6 * n_matmul * n + attn * n * n for n in lengths)
+
+
+def peak_flops(plan: Plan) -> tuple[float | None, str]:
+    """(FLOP/s the MFU is measured against or None, what that figure is)."""
+    import torch
+
+    if plan.device == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, tflops in BF16_PEAK_TFLOPS:
+            if key in name:
+                return tflops * 1e12, f"{name}: dense bf16 peak {tflops:.0f} TFLOP/s"
+        return None, f"{name}: bf16 peak unknown (not in BF16_PEAK_TFLOPS), MFU not computed"
+    a = torch.randn(512, 512, dtype=getattr(torch, plan.param_dtype))
+    for _ in range(5):
+        a @ a
+    t0, n = time.perf_counter(), 40
+    for _ in range(n):
+        a @ a
+    rate = n * 2 * 512**3 / (time.perf_counter() - t0)
+    return rate, (f"CPU: measured {plan.param_dtype} 512x512 matmul rate {rate / 1e9:.1f} "
+                  "GFLOP/s stands in for the peak (not a GPU figure)")  # fmt: skip
+
+
+def peak_memory_gib(plan: Plan) -> float:
+    """CUDA: torch's peak allocated memory since the last reset; CPU: this process's peak RSS."""
+    import torch
+
+    if plan.device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return harness.peak_rss_mb_self() / 1024
+
+
+def reset_peak_memory(plan: Plan) -> None:
+    import torch
+
+    if plan.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def sft_samples(plan: Plan, rng: random.Random, vocab: int) -> list:
+    from training.data.tokenize import TokenizedSample
+
+    n = plan.sft_sample_len
+    return [TokenizedSample(tuple(rng.randrange(5, vocab) for _ in range(n)), (0,) * 8 + (1,) * (n - 8),
+                            "gpu_check") for _ in range(plan.sft_samples)]  # fmt: skip
+
+
+def even_share(response_ids: tuple[int, ...]) -> float:
+    """The reward of the check: the share of even token ids (varied under random weights)."""
+    return sum(1 for t in response_ids if t % 2 == 0) / max(1, len(response_ids))
+
+
+async def sample_groups(engine, plan: Plan, rng: random.Random, vocab: int, step: int):
+    """A RolloutBatch of `rl_prompts` groups of `rl_group` samples from the engine."""
+    from rollouts.types import RolloutBatch, Sample
+
+    prompts = [[rng.randrange(5, vocab) for _ in range(plan.prompt_len)]
+               for _ in range(plan.rl_prompts)]  # fmt: skip
+    params = {"n": plan.rl_group, "max_new_tokens": plan.response_len, "temperature": 1.0,
+              "ignore_eos": True}  # fmt: skip
+    results = await engine.generate_batch(prompts, params)
+    groups = []
+    for g, prompt in enumerate(prompts):
+        group = []
+        for i, r in enumerate(results[g * plan.rl_group : (g + 1) * plan.rl_group]):
+            sample = Sample(tuple(prompt), r.output_ids, (1,) * len(r.output_ids),
+                            rollout_logprobs=r.output_logprobs or (), group_id=g,
+                            index_in_group=i, weight_version=step)  # fmt: skip
+            group.append(sample.with_reward(even_share(r.output_ids)))
+        groups.append(tuple(group))
+    return RolloutBatch(tuple(groups), step, 0)
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+async def measure(plan: Plan, tmp: Path) -> dict:
+    """Rank 0's run (world size 1): SFT, then GRPO with the engine and weight syncs."""
+    from engines import SGLangEngine, launch_engine
+    from engines.weight_sync import sync_weights_to_engines
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.config import OptimConfig
+    from training.rl.algorithms import grpo
+    from training.rl.batch import collate_rl
+    from training.rl.step import train_on_batch
+
+    model_dir = build_model_dir(tmp / "model", plan.shape)
+    tok = load_tokenizer(model_dir)
+    vocab, rng = len(tok), random.Random(0)
+    optim = OptimConfig(lr=1e-5, schedule="constant")
+    build = partial(load_model, str(model_dir), device=plan.device)
+    n_matmul = matmul_params(plan.shape)
+    figures: dict = {"n_params": n_matmul}
+
+    reset_peak_memory(plan)
+    sft = PyTorchTrainingBackend(build, tok, optim=optim, max_steps=100,
+                                 checkpoint_dir=tmp / "sft", pack_length=plan.pack_length,
+                                 micro_batch_tokens=plan.micro_batch_tokens)  # fmt: skip
+    times, flops, tokens = [], [], []
+    for _ in range(plan.sft_steps):
+        batch = sft_samples(plan, rng, vocab)
+        t0 = time.perf_counter()
+        fb = sft.forward_backward(batch)
+        await sft.optim_step().result()
+        metrics = await fb.result()
+        sync(plan.device)
+        times.append(time.perf_counter() - t0)
+        tokens.append(metrics["n_tokens"])
+        flops.append(model_flops(plan.shape, n_matmul, [len(s) for s in batch]))
+    figures["sft"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
+
+    reset_peak_memory(plan)
+    rl = PyTorchTrainingBackend(build, tok, optim=optim, max_steps=100, checkpoint_dir=tmp / "rl",
+                                pack_length=None, micro_batch_tokens=plan.micro_batch_tokens,
+                                collate_fn=partial(collate_rl, pad_id=tok.pad_token_id))  # fmt: skip
+    engine_args = ["--device", plan.device, "--dtype", plan.engine_dtype, "--weight-version", "0",
+                   "--max-running-requests", str(plan.rl_prompts * plan.rl_group)]  # fmt: skip
+    times, flops, tokens, gen_s, gen_tokens, sync_s = [], [], [], [], [], []
+    async with (
+        launch_engine(kind="local", model_path=model_dir, extra_args=engine_args,
+                      log_path=tmp / "engine.log", startup_timeout_s=600) as launched,
+        SGLangEngine(launched.url) as engine,
+    ):  # fmt: skip
+        for step in range(plan.rl_steps):
+            t0 = time.perf_counter()
+            batch = await sample_groups(engine, plan, rng, vocab, step)
+            gen_s.append(time.perf_counter() - t0)
+            lengths = [len(s.prompt_ids) + len(s.response_ids) for g in batch.groups for s in g]
+            gen_tokens.append(sum(len(s.response_ids) for g in batch.groups for s in g))
+            t0 = time.perf_counter()
+            metrics = await train_on_batch(rl, batch, grpo(), temperature=1.0,
+                                           old_from_rollout=False, reference=None)  # fmt: skip
+            sync(plan.device)
+            times.append(time.perf_counter() - t0)
+            tokens.append(sum(lengths))
+            flops.append(model_flops(plan.shape, n_matmul, lengths))
+            t0 = time.perf_counter()
+            path = await rl.export_weights(tmp / "weights" / f"v{rl.weight_version:04d}")
+            await sync_weights_to_engines([engine], path, str(rl.weight_version))
+            sync_s.append(time.perf_counter() - t0)
+        served = (await engine.model_info()).weight_version
+    w = plan.warmup
+    figures["grpo"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
+    figures["engine"] = {"generate_s": harness.median(gen_s[w:]),
+                         "tokens_per_s": sum(gen_tokens[w:]) / sum(gen_s[w:])}  # fmt: skip
+    figures["weight_sync_s"] = harness.median(sync_s[w:])
+    figures["served_version"] = served
+    figures["trained_version"] = str(rl.weight_version)
+    return figures
+
+
+def phase_figures(plan: Plan, times: list[float], tokens: list[int], flops: list[float], *,
+                  loss: float) -> dict:  # fmt: skip
+    w = plan.warmup
+    return {"step_s": harness.median(times[w:]), "tokens_per_s": sum(tokens[w:]) / sum(times[w:]),
+            "tflops": sum(flops[w:]) / sum(times[w:]) / 1e12,
+            "peak_memory_gib": peak_memory_gib(plan), "loss": loss}  # fmt: skip
+
+
+def run(plan: Plan) -> dict:
+    """Join a process group of one (NCCL on CUDA, gloo on CPU) and run `measure` on rank 0."""
+    import trio
+
+    from engines.launch import find_free_port
+    from training.config import BackendConfig, FSDPConfig
+    from training.distributed import current, run_rank0
+
+    for key, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(find_free_port()))):  # fmt: skip
+        os.environ.setdefault(key, value)
+    fsdp = FSDPConfig(at_world_size_1=True, param_dtype=plan.param_dtype, reduce_dtype="float32")
+    config = BackendConfig(device=plan.device, fsdp=fsdp)
+
+    def main() -> dict:
+        ctx = current()
+        assert ctx is not None and ctx.world == 1, "expected a process group of one"
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+            figures = trio.run(measure, plan, Path(tmp))
+        import torch.distributed as dist
+
+        figures["process_group"] = dist.get_backend()
+        return figures
+
+    result = run_rank0(config, main)
+    assert result is not None
+    return result
+
+
+def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
+           ) -> tuple[list[str], list[str]]:  # fmt: skip
+    """(markdown parts, notes) of the figures; MFU against `peak` FLOP/s (None: unknown)."""
+    import torch
+
+    rows = []
+    for phase, label in (("sft", "SFT step"), ("grpo", "GRPO update")):
+        f = figures[phase]
+        f["mfu"] = f["tflops"] * 1e12 / peak if peak else None
+        mfu = f"{100 * f['mfu']:.1f} %" if peak else "n/a"
+        rows.append([label, f["step_s"], f["tokens_per_s"], f["tflops"], mfu,
+                     f["peak_memory_gib"], f["loss"]])  # fmt: skip
+    memory = "peak allocated (GiB)" if plan.device == "cuda" else "peak RSS (GiB)"
+    table = harness.md_table(["phase", "step (s)", "tokens/s", "model TFLOP/s", "MFU", memory,
+                              "loss"], rows)  # fmt: skip
+    device = torch.cuda.get_device_name() if plan.device == "cuda" else harness.cpu_model()
+    shape = plan.shape
+    notes = [
+        f"- Device: {device}; {peak_text}.",
+        f"- Model: Qwen2, hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+        f"{shape['num_attention_heads']} heads / {shape['num_key_value_heads']} KV heads, MLP "
+        f"{shape['intermediate_size']}, vocabulary {shape['vocab_size']:,}, tied embeddings; "
+        f"{figures['n_params']:,} weights that multiply; random weights.",
+        f"- Training: FSDP2 in a process group of one ({figures['process_group']}), compute in "
+        f"{plan.param_dtype} over fp32 master weights, AdamW; SFT {plan.sft_samples} samples x "
+        f"{plan.sft_sample_len} tokens per step packed into rows of {plan.pack_length}; GRPO "
+        f"{plan.rl_prompts} prompts x {plan.rl_group} samples, {plan.prompt_len}-token prompts, "
+        f"{plan.response_len}-token responses; micro-batches of {plan.micro_batch_tokens} "
+        f"tokens; medians over the steps after the first {plan.warmup}.",
+        f"- Local engine ({plan.device}, {plan.engine_dtype}): "
+        f"{figures['engine']['tokens_per_s']:,.0f} generated tokens/s "
+        f"({figures['engine']['generate_s']:.2f} s per batch of "
+        f"{plan.rl_prompts * plan.rl_group} responses).",
+        "- Peak memory is the trainer process's, per phase (the engine is its own process)."
+        if plan.device == "cuda"
+        else "- Peak RSS is the trainer process's, since it started.",
+        f"- Weight sync (export_weights + sync_weights_to_engines): "
+        f"{figures['weight_sync_s']:.2f} s; the engine serves version "
+        f"{figures['served_version']} after {figures['trained_version']} GRPO steps.",
+    ]
+    return [table], notes
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="the same code on CPU at tiny size (what make test runs)")  # fmt: skip
+    p.add_argument("--results", type=Path, default=None,
+                   help="the RESULTS.md to write (default: benchmarks/RESULTS.md; with "
+                   "--dry-run benchmarks/results/quick/RESULTS.md)")  # fmt: skip
+    args = p.parse_args()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run it on a GPU machine, or with --dry-run for "
+              "the CPU smoke run", file=sys.stderr)  # fmt: skip
+        return 2
+    plan = DRY if args.dry_run else GPU
+    started = time.time()
+    peak, peak_text = peak_flops(plan)
+    figures = run(plan)
+    parts, notes = report(plan, figures, peak, peak_text)
+    smoke = "Dry run (`--dry-run`: CPU, tiny model): checks the code path; not GPU figures." if args.dry_run else ""  # fmt: skip
+    title = "GPU check: SFT, GRPO, FSDP2, local engine and weight sync on one GPU"
+    print(f"\n{title}\n" + "\n".join(parts) + "\n" + "\n".join(notes))
+    harness.write_section("gpu_check", title, "\n\n".join(parts) + "\n\n" + "\n".join(notes),
+                          quick=args.dry_run, started=started, path=args.results,
+                          smoke=smoke)  # fmt: skip
+    harness.emit({k: v for k, v in figures.items() if k != "process_group"})
+    bad = [k for k in ("sft", "grpo") if not all(math.isfinite(v) and v > 0 for v in
+           (figures[k]["step_s"], figures[k]["tokens_per_s"], figures[k]["tflops"]))]  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""benchmarks/gpu_check.py --dry-run: the GPU check's code path (FSDP2 in a group of one, SFT and
+GRPO steps, the local engine, a weight sync) runs on CPU and reports sane figures, so the
+script a GPU machine runs cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from tests.distributed_launch import ROOT
+
+
+def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_section(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
+                           "--results", str(results)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT "))
+    figures = json.loads(line.removeprefix("BENCH_RESULT "))
+    for phase in ("sft", "grpo"):
+        for key in ("step_s", "tokens_per_s", "tflops", "mfu", "peak_memory_gib"):
+            value = figures[phase][key]
+            assert math.isfinite(value) and value > 0, (phase, key, value)
+        assert math.isfinite(figures[phase]["loss"])
+    assert figures["engine"]["tokens_per_s"] > 0 and figures["weight_sync_s"] > 0
+    assert figures["served_version"] == figures["trained_version"] == "2"
+    for text in (proc.stdout, results.read_text()):
+        assert "| SFT step" in text and "| GRPO update" in text and "MFU" in text
+    section = results.read_text()
+    assert "<!-- begin gpu_check -->" in section and "Dry run" in section
