@@ -229,8 +229,8 @@ def register_native_routes(app: App, state: EngineState) -> None:
 
     @app.route("/flush_cache", methods=("GET", "POST"), admin=True)
     async def flush_cache(request: Request) -> Response:
-        # There is no prefix cache to drop; keep SGLang's refusal while requests are queued.
-        if state.scheduler is not None and state.scheduler.busy:
+        # SGLang 0.5.23: refused while requests run, or wait outside a pause
+        if state.scheduler is not None and not await state.scheduler.flush_cache():
             return text_response("Cache not flushed.\n" + _FLUSH_NOTE, 400)
         return text_response("Cache flushed.\n" + _FLUSH_NOTE)
 
