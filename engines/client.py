@@ -17,6 +17,11 @@ Contract:
   `no_stop_trim: true` unless the caller sets it, so `text` decodes all of `output_ids`.
 - While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
   `/health_generate` waits behind the pause and answers 503 after 20 s.
+- Every `/generate` (and `score`) carries `extra_key = self.kv_namespace`, SGLang's prefix-cache
+  namespace, and every `pause()` moves the client to a fresh namespace first. So a request sent
+  after a pause never reuses prefix KV computed before it, i.e. by older weights, even when the
+  engine keeps its cache (a pause "in_place" refuses the flush). The namespace starts random,
+  so a restarted trainer never reuses a previous run's entries either.
 
 Not covered: streaming (`stream: true`) — RL rollouts use whole responses; the router's worker
 management API.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -92,6 +98,8 @@ class SGLangEngine(LoraClientMixin):
         self.expected_lora: tuple[str, str] | None = None
         self.lora_loaded: list[str] = []
         self._info_paths: dict[str, str] = {}  # "/model_info" -> the form this server answers
+        self._kv_id, self._pauses = uuid.uuid4().hex[:12], 0
+        self.kv_namespace = f"rollouts-{self._kv_id}-0"  # `extra_key` of every /generate
 
     @property
     def url(self) -> str:
@@ -143,6 +151,7 @@ class SGLangEngine(LoraClientMixin):
             raise ValueError("generate() returns one sample; use generate_batch() for n > 1")
         body = generate_body(list(input_ids), params, rid, return_logprob, top_logprobs_num,
                              logprob_start_len, resolve_lora_path(self, lora_path))  # fmt: skip
+        body["extra_key"] = self.kv_namespace
         started = time.perf_counter()
         response = await self._post_generate(body)
         return self._parse(response, started, len(body["input_ids"]))
@@ -169,6 +178,7 @@ class SGLangEngine(LoraClientMixin):
         rid_list = list(rids) if rids else None
         body = generate_body(prompts, params, rid_list, return_logprob, top_logprobs_num,
                              logprob_start_len, resolve_lora_path(self, lora_path))  # fmt: skip
+        body["extra_key"] = self.kv_namespace
         started = time.perf_counter()
         response = await self._post_generate(body)
         objs = decode_json(response, "POST /generate", self._url)
@@ -221,6 +231,7 @@ class SGLangEngine(LoraClientMixin):
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
             "return_logprob": True,
             "logprob_start_len": start - 1,  # entry 0 (position start-1) is always null
+            "extra_key": self.kv_namespace,
         }
         lora = resolve_lora_path(self, lora_path)
         if lora is not None:
@@ -254,8 +265,9 @@ class SGLangEngine(LoraClientMixin):
     ) -> str:
         """Load weights from `path` (HF layout, sent absolute); returns the server's message.
 
-        SGLang 0.5.23 refuses `flush_cache=True` (400, version not set) while requests are kept
-        in the engine (pause "in_place"/"retract"); flush when idle instead.
+        SGLang 0.5.23 refuses `flush_cache=True` (400, version not set) while requests are
+        running (pause "in_place"); it accepts it while paused with only waiting (retracted)
+        requests (pause "retract"), and when idle.
 
         Raises:
             EngineError: the server refused (it then keeps its old weights); the message is
@@ -289,8 +301,13 @@ class SGLangEngine(LoraClientMixin):
         await self._http.json("POST", "/update_weight_version", body=body, admin=True)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes."""
+        """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes.
+
+        Requests sent from now on use a fresh `kv_namespace` (their `extra_key`): the weights
+        may change before they run, and none may reuse KV computed before the pause."""
         self.paused = True  # before the call: it may reach the server even if it fails
+        self._pauses += 1
+        self.kv_namespace = f"rollouts-{self._kv_id}-{self._pauses}"
         try:
             await self._http.json("POST", "/pause_generation", body={"mode": mode}, admin=True)
         except EngineUnavailableError:
@@ -306,7 +323,8 @@ class SGLangEngine(LoraClientMixin):
         self.paused = False
 
     async def flush_cache(self) -> None:
-        """`/flush_cache`; SGLang refuses (400) while requests are running or queued."""
+        """`/flush_cache`; SGLang 0.5.23 refuses (400) while requests are running, or queued
+        outside a pause (`is_fully_idle(ignore_waiting=paused)`)."""
         await self._http.request(
             "POST", "/flush_cache", timeout=self.timeouts.control_s, admin=True
         )

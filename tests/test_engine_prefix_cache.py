@@ -4,14 +4,23 @@ old weights behind it (issue 25). References are the tiny HF models run in this 
 from __future__ import annotations
 
 import httpx
+import pytest
 import torch
 import trio
 from test_engine_local import teacher_forced, wait_for
 
+from engines import sync_weights_to_engines
 from engines.local.prefix_cache import PrefixCache
 
 PROMPT = list(range(10, 50))  # 40 tokens
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_model_seed1(tiny_model_dir_seed1):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir_seed1).eval()
 
 
 async def _generate(http: httpx.AsyncClient, ids, **body) -> dict:
@@ -90,6 +99,42 @@ async def test_flush_empties_the_cache_and_a_retract_pause_allows_it(local_engin
 async def _running(server) -> bool:
     running = server.state.scheduler.running
     return bool(running) and len(running[0].output_ids) >= 3
+
+
+async def _sync_with_a_request_in_flight(server, engine, new_dir, mode: str) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.generate, [1, 2], {"max_new_tokens": 150, "ignore_eos": True})
+        await wait_for(lambda: _running(server))
+        with trio.fail_after(60):
+            await sync_weights_to_engines([engine], new_dir, "v1", pause_mode=mode)
+
+
+async def test_after_a_retract_sync_a_cached_prompt_reuses_nothing_from_the_old_weights(
+    local_engine, tiny_model_dir_seed1, tiny_hf_model_seed1
+):
+    server, engine = local_engine
+    async with httpx.AsyncClient(base_url=server.url) as http:  # no extra_key: any client
+        await _generate(http, PROMPT)  # the prefix is cached under the old weights
+        await _sync_with_a_request_in_flight(server, engine, tiny_model_dir_seed1, "retract")
+        out = await _generate(http, PROMPT)
+    assert out["meta_info"]["weight_version"] == "v1"
+    want = teacher_forced(tiny_hf_model_seed1, PROMPT, out["output_ids"])
+    assert _close(_output_logprobs(out), want), (_output_logprobs(out), want)
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
+async def test_after_an_in_place_sync_the_clients_requests_reuse_nothing_from_the_old_weights(
+    local_engine, tiny_model_dir_seed1, tiny_hf_model_seed1
+):
+    server, engine = local_engine
+    await engine.generate(PROMPT, GREEDY)  # cached under the client's namespace, old weights
+    assert (await engine.generate(PROMPT, GREEDY)).cached_tokens == 39
+    await _sync_with_a_request_in_flight(server, engine, tiny_model_dir_seed1, "in_place")
+    result = await engine.generate(PROMPT, GREEDY)
+    assert result.weight_version == "v1"
+    want = teacher_forced(tiny_hf_model_seed1, PROMPT, list(result.output_ids))
+    assert _close(list(result.output_logprobs), want), (result.output_logprobs, want)
+    assert result.cached_tokens == 0
 
 
 def test_the_cache_evicts_least_recently_used_leaves_past_its_token_budget():
