@@ -29,6 +29,7 @@ management API.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -53,6 +54,8 @@ from .types import (
     generate_body,
     parse_generate_response,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class SGLangEngine(LoraClientMixin):
@@ -100,6 +103,9 @@ class SGLangEngine(LoraClientMixin):
         self._info_paths: dict[str, str] = {}  # "/model_info" -> the form this server answers
         self._kv_id, self._pauses = uuid.uuid4().hex[:12], 0
         self.kv_namespace = f"rollouts-{self._kv_id}-0"  # `extra_key` of every /generate
+        # aborts sent while this client had the engine paused: SGLang loses those that target
+        # requests held behind the pause, so `resume()` sends them again ("" = abort_all)
+        self._aborts_in_pause: list[str] = []
 
     @property
     def url(self) -> str:
@@ -224,6 +230,11 @@ class SGLangEngine(LoraClientMixin):
         `generate` (None scores with the base model).
         """
         ids = list(input_ids)
+        if temperature != 1.0:  # SGLang 0.5.23 returns input logprobs of the raw logits
+            raise ValueError(
+                f"score(temperature={temperature}): SGLang's input logprobs are not "
+                "temperature-scaled; only temperature 1.0 can be scored"
+            )
         if not 1 <= start < len(ids):
             raise ValueError(f"start must be in [1, {len(ids)}), got {start}")
         body = {
@@ -315,12 +326,24 @@ class SGLangEngine(LoraClientMixin):
             raise
 
     async def resume(self) -> None:
+        """`/continue_generation`, then the aborts sent during the pause, once more: SGLang
+        0.5.23 drops an abort of a request held behind a pause, which then runs."""
         try:
             await self._http.json("POST", "/continue_generation", body={}, admin=True)
         except EngineUnavailableError:
             self.paused = False  # gone: a restarted server is not paused
+            self._aborts_in_pause.clear()
             raise
         self.paused = False
+        pending, self._aborts_in_pause = self._aborts_in_pause, []
+        for rid in dict.fromkeys(pending):
+            body = {"rid": rid} if rid else {"abort_all": True}
+            try:
+                await self._http.request("POST", "/abort_request", body=body, admin=True,
+                                         timeout=self.timeouts.control_s, retries=0)  # fmt: skip
+            except EngineError as exc:  # the request may be gone anyway; never fail a resume
+                logger.warning("%s: re-sending abort %r after the resume failed: %s",
+                               self._url, body, exc)  # fmt: skip
 
     async def flush_cache(self) -> None:
         """`/flush_cache`; SGLang 0.5.23 refuses (400) while requests are running, or queued
@@ -332,7 +355,10 @@ class SGLangEngine(LoraClientMixin):
     async def abort(self, rid: str) -> None:
         """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are
         ignored. SGLang aborts every rid that starts with `rid`: use rids that are never
-        prefixes of each other."""
+        prefixes of each other. While this client has the engine paused, the abort is sent
+        again after `resume()` (SGLang loses aborts of requests held behind a pause)."""
+        if self.paused:
+            self._aborts_in_pause.append(rid)
         await self._http.request(
             "POST",
             "/abort_request",
@@ -345,6 +371,8 @@ class SGLangEngine(LoraClientMixin):
         """Abort every request on the engine; one attempt: an engine that cannot be reached
         (often one being stopped at the same shutdown) has nothing left to abort."""
         body = {"abort_all": True}
+        if self.paused:
+            self._aborts_in_pause.append("")
         timeout = self.timeouts.control_s
         await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True,
                                  retries=0)  # fmt: skip

@@ -368,7 +368,9 @@ class ModelRunner:
         # logits[j] is position length - kept + j of the (unpadded) prompt
         first = start - (length - kept)
         scored = logits[first : kept - 1]  # predicts prompt[start + 1 :]
-        logprobs = scaled_logprobs(scored, [seq.item.params.temperature] * scored.shape[0])
+        # SGLang 0.5.23: input logprobs are log-softmax of the raw logits, whatever the
+        # request's temperature (only sampled output logprobs are temperature-scaled)
+        logprobs = scaled_logprobs(scored, [1.0] * scored.shape[0])
         targets = torch.tensor(prompt[start + 1 :], device=logits.device)
         values = (
             logprobs.gather(1, targets[:, None]).flatten().clamp(min=torch.finfo(torch.float32).min)

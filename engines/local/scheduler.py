@@ -12,7 +12,8 @@ Contract:
 - `pause(mode)`: "abort" aborts everything, "retract" moves running requests back to the queue
   (recomputed on resume, `num_retractions` grows), "in_place" freezes them with their KV cache.
   Each returns once no step is running. New requests wait in front of the scheduler until
-  `resume()` (SGLang holds them in its tokenizer manager); they can still be aborted by rid.
+  `resume()` (SGLang holds them in its tokenizer manager), out of reach of `/abort_request`
+  (by rid or all: SGLang loses those aborts too); a client disconnect still drops them.
 - Prefix-cache flush (`flush_cache`, and an update with `flush_cache: true`), SGLang 0.5.23's
   rule (`is_fully_idle(ignore_waiting=self._engine_paused)`): refused while a request is
   running (an "in_place" pause keeps them running) or, unless paused, waiting; so it succeeds
@@ -306,10 +307,13 @@ class Scheduler:
         return count
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
-        """Abort `rid` and, as SGLang 0.5.23's scheduler does, every rid it is a prefix of."""
+        """Abort `rid` and, as SGLang 0.5.23's scheduler does, every rid it is a prefix of.
+
+        Requests held behind a pause are not reached (SGLang's tokenizer manager has not
+        registered them yet, nor has the scheduler): they run after the resume."""
         if not abort_all and not rid:
             return 0
-        live = [*self.held, *self.waiting, *self.running]
+        live = [*self.waiting, *self.running]
         return self.abort_sequences(s for s in live if abort_all or s.rid.startswith(rid or ""))
 
     async def wait_idle(self) -> None:
