@@ -10,7 +10,8 @@ PLOT_STAMP := $(VENV)/.installed-plot
 # Benchmarks, in the order `make bench` runs them; BENCH_ARGS=--quick gives a smoke run.
 BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/grpo_update.py \
 	benchmarks/rollout_throughput.py \
-	benchmarks/engine_throughput.py benchmarks/weight_sync.py benchmarks/rl_scaling.py \
+	benchmarks/engine_throughput.py benchmarks/prefix_cache.py benchmarks/weight_sync.py \
+	benchmarks/rl_scaling.py \
 	benchmarks/rl_algorithms.py benchmarks/engine_abuse.py benchmarks/checkpoint_kill.py \
 	benchmarks/distributed_scaling.py benchmarks/lora.py
 BENCH_ARGS ?=

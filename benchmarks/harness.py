@@ -37,6 +37,8 @@ SECTIONS = (
     "grpo_update",
     "rollout_throughput",
     "engine_throughput",
+    "prefix_cache",
+    "prefix_cache_small",
     "weight_sync",
     "rl_scaling",
     "rl_algorithms",

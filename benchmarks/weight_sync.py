@@ -145,7 +145,9 @@ def main() -> int:
             f"Where the 1-engine time goes: export {med['export'] * 1000:.0f} ms (model "
             f"{med['export_model'] * 1000:.0f} ms, tokenizer {med['export_tokenizer'] * 1000:.0f} ms), "
             f"server-side load {server * 1000:.0f} ms, pause + model_info + continue "
-            f"{med['control'] * 1000:.0f} ms, the rest (HTTP of the update call, scheduling) "
+            f"{med['control'] * 1000:.0f} ms (idle engine; on SGLang 0.5.23 a pause \"abort\" "
+            "with requests in flight takes >= 1 s: its tokenizer manager re-checks every 1 s "
+            "until they are gone), the rest (HTTP of the update call, scheduling) "
             f"{(med['ours_1'] - med['export'] - server - med['control']) * 1000:.0f} ms."
         )  # fmt: skip
     table = harness.md_table(["model", "path", "ms (median)", "vs raw (per repeat, median)",

@@ -17,6 +17,11 @@ Contract:
   `no_stop_trim: true` unless the caller sets it, so `text` decodes all of `output_ids`.
 - While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
   `/health_generate` waits behind the pause and answers 503 after 20 s.
+- Every `/generate` (and `score`) carries `extra_key = self.kv_namespace`, SGLang's prefix-cache
+  namespace, and every `pause()` moves the client to a fresh namespace first. So a request sent
+  after a pause never reuses prefix KV computed before it, i.e. by older weights, even when the
+  engine keeps its cache (a pause "in_place" refuses the flush). The namespace starts random,
+  so a restarted trainer never reuses a previous run's entries either.
 
 Not covered: streaming (`stream: true`) — RL rollouts use whole responses; the router's worker
 management API.
@@ -24,8 +29,10 @@ management API.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +54,8 @@ from .types import (
     generate_body,
     parse_generate_response,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class SGLangEngine(LoraClientMixin):
@@ -92,6 +101,11 @@ class SGLangEngine(LoraClientMixin):
         self.expected_lora: tuple[str, str] | None = None
         self.lora_loaded: list[str] = []
         self._info_paths: dict[str, str] = {}  # "/model_info" -> the form this server answers
+        self._kv_id, self._pauses = uuid.uuid4().hex[:12], 0
+        self.kv_namespace = f"rollouts-{self._kv_id}-0"  # `extra_key` of every /generate
+        # aborts sent while this client had the engine paused: SGLang loses those that target
+        # requests held behind the pause, so `resume()` sends them again ("" = abort_all)
+        self._aborts_in_pause: list[str] = []
 
     @property
     def url(self) -> str:
@@ -143,6 +157,7 @@ class SGLangEngine(LoraClientMixin):
             raise ValueError("generate() returns one sample; use generate_batch() for n > 1")
         body = generate_body(list(input_ids), params, rid, return_logprob, top_logprobs_num,
                              logprob_start_len, resolve_lora_path(self, lora_path))  # fmt: skip
+        body["extra_key"] = self.kv_namespace
         started = time.perf_counter()
         response = await self._post_generate(body)
         return self._parse(response, started, len(body["input_ids"]))
@@ -169,6 +184,7 @@ class SGLangEngine(LoraClientMixin):
         rid_list = list(rids) if rids else None
         body = generate_body(prompts, params, rid_list, return_logprob, top_logprobs_num,
                              logprob_start_len, resolve_lora_path(self, lora_path))  # fmt: skip
+        body["extra_key"] = self.kv_namespace
         started = time.perf_counter()
         response = await self._post_generate(body)
         objs = decode_json(response, "POST /generate", self._url)
@@ -214,6 +230,11 @@ class SGLangEngine(LoraClientMixin):
         `generate` (None scores with the base model).
         """
         ids = list(input_ids)
+        if temperature != 1.0:  # SGLang 0.5.23 returns input logprobs of the raw logits
+            raise ValueError(
+                f"score(temperature={temperature}): SGLang's input logprobs are not "
+                "temperature-scaled; only temperature 1.0 can be scored"
+            )
         if not 1 <= start < len(ids):
             raise ValueError(f"start must be in [1, {len(ids)}), got {start}")
         body = {
@@ -221,6 +242,7 @@ class SGLangEngine(LoraClientMixin):
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
             "return_logprob": True,
             "logprob_start_len": start - 1,  # entry 0 (position start-1) is always null
+            "extra_key": self.kv_namespace,
         }
         lora = resolve_lora_path(self, lora_path)
         if lora is not None:
@@ -254,8 +276,9 @@ class SGLangEngine(LoraClientMixin):
     ) -> str:
         """Load weights from `path` (HF layout, sent absolute); returns the server's message.
 
-        SGLang 0.5.23 refuses `flush_cache=True` (400, version not set) while requests are kept
-        in the engine (pause "in_place"/"retract"); flush when idle instead.
+        SGLang 0.5.23 refuses `flush_cache=True` (400, version not set) while requests are
+        running (pause "in_place"); it accepts it while paused with only waiting (retracted)
+        requests (pause "retract"), and when idle.
 
         Raises:
             EngineError: the server refused (it then keeps its old weights); the message is
@@ -289,8 +312,13 @@ class SGLangEngine(LoraClientMixin):
         await self._http.json("POST", "/update_weight_version", body=body, admin=True)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes."""
+        """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes.
+
+        Requests sent from now on use a fresh `kv_namespace` (their `extra_key`): the weights
+        may change before they run, and none may reuse KV computed before the pause."""
         self.paused = True  # before the call: it may reach the server even if it fails
+        self._pauses += 1
+        self.kv_namespace = f"rollouts-{self._kv_id}-{self._pauses}"
         try:
             await self._http.json("POST", "/pause_generation", body={"mode": mode}, admin=True)
         except EngineUnavailableError:
@@ -298,15 +326,28 @@ class SGLangEngine(LoraClientMixin):
             raise
 
     async def resume(self) -> None:
+        """`/continue_generation`, then the aborts sent during the pause, once more: SGLang
+        0.5.23 drops an abort of a request held behind a pause, which then runs."""
         try:
             await self._http.json("POST", "/continue_generation", body={}, admin=True)
         except EngineUnavailableError:
             self.paused = False  # gone: a restarted server is not paused
+            self._aborts_in_pause.clear()
             raise
         self.paused = False
+        pending, self._aborts_in_pause = self._aborts_in_pause, []
+        for rid in dict.fromkeys(pending):
+            body = {"rid": rid} if rid else {"abort_all": True}
+            try:
+                await self._http.request("POST", "/abort_request", body=body, admin=True,
+                                         timeout=self.timeouts.control_s, retries=0)  # fmt: skip
+            except EngineError as exc:  # the request may be gone anyway; never fail a resume
+                logger.warning("%s: re-sending abort %r after the resume failed: %s",
+                               self._url, body, exc)  # fmt: skip
 
     async def flush_cache(self) -> None:
-        """`/flush_cache`; SGLang refuses (400) while requests are running or queued."""
+        """`/flush_cache`; SGLang 0.5.23 refuses (400) while requests are running, or queued
+        outside a pause (`is_fully_idle(ignore_waiting=paused)`)."""
         await self._http.request(
             "POST", "/flush_cache", timeout=self.timeouts.control_s, admin=True
         )
@@ -314,7 +355,10 @@ class SGLangEngine(LoraClientMixin):
     async def abort(self, rid: str) -> None:
         """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are
         ignored. SGLang aborts every rid that starts with `rid`: use rids that are never
-        prefixes of each other."""
+        prefixes of each other. While this client has the engine paused, the abort is sent
+        again after `resume()` (SGLang loses aborts of requests held behind a pause)."""
+        if self.paused:
+            self._aborts_in_pause.append(rid)
         await self._http.request(
             "POST",
             "/abort_request",
@@ -327,6 +371,8 @@ class SGLangEngine(LoraClientMixin):
         """Abort every request on the engine; one attempt: an engine that cannot be reached
         (often one being stopped at the same shutdown) has nothing left to abort."""
         body = {"abort_all": True}
+        if self.paused:
+            self._aborts_in_pause.append("")
         timeout = self.timeouts.control_s
         await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True,
                                  retries=0)  # fmt: skip

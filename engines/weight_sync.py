@@ -1,11 +1,20 @@
 """`sync_weights_to_engines`: push a checkpoint to every engine, concurrently, and verify it.
 
-Contract (per engine, all engines at once): pause → flush the cache (pause mode "abort" only:
-the engine is then idle; retried while it still answers 400, at most `flush_retries` times, as
-slime does) → `update_weights_from_disk(dir, version, flush_cache=False)` → read `/model_info`
-and check it reports `version` → continue. The update never asks for its own flush: with
-requests kept in the engine (pause "in_place"/"retract") SGLang 0.5.23 refuses that flush with a
-400 and does not set the version (0.5.1–0.5.14 crash on an assert).
+Contract (per engine, all engines at once): pause → flush the prefix cache → `update_weights_
+from_disk(dir, version, flush_cache=False)` → read `/model_info` and check it reports `version`
+→ continue. No KV computed by the old weights is reused after the sync, in any pause mode:
+- "abort" and "retract": the flush right after the pause. SGLang 0.5.23 flushes when no request
+  is running and, while paused, ignores the waiting ones (`is_fully_idle(ignore_waiting=
+  self._engine_paused)`): after "abort" the engine is idle, after "retract" the running
+  requests are back in the waiting queue and are recomputed on resume (`PauseGenerationReqInput`:
+  "The KV cache can be flushed in this mode"). Retried while it answers 400 (aborts settling),
+  at most `flush_retries` times, as slime does; then the sync fails for that engine.
+- "in_place": requests keep running on their KV, so SGLang refuses any flush (and an update
+  that asks for one fails without setting the version). The cache is namespaced instead:
+  every request the client sends carries `extra_key = engine.kv_namespace`, which `pause()`
+  renews, so nothing sent after the pause matches a prefix cached before it. The in-place
+  requests themselves finish on KV that mixes old and new weights; their
+  `meta_info.weight_versions` spans say so.
 - Every engine that was paused is resumed, whatever happened: a failure, another engine's
   failure, or cancellation (the resume runs shielded, bounded by `resume_timeout_s`).
 - An engine that cannot be reached (`EngineUnavailableError`: dead, restarting) is skipped and
@@ -61,9 +70,10 @@ async def sync_weights_to_engines(
         checkpoint_dir: HF-layout directory the engines can read (same filesystem).
         weight_version: the new label; each engine must report it afterwards.
         pause_mode: how in-flight requests are paused ("abort" aborts them, as SGLang's RL
-            recipe does; "retract"/"in_place" keep them, finishing under the new weights).
+            recipe does; "retract" recomputes them on the new weights; "in_place" keeps their
+            KV, so they finish on mixed weights).
         paused: every engine is already paused (`pause_engines`); skip the pause.
-        flush_retries, flush_retry_s: bound on the flush before the update (pause "abort").
+        flush_retries, flush_retry_s: bound on the flush before the update ("abort", "retract").
 
     Returns:
         Seconds the sync took.
@@ -84,7 +94,7 @@ async def sync_weights_to_engines(
             if not is_paused:
                 await engine.pause(pause_mode)
                 is_paused = True
-            if pause_mode == "abort":
+            if pause_mode != "in_place":  # "in_place" relies on `kv_namespace` (module doc)
                 await _flush(engine, flush_retries, flush_retry_s)
             await engine.update_weights_from_disk(path, weight_version, flush_cache=False)
             info = await engine.model_info()
@@ -152,7 +162,8 @@ async def _raise_failures(what: str, n_engines: int, down: dict[str, str],
 
 
 async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
-    """Flush an idle (paused, aborted) engine's cache; it answers 400 until aborts settle."""
+    """Flush a paused engine's cache ("abort": idle; "retract": only waiting requests left);
+    it answers 400 until aborts settle."""
     for attempt in range(retries + 1):
         try:
             await engine.flush_cache()

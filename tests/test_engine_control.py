@@ -54,8 +54,10 @@ async def test_abort_all_returns_every_one_of_8_long_requests_as_abort(local_eng
     assert sorted(r.rid for r in results) == sorted(f"long-{i}" for i in range(8))
 
 
-async def test_pause_blocks_new_requests_until_continue_and_abort_in_queue_says_so(local_engine):
-    _, engine = local_engine
+async def test_an_abort_sent_during_a_pause_is_lost_on_the_server_and_resent_by_the_client(
+    local_engine,
+):
+    server, engine = local_engine
     await engine.pause("abort")
     done = trio.Event()
     results = []
@@ -64,22 +66,36 @@ async def test_pause_blocks_new_requests_until_continue_and_abort_in_queue_says_
         results.append(await engine.generate([1, 2, 3], {"max_new_tokens": 4}, rid=rid))
         done.set()
 
+    # SGLang 0.5.23: a request held behind a pause is not known to the scheduler yet, so an
+    # abort (by rid or all) misses it and it runs after the resume
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(base_url=server.url) as http:
+        nursery.start_soon(run, "held")
+        await wait_for(lambda: _state_is(engine, held=1))  # in front of the scheduler
+        for body in ({"rid": "held"}, {"abort_all": True}):
+            assert (await http.post("/abort_request", json=body)).status_code == 200
+        await trio.sleep(0.2)
+        assert not done.is_set()
+        await engine.resume()
+    assert results[0].finish_reason.type == "length" and len(results[0].output_ids) == 4
+
+    # the client remembers aborts sent while it has the engine paused and sends them again
+    # right after its resume, so an abandoned request does not run on
+    await engine.pause("abort")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, "queued")
-        await wait_for(lambda: _state_is(engine, held=1))  # in front of the scheduler
-        assert not done.is_set()
-        await engine.abort("queued")  # aborting a request that never started
-    assert (
-        results[0].finish_reason.message == "Abort in waiting queue" and results[0].output_ids == ()
-    )
+        await wait_for(lambda: _state_is(engine, held=1))
+        await engine.abort("queued")
+        await engine.resume()
+    assert results[1].finish_reason.type == "abort" and len(results[1].output_ids) < 4
 
+    await engine.pause("abort")
     done = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, "released")
         await wait_for(lambda: _state_is(engine, held=1))
         assert not done.is_set()
         await engine.resume()
-    assert results[1].finish_reason.type == "length" and len(results[1].output_ids) == 4
+    assert results[2].finish_reason.type == "length" and len(results[2].output_ids) == 4
 
 
 async def test_retracted_requests_resume_with_exact_logprobs(local_engine, tiny_hf_model):
@@ -173,8 +189,9 @@ async def test_failed_weight_updates_answer_400_and_keep_weights_path_and_versio
 
     model = await engine.model_info()
     assert (model.model_path, model.weight_version) == (str(tiny_model_dir), "default")
-    after = await engine.generate(prompt, params)
-    assert (after.output_ids, after.output_logprobs) == (before.output_ids, before.output_logprobs)
+    after = await engine.generate(prompt, params)  # its prefix now comes from the cache
+    assert after.output_ids == before.output_ids
+    assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-5)
 
 
 async def test_weight_update_waits_for_in_flight_requests_unless_told_to_abort_them(
@@ -283,6 +300,7 @@ async def test_stream_chunks_build_up_to_the_non_stream_result(local_engine):
         "return_logprob": True,
     }
     async with httpx.AsyncClient(base_url=server.url) as http:
+        await http.post("/generate", json=body)  # both below then reuse the same cached prefix
         whole = (await http.post("/generate", json=body)).json()
         response = await http.post("/generate", json={**body, "stream": True})
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -319,6 +337,7 @@ async def test_incremental_stream_concatenation_equals_the_non_stream_result(tin
         ) as server,
         httpx.AsyncClient(base_url=server.url) as http,
     ):
+        await http.post("/generate", json=body)  # both below then reuse the same cached prefix
         whole = (await http.post("/generate", json=body)).json()
         chunks = _sse((await http.post("/generate", json={**body, "stream": True})).content)
     assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]

@@ -248,3 +248,29 @@ async def test_pool_never_marks_a_paused_engine_down(tiny_model_dir, monkeypatch
 
 async def _unhealthy(pool) -> bool:
     return not pool.statistics().engines[0].healthy
+
+
+async def test_local_engine_follows_sglang_on_bodies_server_info_and_input_logprobs(local_engine):
+    server, engine = local_engine
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        for path in ("/pause_generation", "/continue_generation"):  # FastAPI: body required
+            response = await http.post(path)
+            assert response.status_code == 400 and "Field required" in response.json()["message"]
+        assert (await http.post("/continue_generation", json={})).status_code == 200
+        for bad in ({"flush_cache": "maybe"}, {"abort_all_requests": 2}, {"load_format": 3}):
+            response = await http.post(
+                "/update_weights_from_disk", json={"model_path": "/nowhere", **bad}
+            )
+            assert response.status_code == 400 and response.json()["type"] == "Bad Request"
+        await engine.update_weight_version("v7")
+        assert (await engine.server_info())["weight_version"] == "v7"
+        body = {"input_ids": list(range(5, 25)), "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+        at = {}
+        for t in (1.0, 0.5):
+            body["sampling_params"]["temperature"] = t
+            out = (await http.post("/generate", json={**body, "extra_key": str(t)})).json()
+            at[t] = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+        assert at[1.0] == pytest.approx(at[0.5], abs=1e-6)  # raw logits, as SGLang returns
+    with pytest.raises(ValueError, match="not temperature-scaled"):
+        await engine.score(list(range(5, 25)), 3, temperature=0.7)

@@ -26,7 +26,15 @@ class EnginesConfig(Strict):
     max_running_requests: int = Field(64, ge=1)
     startup_timeout_s: float = Field(300.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)
-    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "abort",
+        description=(
+            "how a weight sync pauses the engines: abort in-flight requests (SGLang's RL "
+            "recipe); retract them (recomputed on the new weights after the sync's cache flush); "
+            "in_place (they finish on their old KV, spans in weight_versions; later requests "
+            "use a new prefix-cache namespace, extra_key, so none reuses old-weight KV)"
+        ),
+    )
     max_relaunches: int = Field(3, ge=0, description="local engines relaunched when they die")
 
 

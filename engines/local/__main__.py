@@ -28,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--max-running-requests", type=int, default=128)
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--max-prefix-cache-tokens",
+        type=int,
+        default=16384,
+        help="tokens of KV the radix prefix cache may hold, least recently used evicted first",
+    )
+    parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--served-model-name", default=None)
@@ -119,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         weight_version=args.weight_version,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_prefix_cache_tokens=args.max_prefix_cache_tokens,
+        disable_radix_cache=args.disable_radix_cache,
         dtype=args.dtype,
         device=args.device,
         served_model_name=args.served_model_name,

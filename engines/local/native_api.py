@@ -42,6 +42,34 @@ _FLUSH_NOTE = (
 )
 
 
+_MISSING_BODY = "[{'type': 'missing', 'loc': ('body',), 'msg': 'Field required', 'input': None}]"
+_PYDANTIC_TRUE = {"1", "on", "t", "true", "y", "yes"}
+_PYDANTIC_FALSE = {"0", "off", "f", "false", "n", "no"}
+
+
+def read_body(request: Request) -> dict[str, Any]:
+    """A route whose SGLang handler takes a request object: no body is FastAPI's 400."""
+    if not request.body.strip():
+        raise RequestValidationError(_MISSING_BODY)
+    body = read_json(request)
+    if not isinstance(body, dict):
+        raise RequestValidationError("Input should be a valid dictionary or object")
+    return body
+
+
+def as_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    """Pydantic's lax bool (SGLang validates the update body with it): true/false, 0/1 and
+    their usual strings; anything else is a 400."""
+    value = body.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _PYDANTIC_TRUE | _PYDANTIC_FALSE:
+        return value.lower() in _PYDANTIC_TRUE
+    raise RequestValidationError(f"{name}: Input should be a valid boolean, got {value!r}")
+
+
 def not_ready() -> Response:
     return object_error("The server is starting up (loading the model).", 503)
 
@@ -151,6 +179,7 @@ def register_native_routes(app: App, state: EngineState) -> None:
             }
         ]
         info["version"] = VERSION
+        info["weight_version"] = state.weight_version  # the current one, as /model_info says
         return json_response(info)
 
     for path in ("/get_model_info", "/model_info"):
@@ -209,10 +238,10 @@ def register_native_routes(app: App, state: EngineState) -> None:
     @app.route("/pause_generation", methods=("POST",), admin=True)
     async def pause_generation(request: Request) -> Response:
         try:
-            body = read_json(request)
+            body = read_body(request)
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
-        mode: PauseMode = (body or {}).get("mode") or "abort"
+        mode: PauseMode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return error_response(f"mode must be one of abort, retract, in_place; got {mode!r}.")
         if state.scheduler is None:
@@ -222,6 +251,10 @@ def register_native_routes(app: App, state: EngineState) -> None:
 
     @app.route("/continue_generation", methods=("POST",), admin=True)
     async def continue_generation(request: Request) -> Response:
+        try:
+            read_body(request)
+        except RequestValidationError as exc:
+            return object_error(str(exc), 400, "Bad Request")
         if state.scheduler is None:
             return not_ready()
         state.scheduler.resume()
@@ -229,8 +262,8 @@ def register_native_routes(app: App, state: EngineState) -> None:
 
     @app.route("/flush_cache", methods=("GET", "POST"), admin=True)
     async def flush_cache(request: Request) -> Response:
-        # There is no prefix cache to drop; keep SGLang's refusal while requests are queued.
-        if state.scheduler is not None and state.scheduler.busy:
+        # SGLang 0.5.23: refused while requests run, or wait outside a pause
+        if state.scheduler is not None and not await state.scheduler.flush_cache():
             return text_response("Cache not flushed.\n" + _FLUSH_NOTE, 400)
         return text_response("Cache flushed.\n" + _FLUSH_NOTE)
 
@@ -242,8 +275,13 @@ def register_native_routes(app: App, state: EngineState) -> None:
             if not isinstance(path, str) or not path:
                 raise RequestValidationError("model_path: Field required (a non-empty string)")
             version = body.get("weight_version")
-            if version is not None and not isinstance(version, str):
-                raise RequestValidationError("weight_version: Input should be a valid string")
+            for name in ("weight_version", "load_format"):
+                if body.get(name) is not None and not isinstance(body[name], str):
+                    raise RequestValidationError(f"{name}: Input should be a valid string")
+            abort_all = as_bool(body, "abort_all_requests", False)
+            flush = as_bool(body, "flush_cache", True)
+            for name in ("is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph"):
+                as_bool(body, name, False)
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
         if state.scheduler is None:
@@ -255,8 +293,8 @@ def register_native_routes(app: App, state: EngineState) -> None:
         success, message = await state.scheduler.update_weights(
             path,  # relative: resolved in this process's cwd, as SGLang does
             version,
-            abort_all_requests=bool(body.get("abort_all_requests", False)),
-            flush_cache=bool(body.get("flush_cache", True)),
+            abort_all_requests=abort_all,
+            flush_cache=flush,
         )
         body = {"success": success, "message": message, "num_paused_requests": 0}
         return json_response(body, 200 if success else 400)

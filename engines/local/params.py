@@ -43,6 +43,7 @@ class GenerateItem:
     top_logprobs_num: int
     return_text_in_logprobs: bool
     lora_name: str | None = None  # the LoRA adapter serving it (`lora_path`); None = base
+    extra_key: str | None = None  # prefix-cache namespace (SGLang's `extra_key`)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,20 @@ def _lora_names(raw: Any, batch: int) -> list[str | None]:
     return [r or None for r in raw]
 
 
+def _extra_keys(raw: Any, batch: int) -> list[str | None]:
+    """`extra_key`: one string for every prompt, or one per prompt; "" means none (SGLang's
+    `GenerateReqInput._normalize_extra_key`, with its messages)."""
+    if raw is None or isinstance(raw, str):
+        return [raw or None] * batch
+    if not isinstance(raw, list):
+        raise BadRequestError("extra_key should be a list or a string.")
+    if len(raw) != batch:
+        raise BadRequestError("The length of extra_key should be equal to the batch size.")
+    if any(not isinstance(value, str) for value in raw):
+        raise BadRequestError("Every extra_key should be a string.")
+    return [value or None for value in raw]
+
+
 def parse_generate_request(
     body: Any,
     limits: ModelLimits,
@@ -213,6 +228,7 @@ def parse_generate_request(
     )
     rids = _rids(body.get("rid"), batch, is_batch)
     loras = _lora_names(body.get("lora_path"), batch)
+    extra_keys = _extra_keys(body.get("extra_key"), batch)
 
     items: list[GenerateItem] = []
     for i, prompt in enumerate(prompts):
@@ -243,6 +259,7 @@ def parse_generate_request(
                     top_logprobs_num=min(tops[i], limits.vocab_size),
                     return_text_in_logprobs=text_in_logprobs,
                     lora_name=loras[i],
+                    extra_key=extra_keys[i],
                 )
             )
     return GenerateRequest(items=items, is_batch=is_batch or n > 1, stream=stream)

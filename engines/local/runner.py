@@ -17,18 +17,27 @@ Contract:
   prompts share a prefill only when they also share the adapter. A base weight update
   replaces the base tensors and keeps the adapters.
 
-Not covered: a prefix cache across requests (only identical prompts admitted in the same step
-share their prefill), paged memory, chunked prefill of one long prompt.
+- Prefix cache (prefix_cache.py): a prefill first looks up each prompt's longest cached
+  prefix in its namespace (`extra_key`, LoRA adapter), at most SGLang's `max_prefix_len`
+  (prompt length - 1, and not past `logprob_start_len` when input logprobs are asked for), and
+  computes only the suffix: the batch's past KV holds each row's cached prefix, left-padded,
+  and the suffixes follow, left-padded too (padding in the middle is masked, positions count
+  real tokens only). The prompt's KV is inserted after its prefill, and a finished request's
+  prompt + output KV when its row leaves the batch. KV computed before a weight load is never
+  inserted after it (an epoch per load), whatever the pause mode.
+  `cached_tokens` is the matched length (SGLang's `pre_len` at the first prefill); a
+  duplicate prompt prefilled in the same step reports its `max_prefix_len`, as it would once
+  the first copy is in the tree.
+
+Not covered: paged memory, chunked prefill of one long prompt, reuse of KV during decode.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,16 +45,16 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
+from .prefix_cache import PrefixCache, cache_prompts, max_prefix_len, prefill_layout
 from .sampling import Sampled, sample, scaled_logprobs, top_logprobs
 from .sequence import Sequence, TopLogprobs
+from .weights_io import WeightLoadError, read_checked
+
+__all__ = ["ModelRunner", "WeightLoadError"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class WeightLoadError(Exception):
-    """A weight update was refused; `message` is SGLang's wording for the failure."""
 
 
 @dataclass
@@ -71,7 +80,13 @@ def _as_int_set(value) -> set[int]:
 
 class ModelRunner:
     def __init__(
-        self, model_path: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        max_prefix_cache_tokens: int = 0,
     ):
         self.lora: Any = None  # LoraAdapters once `enable_lora` was called
         self.device = torch.device(device)
@@ -90,6 +105,9 @@ class ModelRunner:
         self._rows: list[Sequence] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
+        self.prefix = PrefixCache(max_prefix_cache_tokens)
+        self._epoch = 0  # weight loads so far: KV of an older epoch is never cached
+        self._row_epoch: dict[Sequence, int] = {}
 
     # ----- LoRA (lora_runner.py) ------------------------------------------------------------
 
@@ -102,9 +120,16 @@ class ModelRunner:
 
     def load_lora(self, name: str, path: str) -> None:
         self.lora.load(name, path)
+        self.prefix.drop_namespaces(name)
 
     def delete_lora(self, name: str) -> None:
         self.lora.delete(name)
+        self.prefix.drop_namespaces(name)
+
+    def flush_prefix_cache(self) -> None:
+        """Drop the cache; rows still in the batch (finished, retracted) are not cached later."""
+        self.prefix.clear()
+        self._epoch += 1
 
     def _forward(self, seqs: Seq[Sequence], **kwargs: Any) -> Any:
         """The model on a batch whose row i belongs to seqs[i] (its LoRA adapter, if any)."""
@@ -140,6 +165,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
+        self._row_epoch.clear()
 
     def _retain(self, keep: Seq[Sequence]) -> None:
         """Drop rows not in `keep`, then the left columns that became padding in every row."""
@@ -147,6 +173,9 @@ class ModelRunner:
         index = [i for i, s in enumerate(self._rows) if s in wanted]
         if len(index) == len(self._rows):
             return
+        for i, seq in enumerate(self._rows):
+            if seq not in wanted:
+                self._cache_finished(i, seq)
         if not index:
             self.reset()
             return
@@ -159,6 +188,20 @@ class ModelRunner:
             [(k[rows, :, first:], v[rows, :, first:]) for k, v in self._kv(self._cache)]
         )
         self._rows = [self._rows[i] for i in index]
+
+    def _cache_finished(self, row: int, seq: Sequence) -> None:
+        """Insert a finished row's prompt + output KV (not the last token: it has none yet)."""
+        epoch = self._row_epoch.pop(seq, None)
+        reason = (seq.finish_reason or {}).get("type")
+        if epoch != self._epoch or reason not in ("stop", "length") or not self.prefix.enabled:
+            return
+        assert self._cache is not None and self._mask is not None
+        tokens = (seq.item.input_ids + seq.output_ids)[:-1]
+        cols = self._mask[row].nonzero().flatten()
+        if len(cols) != len(tokens):  # not the layout this method assumes: skip, never guess
+            return
+        kv = [(k[row][:, cols], v[row][:, cols]) for k, v in self._kv(self._cache)]
+        self.prefix.insert(_namespace(seq), tokens, kv)
 
     def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
         if self._cache is None:
@@ -256,37 +299,41 @@ class ModelRunner:
             seed = seq.item.params.sampling_seed
             if seed is not None and seq.runner_state is None:
                 seq.runner_state = torch.Generator(self.device).manual_seed(seed)
-        # identical prompts for the same adapter are prefilled once
-        unique: dict[tuple[str | None, tuple[int, ...]], int] = {}
-        row_of = [
-            unique.setdefault((s.item.lora_name, tuple(s.prefill_ids)), len(unique)) for s in admit
-        ]
+        # identical prompts for the same adapter and cache namespace are prefilled once
+        unique: dict[tuple[Any, tuple[int, ...]], int] = {}
+        row_of = [unique.setdefault((_namespace(s), tuple(s.prefill_ids)), len(unique))
+                  for s in admit]  # fmt: skip
         row_seqs = {r: s for s, r in zip(admit, row_of, strict=True)}  # a sequence per row
-        prompts = [ids for _, ids in unique]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p) :] = torch.tensor(p, device=self.device)
-            mask[r, width - len(p) :] = 1
+        prompts = [list(ids) for _, ids in unique]
+        limits = [len(p) - 1 for p in prompts]
+        for s, r in zip(admit, row_of, strict=True):
+            limits[r] = min(limits[r], max_prefix_len(s))
+        hits = [self.prefix.match(_namespace(row_seqs[r]), p, limits[r])
+                for r, p in enumerate(prompts)]  # fmt: skip
+        cache, mask, ids, past = prefill_layout(prompts, hits, self.pad_id, self.device)
+        if past:
+            cache = self._new_cache(cache)
+        else:
+            cache = DynamicCache(config=self.model.config)
         keep_last = 1
         for s in admit:
             if s.item.return_logprob and not s.prefilled:
                 keep_last = max(keep_last, len(s.item.input_ids) - s.item.logprob_start_len)
-        cache = DynamicCache(config=self.model.config)
         result = self._forward(
             [row_seqs[r] for r in range(len(prompts))],
             input_ids=ids,
             attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, past:],
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=keep_last,
         )
         logits = result.logits  # [unique, keep_last, V]
+        cache_prompts(self.prefix, [_namespace(row_seqs[r]) for r in range(len(prompts))], prompts,
+                      hits, self._kv(cache), past)  # fmt: skip
         first_use: set[int] = set()
         for s, r in zip(admit, row_of, strict=True):
-            cached = len(s.prefill_ids) if r in first_use else 0
+            cached = max_prefix_len(s, len(s.prefill_ids) - 1) if r in first_use else hits[r][0]
             first_use.add(r)
             lp, top = (None, None)
             if s.item.return_logprob and not s.prefilled:
@@ -311,6 +358,8 @@ class ModelRunner:
             self._new_cache([(k[:, :, first:], v[:, :, first:]) for k, v in kvs]),
             mask[rows][:, first:],
         )
+        for s in seqs:
+            self._row_epoch[s] = self._epoch
 
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, kept: int):
         """Entries for prompt positions start..len-1; entry 0 is None (SGLang's alignment)."""
@@ -319,7 +368,9 @@ class ModelRunner:
         # logits[j] is position length - kept + j of the (unpadded) prompt
         first = start - (length - kept)
         scored = logits[first : kept - 1]  # predicts prompt[start + 1 :]
-        logprobs = scaled_logprobs(scored, [seq.item.params.temperature] * scored.shape[0])
+        # SGLang 0.5.23: input logprobs are log-softmax of the raw logits, whatever the
+        # request's temperature (only sampled output logprobs are temperature-scaled)
+        logprobs = scaled_logprobs(scored, [1.0] * scored.shape[0])
         targets = torch.tensor(prompt[start + 1 :], device=logits.device)
         values = (
             logprobs.gather(1, targets[:, None]).flatten().clamp(min=torch.finfo(torch.float32).min)
@@ -336,52 +387,13 @@ class ModelRunner:
     @torch.inference_mode()
     def load_weights(self, path: str) -> None:
         """Replace the weights in place from an HF directory (safetensors or .bin)."""
-        tensors = _read_checkpoint(path)
         # with LoRA: the base tensors only; loaded adapters stay and apply to the new base
         state = self.lora.base_state() if self.lora is not None else self.model.state_dict()
-        problems = []
-        for name, tensor in tensors.items():
-            if name not in state:
-                problems.append(f"unexpected weight {name!r}")
-            elif tuple(tensor.shape) != tuple(state[name].shape):
-                problems.append(
-                    f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model "
-                    f"{tuple(state[name].shape)}"
-                )
-        provided = {state[n].data_ptr() for n in tensors if n in state}
-        missing = [n for n in state if n not in tensors and state[n].data_ptr() not in provided]
-        if missing:
-            problems.append(f"missing weights {missing[:5]}")
-        if problems:
-            raise WeightLoadError(
-                f"Failed to update weights: {'; '.join(problems[:5])}.\n"
-                "Rolling back to original weights."
-            )
+        tensors = read_checked(path, state)
         for name, tensor in tensors.items():
             state[name].copy_(tensor.to(device=self.device, dtype=state[name].dtype))
+        self._epoch += 1  # KV computed so far (rows kept "in_place") is never cached from now
 
 
-def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    directory = Path(path)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-    if not files and directory.is_dir():
-        files = sorted(directory.glob("pytorch_model*.bin"))
-    if not files:
-        reason = "repository not found" if not directory.exists() else "no weight files found"
-        raise WeightLoadError(f"Failed to get weights iterator: {path} ({reason}).")
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [directory / n for n in names]
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        for f in files:
-            if f.suffix == ".safetensors":
-                tensors.update(load_file(str(f)))
-            else:
-                tensors.update(torch.load(f, map_location="cpu", weights_only=True))
-    except Exception as exc:
-        raise WeightLoadError(f"Failed to get weights iterator: {path} ({exc}).") from exc
-    return tensors
+def _namespace(seq: Sequence) -> tuple[str | None, str | None]:
+    return (seq.item.extra_key, seq.item.lora_name)

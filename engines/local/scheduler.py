@@ -12,8 +12,12 @@ Contract:
 - `pause(mode)`: "abort" aborts everything, "retract" moves running requests back to the queue
   (recomputed on resume, `num_retractions` grows), "in_place" freezes them with their KV cache.
   Each returns once no step is running. New requests wait in front of the scheduler until
-  `resume()` (SGLang holds them in its tokenizer manager), so they do not make it busy: a cache
-  flush during an "abort" pause succeeds; they can still be aborted by rid.
+  `resume()` (SGLang holds them in its tokenizer manager), out of reach of `/abort_request`
+  (by rid or all: SGLang loses those aborts too); a client disconnect still drops them.
+- Prefix-cache flush (`flush_cache`, and an update with `flush_cache: true`), SGLang 0.5.23's
+  rule (`is_fully_idle(ignore_waiting=self._engine_paused)`): refused while a request is
+  running (an "in_place" pause keeps them running) or, unless paused, waiting; so it succeeds
+  during an "abort" or a "retract" pause. It runs on the model thread, between steps.
 - Weight updates hold a writer lock against every in-flight `/generate` (reader), like SGLang:
   the update waits for in-flight requests (or aborts them with `abort_all_requests`) and new
   requests queue behind it; when paused, the update runs at once. The load runs on the model
@@ -24,7 +28,7 @@ Contract:
   (the base model counts as one) stay within `max_loras_per_batch`, else it waits, as in
   SGLang; `submit` counts the requests using each adapter, and an unload waits for them.
 
-Not covered: priorities, preemption under memory pressure, a radix prefix cache.
+Not covered: priorities, preemption under memory pressure.
 """
 
 from __future__ import annotations
@@ -303,10 +307,13 @@ class Scheduler:
         return count
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
-        """Abort `rid` and, as SGLang 0.5.23's scheduler does, every rid it is a prefix of."""
+        """Abort `rid` and, as SGLang 0.5.23's scheduler does, every rid it is a prefix of.
+
+        Requests held behind a pause are not reached (SGLang's tokenizer manager has not
+        registered them yet, nor has the scheduler): they run after the resume."""
         if not abort_all and not rid:
             return 0
-        live = [*self.held, *self.waiting, *self.running]
+        live = [*self.waiting, *self.running]
         return self.abort_sequences(s for s in live if abort_all or s.rid.startswith(rid or ""))
 
     async def wait_idle(self) -> None:
@@ -336,6 +343,22 @@ class Scheduler:
     def busy(self) -> bool:
         return any(not s.finished for s in [*self.running, *self.waiting])
 
+    @property
+    def can_flush(self) -> bool:
+        """SGLang's `is_fully_idle(ignore_waiting=paused)`: waiting requests count only when
+        the engine is not paused (retracted ones are recomputed on resume)."""
+        if any(not s.finished for s in self.running):
+            return False
+        return self.paused or not any(not s.finished for s in self.waiting)
+
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache if `can_flush`; False (nothing done) otherwise."""
+        if not self.can_flush:
+            return False
+        await self.wait_idle()
+        await self.run_on_model_thread(self.runner.flush_prefix_cache)
+        return True
+
     # ----- weights --------------------------------------------------------------------------
 
     async def update_weights(
@@ -364,10 +387,10 @@ class Scheduler:
             logger.warning("weight update from %s failed: %s", path, exc)
             return False, str(exc)
         self.model_path = path
-        if flush_cache and self.busy:
+        if flush_cache and not await self.flush_cache():
             # SGLang 0.5.23: the new weights are in, but the cache flush that follows is refused
-            # while requests are running or queued (a pause "in_place"/"retract"), so the call
-            # fails and the weight version is not set.
+            # while requests are running (a pause "in_place") or queued outside a pause, so the
+            # call fails and the weight version is not set.
             message = (
                 "Weights were updated, but the cache was not flushed because requests are still "
                 "running or queued. Retract or finish them, then call /flush_cache."

@@ -89,6 +89,9 @@ class _ThreadedRunner:
     def reset(self) -> None:
         self._runner.reset()
 
+    def flush_prefix_cache(self) -> None:
+        self._runner.flush_prefix_cache()
+
 
 def _load(config: LocalEngineConfig):
     """Runs on a worker thread: tokenizer, model, and the model's sampling defaults."""
@@ -100,7 +103,13 @@ def _load(config: LocalEngineConfig):
     with _torch_threads(config.num_threads):
         tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         runner = ModelRunner(
-            config.model_path, dtype=config.dtype, device=config.device, seed=config.random_seed
+            config.model_path,
+            dtype=config.dtype,
+            device=config.device,
+            seed=config.random_seed,
+            max_prefix_cache_tokens=0
+            if config.disable_radix_cache
+            else config.max_prefix_cache_tokens,
         )
         if config.lora_enabled:
             _enable_lora(runner, config)

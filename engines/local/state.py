@@ -34,6 +34,10 @@ class LocalEngineConfig:
     weight_version: str = "default"
     max_running_requests: int = 128
     max_prefill_tokens: int = 8192
+    # the radix prefix cache (prefix_cache.py): tokens of KV it may hold (LRU past that);
+    # `--disable-radix-cache` (SGLang's flag) turns it off
+    max_prefix_cache_tokens: int = 16384
+    disable_radix_cache: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     served_model_name: str | None = None
