@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +120,27 @@ def generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                              pad_token_id=pad, synced_gpus=synced)  # fmt: skip
     return [row[: row.index(eos) + 1] if eos in row else row for row in gen[:, width:].tolist()]
+
+
+@contextlib.contextmanager
+def dropout_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every dropout of `model` has probability 0, restored on exit.
+
+    What is set to 0: each `nn.Dropout`-family module (as TRL's `disable_dropout_in_model`;
+    peft's `lora_dropout` is one) and each float `attention_dropout` attribute (how transformers'
+    attention layers hold theirs). The model stays in its mode otherwise: train mode keeps what
+    depends on it, e.g. activation checkpointing, which transformers runs only in train mode.
+    """
+    saved: list[tuple[Any, str, float]] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            saved.append((module, "p", module.p))
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            saved.append((module, "attention_dropout", module.attention_dropout))
+    for module, name, _ in saved:
+        setattr(module, name, 0.0)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)

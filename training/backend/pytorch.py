@@ -322,17 +322,22 @@ class PyTorchTrainingBackend(RankOps, StateOps):
         *,
         loss_fn: LossFn | None = None,
         loss_weight_fn: Callable[[Any], float] | None = None,
+        dropout: bool = True,
     ) -> TrainFuture[dict[str, float]]:
         """Queue forward + backward over `samples`; gradients accumulate until `optim_step`.
 
         `loss_fn` / `loss_weight_fn` replace the backend's defaults for this call (e.g. the RL
         loss of this step's algorithm). Loss metrics are averaged over micro-batches with the
         same weights as the loss; keys ending in `_max` / `_min` take the maximum / minimum.
+        `dropout=False` sets every dropout probability to 0 for this call (RL: the loss pass
+        then computes the same logprobs as the old-policy and reference passes, which run in
+        eval mode; see training/rl/step.py).
         """
         samples = list(samples)
         args = {
             "loss_fn": loss_fn or self.loss_fn,
             "weight_fn": loss_weight_fn or self.loss_weight_fn,
+            "dropout": dropout,
         }
 
         def run() -> dict[str, float]:

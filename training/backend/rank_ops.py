@@ -71,7 +71,8 @@ class RankOps:
 
     # -- the ops -----------------------------------------------------------------------------------
 
-    def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn) -> dict:
+    def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn,
+                                dropout: bool = True) -> dict:  # fmt: skip
         t0 = time.perf_counter()
         batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
         local_weight = float(sum(weight_fn(b) for b in batches))
@@ -81,15 +82,16 @@ class RankOps:
         merged: dict[str, float] = {}
         n_tokens = n_slots = n_trained = 0
         idle = lambda: self._idle_pass(backward=True)  # noqa: E731
-        for batch in self._passes(batches, n_passes, idle):
-            logits = forward_logits(self.model, batch.to(self.device))
-            loss, metrics = loss_fn(logits, batch)
-            weight = weight_fn(batch) / total_weight
-            (loss * weight).backward()
-            merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
-            n_tokens += batch.n_tokens
-            n_slots += batch.n_slots
-            n_trained += batch.n_trained_tokens
+        with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
+            for batch in self._passes(batches, n_passes, idle):
+                logits = forward_logits(self.model, batch.to(self.device))
+                loss, metrics = loss_fn(logits, batch)
+                weight = weight_fn(batch) / total_weight
+                (loss * weight).backward()
+                merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
+                n_tokens += batch.n_tokens
+                n_slots += batch.n_slots
+                n_trained += batch.n_trained_tokens
         return {
             "weighted": merged,
             "n_samples": len(samples),
