@@ -281,14 +281,18 @@ class PyTorchTrainingBackend(RankOps, StateOps):
         if rows is not None and shares is None:
             shares = rank_shares(rows, ctx.world, packed=self.pack_length is not None)
         per_rank = None if shares is None else [[rows[i] for i in share] for share in shares]
-        issue(ctx, op, self.backend_id, args, per_rank, gather=gather)
-        local = self.run_local(op, None if per_rank is None else per_rank[0], args)
-        return (gather_results(ctx, local) if gather else [local]), shares
+        with self._watching(op):  # the sends and the gather too: a silent rank blocks them
+            self._phase("sending the op to the other ranks")
+            issue(ctx, op, self.backend_id, args, per_rank, gather=gather)
+            local = self.run_local(op, None if per_rank is None else per_rank[0], args)
+            self._phase("gathering the other ranks' results")
+            return (gather_results(ctx, local) if gather else [local]), shares
 
     def run_local(self, op: str, rows: list[Any] | None, args: dict[str, Any]) -> Any:
         """This rank's part of `op` (every rank runs it, in the same order)."""
         fn = getattr(self, f"_local_{op}")
-        return fn(rows, **args) if rows is not None else fn(**args)
+        with self._watching(op):
+            return fn(rows, **args) if rows is not None else fn(**args)
 
     # -- batching -------------------------------------------------------------------------------
 

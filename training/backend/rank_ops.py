@@ -34,6 +34,7 @@ from training.backend import state as st
 from training.backend.futures import BackendError
 from training.backend.state import merge_metrics
 from training.data.packing import forward_logits
+from training.distributed import watchdog
 
 if TYPE_CHECKING:
     from training.backend.pytorch import LossFn
@@ -47,8 +48,30 @@ class RankOps:
     def _agree_passes(self, n_local: int, weight: float = 0.0) -> tuple[int, float]:
         """(the largest pass count of any rank, the sum of `weight` over ranks), in one
         collective issued before any pass of the op."""
+        self._phase(f"agreeing pass counts (this rank: {n_local})")
         counts, total_weight = st.agree_counts(n_local, weight, self._dist)
+        self._counts = counts
         return max(counts), total_weight
+
+    @contextlib.contextmanager
+    def _watching(self, op: str) -> Iterator[None]:
+        """The op's status on the watchdog's board (training/distributed/watchdog.py); nested
+        calls (rank 0's `_dispatch` around its own `run_local`) join the outer one."""
+        if getattr(self, "_watch", None) is not None:
+            yield
+            return
+        step = self.step + 1 if self.optimizer is not None else None  # the step in progress
+        try:
+            with watchdog.watch(self._dist, op, step) as self._watch:
+                yield
+        finally:
+            self._watch = None
+
+    def _phase(self, text: str) -> None:
+        """Record this rank's progress through the op (what the watchdog reports)."""
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.phase(text)
 
     def _passes(self, items: Sequence[T], n_agreed: int,
                 idle: Callable[[], object]) -> Iterator[T]:  # fmt: skip
@@ -56,8 +79,13 @@ class RankOps:
         until the rank has made `n_agreed` passes."""
         if n_agreed < len(items):
             raise BackendError(f"agreed on {n_agreed} passes but this rank has {len(items)}")
-        yield from items
-        for _ in range(n_agreed - len(items)):
+        counts = getattr(self, "_counts", None)
+        of = f"of {n_agreed}" + (f" (passes by rank: {counts})" if counts else "")
+        for k, item in enumerate(items):
+            self._phase(f"pass {k + 1} {of}")
+            yield item
+        for k in range(len(items), n_agreed):
+            self._phase(f"idle pass {k + 1} {of}")
             idle()
 
     def _idle_pass(self, *, backward: bool) -> None:
