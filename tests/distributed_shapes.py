@@ -1,6 +1,7 @@
 """One forward_backward per generated case (tests/shape_cases.py), at whatever world size this is
 launched with; rank 0 writes each case's whole gradient, its logprobs (RL) or held-out loss
-(SFT), its loss metrics and how its rows split into micro-batches on each rank.
+(SFT), its loss metrics and how its rows split into micro-batches on each rank; a "greedy"
+case writes the greedy answers to its prompts (split across ranks under torchrun).
 `tests/test_distributed_shapes.py` compares world 2 and 3 against world 1.
 
     python tests/distributed_shapes.py MODEL_DIR OUT_DIR CASES_JSON
@@ -48,6 +49,15 @@ async def run_case(model_dir: str, tokenizer, case: dict[str, Any], out: Path) -
                   max_steps=1, checkpoint_dir=out / "ckpt",
                   micro_batch_tokens=case["micro_batch_tokens"], lora=lora)  # fmt: skip
     extra: dict[str, torch.Tensor] = {}
+    if case["kind"] == "greedy":  # held-out decoding: the prompts are split across ranks
+        backend = PyTorchTrainingBackend(partial(load_model, model_dir), pack_length=None,
+                                         **common)  # fmt: skip
+        outputs = await backend.generate_greedy(case["prompts"], max_new_tokens=6,
+                                                batch_size=case["batch_size"]).result()  # fmt: skip
+        tensors = {f"greedy/{i}": torch.tensor(ids, dtype=torch.long)
+                   for i, ids in enumerate(outputs)}  # fmt: skip
+        save_file(tensors, str(out / f"{case['name']}.safetensors"))
+        return {"name": case["name"], "seed": case["seed"], "n_outputs": len(outputs)}
     if case["kind"] == "rl":
         algorithm = grpo(loss=case["loss"], aggregation=case["aggregation"], max_tokens_norm=16)
         backend = PyTorchTrainingBackend(

@@ -92,3 +92,16 @@ def case_from_seed(seed: int) -> dict[str, Any]:
 
 def cases(seeds: range) -> list[dict[str, Any]]:
     return [case_from_seed(s) for s in seeds]
+
+
+# Held-out greedy decoding (issue 24, item 5): 7 prompts of different lengths in batches of 2,
+# split across ranks (world 3: batches [1, 1, 2], so two ranks decode an idle batch).
+GREEDY = {
+    "name": "greedy",
+    "seed": -2,
+    "kind": "greedy",
+    "lora": False,
+    "micro_batch_tokens": 64,
+    "batch_size": 2,
+    "prompts": [_ids(random.Random(7 + n), 2 + 3 * n % 11) for n in range(7)],
+}

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from tests import shape_cases
 from tests.distributed_launch import launch
 
-FAST = [*shape_cases.cases(range(5)), shape_cases.ISSUE_24]
+FAST = [*shape_cases.cases(range(5)), shape_cases.ISSUE_24, shape_cases.GREEDY]
 STRESS = shape_cases.cases(range(100, 160))
 WORLDS = (1, 2, 3)
 
@@ -79,9 +79,20 @@ def test_unequal_micro_batch_counts_at_world_2_give_the_one_process_gradient(fas
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_generated_shapes_give_the_one_process_gradient(fast_runs, world):
-    uneven = [n for n, (r, _) in fast_runs[world].items() if len(set(r["mb_counts"])) > 1]
+    trained = [c for c in FAST if c["kind"] != "greedy"]
+    uneven = [c for c in trained if len(set(fast_runs[world][c["name"]][0]["mb_counts"])) > 1]
     assert uneven, "no case split unevenly: the generator lost its point"
-    assert [m for c in FAST for m in mismatches(fast_runs, c["name"], world)] == []
+    assert [m for c in trained for m in mismatches(fast_runs, c["name"], world)] == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_greedy_decoding_split_across_ranks_gives_the_one_process_answers(fast_runs, world):
+    """Issue 24, item 5: held-out prompts are split across ranks (not all run on every rank),
+    and the answers gathered on rank 0 are world 1's, in prompt order (so is the accuracy)."""
+    (_, one), (result, many) = fast_runs[1]["greedy"], fast_runs[world]["greedy"]
+    assert result["n_outputs"] == len(shape_cases.GREEDY["prompts"]) == len(one)
+    assert all(many[k].tolist() == one[k].tolist() for k in one)
+    assert any(len(v) for v in one.values())
 
 
 def test_the_fast_cases_cover_every_dimension():
