@@ -1,9 +1,11 @@
-"""Launching scripts under plain python (world 1), torchrun (world 2) or as two torchrun nodes,
-for the FSDP2 tests."""
+"""Launching scripts under plain python (world 1), torchrun (world ≥ 2) or as two torchrun
+nodes, for the FSDP2 tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,14 +18,58 @@ ROOT = Path(__file__).parent.parent
 GRAD_MODES = ("sft", "grpo-token-mean", "grpo-seq-mean", "sft-lora", "grpo-token-mean-lora")
 
 
+class LaunchTimeout(AssertionError):
+    """A launch ran past its deadline (a hang): it and every rank it started were killed."""
+
+
 def launch(script: str, *args: str, world: int, cwd: Path, timeout: float = 300):
-    """Run `script` under plain python (world 1) or torchrun (world 2), one thread per rank."""
+    """Run `script` under plain python (world 1) or torchrun (world ≥ 2), one thread per rank.
+
+    The launch has a deadline: past `timeout` seconds torchrun and every rank (which would
+    otherwise outlive it) are killed and `LaunchTimeout` raised, with the output so far.
+    """
     prefix = [sys.executable]
     if world > 1:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*prefix, str(ROOT / script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.Popen([*prefix, str(ROOT / script), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise LaunchTimeout(
+            f"{script} at world {world} did not finish within {timeout:.0f} s (a hang?); "
+            f"killed. stderr tail:\n{stderr[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found in /proc, then theirs)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything below it: torchrun starts each rank in a session of its
+    own, so killing torchrun's process group would leave the ranks hanging."""
+    for victim in [*descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
 
 
 def gradient_runs(model_dir: Path, out: Path) -> Path:

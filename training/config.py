@@ -167,7 +167,6 @@ class FSDPConfig(Strict):
     )
     activation_checkpointing: bool = False
     cpu_offload: bool = Field(False, description="keep sharded params and grads on CPU")
-    collective_timeout_s: float = Field(600.0, gt=0, description="a collective's deadline")
     command_timeout_s: float = Field(
         1800.0, gt=0, description="how long ranks ≥ 1 wait for rank 0's next operation"
     )
@@ -181,12 +180,28 @@ class FSDPConfig(Strict):
         "one GPU, as benchmarks/gpu_check.py runs it",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "collective_timeout_s" in data:
+            raise ValueError(
+                "backend.fsdp.collective_timeout_s moved to backend.collective_timeout_s "
+                "(the collective watchdog's deadline, default 120 s)"
+            )
+        return data
+
 
 class BackendConfig(Strict):
     device: str = "cpu"
     micro_batch_tokens: int = Field(8192, ge=8, description="token budget per micro-batch")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     seed: int = 0
+    collective_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="under torchrun: a rank waiting longer in one collective fails, naming the "
+        "op, the step and what every rank was doing (training/distributed/watchdog.py)",
+    )
     fsdp: FSDPConfig = FSDPConfig()
 
 

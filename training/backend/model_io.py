@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,21 +94,53 @@ def generate_greedy(
     model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, batch_size: int
 ) -> list[list[int]]:
     """Greedy decoding of token-id prompts, left-padded in batches; new ids (eos included)."""
+    out: list[list[int]] = []
+    for k in range(0, len(prompts), batch_size):
+        out += generate_batch(model, tokenizer, prompts[k : k + batch_size], max_new_tokens)
+    return out
+
+
+def generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int,
+                   *, synced: bool = False) -> list[list[int]]:  # fmt: skip
+    """Greedy decoding of one left-padded batch; new ids (eos included).
+
+    `synced`: transformers' `synced_gpus` (under torchrun, with a sharded model): every rank
+    keeps making forward passes until every rank's batch is done.
+    """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     device = next(model.parameters()).device
-    out: list[list[int]] = []
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     with torch.no_grad(), eval_mode(model):
-        for k in range(0, len(prompts), batch_size):
-            chunk = prompts[k : k + batch_size]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, p in enumerate(chunk):  # left padding, as decoder-only generation needs
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
-            gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=pad)  # fmt: skip
-            for row in gen[:, width:].tolist():
-                out.append(row[: row.index(eos) + 1] if eos in row else row)
-    return out
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=pad, synced_gpus=synced)  # fmt: skip
+    return [row[: row.index(eos) + 1] if eos in row else row for row in gen[:, width:].tolist()]
+
+
+@contextlib.contextmanager
+def dropout_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every dropout of `model` has probability 0, restored on exit.
+
+    What is set to 0: each `nn.Dropout`-family module (as TRL's `disable_dropout_in_model`;
+    peft's `lora_dropout` is one) and each float `attention_dropout` attribute (how transformers'
+    attention layers hold theirs). The model stays in its mode otherwise: train mode keeps what
+    depends on it, e.g. activation checkpointing, which transformers runs only in train mode.
+    """
+    saved: list[tuple[Any, str, float]] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            saved.append((module, "p", module.p))
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            saved.append((module, "attention_dropout", module.attention_dropout))
+    for module, name, _ in saved:
+        setattr(module, name, 0.0)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)

@@ -19,15 +19,14 @@ to the other ranks with their token-balanced share of the rows (`_dispatch`), ev
 its part (`run_local`), and rank 0 combines the results. At world size 1 `_dispatch` runs the
 op on all the rows and combines the one result: the same functions either way. What must be
 the same on every rank is: the loss normaliser (all-reduced before backward), the number of
-forward passes (ranks with fewer micro-batches run idle ones), and the gradient norm (FSDP's
+forward passes (agreed before the first one, in the same all-reduce; ranks with fewer
+micro-batches then run idle ones: training/backend/rank_ops.py), and the gradient norm (FSDP's
 DTensors give the global one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -40,15 +39,14 @@ from training.backend import lora as lo
 from training.backend import state as st
 from training.backend.futures import BackendError as BackendError
 from training.backend.futures import TrainFuture, lr_lambda
-from training.backend.model_io import eval_mode, generate_greedy
 from training.backend.model_io import load_model as load_model
 from training.backend.model_io import load_model_and_tokenizer as load_model_and_tokenizer
 from training.backend.model_io import load_tokenizer as load_tokenizer
 from training.backend.persistence import StateOps
+from training.backend.rank_ops import RankOps
 from training.backend.state import merge_metrics as merge_metrics
 from training.config import LoraSettings, OptimConfig
 from training.data.packing import (
-    forward_logits,
     pack_balanced,
     prepare_sft_batch,
     sft_loss,
@@ -57,7 +55,7 @@ from training.data.packing import (
 )
 from training.data.prefix_sharing import split_rows_by_budget
 from training.distributed import context as dctx
-from training.distributed.split import rank_shares
+from training.distributed.split import even_shares, rank_shares
 from training.distributed.worker import gather_results, issue
 
 R = TypeVar("R")
@@ -80,7 +78,7 @@ def first_output(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     return logits[..., 0]
 
 
-class PyTorchTrainingBackend(StateOps):
+class PyTorchTrainingBackend(RankOps, StateOps):
     """Training state of one model; see the module docstring for the contract."""
 
     def __init__(
@@ -268,28 +266,33 @@ class PyTorchTrainingBackend(StateOps):
     # -- dispatch: one op on every rank -----------------------------------------------------------
 
     def _dispatch(self, op: str, rows: list[Any] | None, args: dict[str, Any], *,
-                  gather: bool = False) -> tuple[list[Any], list[list[int]] | None]:  # fmt: skip
+                  gather: bool = False, shares: list[list[int]] | None = None,
+                  ) -> tuple[list[Any], list[list[int]] | None]:  # fmt: skip
         """Run `op` on every rank (rank 0: on the trainer thread); (results by rank, shares).
 
-        Rows are split token-balanced across ranks; `results` holds every rank's local result
-        when `gather`, else rank 0's only.
+        Rows are split token-balanced across ranks unless `shares` (indices into `rows` for
+        each rank) says how; `results` holds every rank's local result when `gather`, else
+        rank 0's only.
         """
         ctx = self._dist
         if ctx is None:
             shares = None if rows is None else [list(range(len(rows)))]
             return [self.run_local(op, rows, args)], shares
-        shares = None
-        if rows is not None:
+        if rows is not None and shares is None:
             shares = rank_shares(rows, ctx.world, packed=self.pack_length is not None)
         per_rank = None if shares is None else [[rows[i] for i in share] for share in shares]
-        issue(ctx, op, self.backend_id, args, per_rank, gather=gather)
-        local = self.run_local(op, None if per_rank is None else per_rank[0], args)
-        return (gather_results(ctx, local) if gather else [local]), shares
+        with self._watching(op):  # the sends and the gather too: a silent rank blocks them
+            self._phase("sending the op to the other ranks")
+            issue(ctx, op, self.backend_id, args, per_rank, gather=gather)
+            local = self.run_local(op, None if per_rank is None else per_rank[0], args)
+            self._phase("gathering the other ranks' results")
+            return (gather_results(ctx, local) if gather else [local]), shares
 
     def run_local(self, op: str, rows: list[Any] | None, args: dict[str, Any]) -> Any:
         """This rank's part of `op` (every rank runs it, in the same order)."""
         fn = getattr(self, f"_local_{op}")
-        return fn(rows, **args) if rows is not None else fn(**args)
+        with self._watching(op):
+            return fn(rows, **args) if rows is not None else fn(**args)
 
     # -- batching -------------------------------------------------------------------------------
 
@@ -315,17 +318,6 @@ class PyTorchTrainingBackend(StateOps):
         # Micro-batches are consecutive whole rows, so collating one re-plans the same rows.
         return split_rows_by_budget(samples, self.micro_batch_tokens)
 
-    def _idle_passes(self, n_done: int, *, backward: bool) -> None:
-        """Forward (and backward) passes on one pad token until every rank ran as many as the
-        busiest one: FSDP's all-gathers and reduce-scatters must match across ranks."""
-        n_max = st.all_max(n_done, self._dist)
-        for _ in range(n_max - n_done):
-            ids = torch.full((1, 1), self.pad_id or 0, dtype=torch.long, device=self.device)
-            with torch.set_grad_enabled(backward):
-                logits = self.model(input_ids=ids).logits
-                if backward:
-                    (logits.float().sum() * 0.0).backward()
-
     # -- queued operations ------------------------------------------------------------------------
 
     def forward_backward(
@@ -334,17 +326,22 @@ class PyTorchTrainingBackend(StateOps):
         *,
         loss_fn: LossFn | None = None,
         loss_weight_fn: Callable[[Any], float] | None = None,
+        dropout: bool = True,
     ) -> TrainFuture[dict[str, float]]:
         """Queue forward + backward over `samples`; gradients accumulate until `optim_step`.
 
         `loss_fn` / `loss_weight_fn` replace the backend's defaults for this call (e.g. the RL
         loss of this step's algorithm). Loss metrics are averaged over micro-batches with the
         same weights as the loss; keys ending in `_max` / `_min` take the maximum / minimum.
+        `dropout=False` sets every dropout probability to 0 for this call (RL: the loss pass
+        then computes the same logprobs as the old-policy and reference passes, which run in
+        eval mode; see training/rl/step.py).
         """
         samples = list(samples)
         args = {
             "loss_fn": loss_fn or self.loss_fn,
             "weight_fn": loss_weight_fn or self.loss_weight_fn,
+            "dropout": dropout,
         }
 
         def run() -> dict[str, float]:
@@ -352,34 +349,6 @@ class PyTorchTrainingBackend(StateOps):
             return st.combine_step_metrics(results)
 
         return self._submit(run)
-
-    def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn) -> dict:
-        t0 = time.perf_counter()
-        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
-        total_weight = st.all_sum(float(sum(weight_fn(b) for b in batches)), self._dist)
-        if total_weight <= 0:
-            raise BackendError("forward_backward got a batch with no trained tokens")
-        merged: dict[str, float] = {}
-        n_tokens = n_slots = n_trained = 0
-        for batch in batches:
-            logits = forward_logits(self.model, batch.to(self.device))
-            loss, metrics = loss_fn(logits, batch)
-            weight = weight_fn(batch) / total_weight
-            (loss * weight).backward()
-            merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
-            n_tokens += batch.n_tokens
-            n_slots += batch.n_slots
-            n_trained += batch.n_trained_tokens
-        self._idle_passes(len(batches), backward=True)
-        return {
-            "weighted": merged,
-            "n_samples": len(samples),
-            "n_tokens": n_tokens,
-            "n_slots": n_slots,
-            "n_trained_tokens": n_trained,
-            "n_microbatches": len(batches),
-            "time_forward_backward_s": time.perf_counter() - t0,
-        }
 
     def optim_step(self, *, finish_step: bool = True) -> TrainFuture[dict[str, float]]:
         """Queue clip + optimizer step, then (with `finish_step`) the LR schedule step and
@@ -393,22 +362,6 @@ class PyTorchTrainingBackend(StateOps):
             lambda: self._dispatch("optim_step", None, {"finish_step": finish_step})[0][0]
         )
 
-    def _local_optim_step(self, finish_step: bool = True) -> dict[str, float]:
-        if self.optimizer is None or self.scheduler is None:
-            raise BackendError("this backend's model has no trainable parameters (a reference?)")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        clip = self.optim_config.grad_clip
-        max_norm = clip if clip is not None else float("inf")
-        grad_norm = st.to_local_scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if finish_step:
-            self.scheduler.step()
-            self.step += 1
-            self.weight_version += 1
-        return {"grad_norm": grad_norm, "lr": lr, "step": self.step}
-
     def forward(self, samples: Sequence[Any]) -> TrainFuture[dict[str, float]]:
         """Queue a no-grad loss evaluation (held-out loss), token-weighted over `samples`."""
         samples = list(samples)
@@ -418,18 +371,6 @@ class PyTorchTrainingBackend(StateOps):
             return {"loss": sum(results), "n_samples": len(samples)}
 
         return self._submit(run)
-
-    def _local_forward(self, samples: list[Any]) -> float:
-        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
-        local_weight = float(sum(self.loss_weight_fn(b) for b in batches))
-        total_weight = st.all_sum(local_weight, self._dist)
-        loss_sum = 0.0
-        with torch.no_grad(), eval_mode(self.model):
-            for batch in batches:
-                loss, _ = self.loss_fn(forward_logits(self.model, batch.to(self.device)), batch)
-                loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
-            self._idle_passes(len(batches), backward=False)
-        return loss_sum
 
     def compute_logprobs(
         self, samples: Sequence[Any], *, temperature: float = 1.0, base_model: bool = False
@@ -464,36 +405,25 @@ class PyTorchTrainingBackend(StateOps):
 
         return self._submit(run)
 
-    def _local_per_trained_token(self, samples: list[Any], fn,
-                                 base_model: bool = False) -> list[torch.Tensor]:  # fmt: skip
-        """`fn(logits, batch)` → [B, T], read at each sample's trained positions (no grad)."""
-        out: list[torch.Tensor] = []
-        base = lo.base_model_pass(self.model) if base_model else contextlib.nullcontext()
-        with torch.no_grad(), eval_mode(self.model), base:
-            mbs = self.split_microbatches(samples)
-            for mb in mbs:
-                batch = self._collate(mb).to(self.device)
-                values_BT = fn(forward_logits(self.model, batch), batch)
-                trained = batch.target_ids != -100
-                for i in range(len(mb)):
-                    sel = (batch.segment_ids == i) & trained
-                    out.append(values_BT[sel].float().cpu())
-            self._idle_passes(len(mbs), backward=False)
-        return out
-
     def generate_greedy(
         self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int = 256
     ) -> TrainFuture[list[list[int]]]:
-        """Queue greedy decoding of token-id prompts; returns the new token ids (eos included).
+        """Queue greedy decoding of token-id prompts; returns the new token ids (eos included),
+        in prompt order.
 
-        Under torchrun every rank decodes every prompt (the same forward passes everywhere).
+        Under torchrun the prompts are split across ranks (contiguous, even shares) and the
+        answers gathered on rank 0.
         """
-        args = {"prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens,
-                "batch_size": batch_size}  # fmt: skip
-        return self._submit(lambda: self._dispatch("generate_greedy", None, args)[0][0])
+        rows = [list(p) for p in prompts]
+        args = {"max_new_tokens": max_new_tokens, "batch_size": batch_size}
 
-    def _local_generate_greedy(self, prompts, max_new_tokens: int, batch_size: int):
-        return generate_greedy(self.model, self.tokenizer, prompts, max_new_tokens, batch_size)
+        def run() -> list[list[int]]:
+            shares = even_shares(len(rows), self._dist.world if self._dist else 1)
+            results, _ = self._dispatch("generate_greedy", rows, args, gather=True,
+                                        shares=shares)  # fmt: skip
+            return [ids for part in results for ids in part]
+
+        return self._submit(run)
 
 
 def _fused_adam_ok(params: Sequence[torch.Tensor]) -> bool:

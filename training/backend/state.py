@@ -34,13 +34,29 @@ def all_sum(value: float, ctx: DistContext | None) -> float:
     return _reduce(value, ctx, dist.ReduceOp.SUM)
 
 
-def all_max(value: int, ctx: DistContext | None) -> int:
-    return int(_reduce(float(value), ctx, dist.ReduceOp.MAX))
+def agree_counts(n_local: int, weight: float, ctx: DistContext | None) -> tuple[list[int], float]:
+    """Every rank's count and the sum of every rank's `weight`, in ONE all-reduce.
+
+    Each rank writes its count into its own slot of a zero vector and its weight into the last
+    slot; the summed vector holds every rank's count (so each rank can run up to the largest)
+    and the global weight (a loss normaliser). float64 holds integer counts exactly.
+    """
+    if ctx is None:
+        return [n_local], weight
+    t = torch.zeros(ctx.world + 1, dtype=torch.float64, device=ctx.device)
+    t[ctx.rank] = float(n_local)
+    t[-1] = weight
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ctx.group)
+    values = t.tolist()
+    return [int(v) for v in values[:-1]], values[-1]
 
 
 def barrier(ctx: DistContext | None) -> None:
+    """Wait for every rank, on the command group: ranks wait here while rank 0 writes files
+    (a full HF export can take minutes), which the command group's deadline allows for and the
+    training group's `backend.collective_timeout_s` does not."""
     if ctx is not None:
-        dist.barrier(group=ctx.group)
+        dist.barrier(group=ctx.commands)
 
 
 def to_local_scalar(t: torch.Tensor) -> float:

@@ -3,7 +3,8 @@
 `init_distributed(backend_config)` reads `WORLD_SIZE` / `RANK` / `LOCAL_RANK` (set by torchrun):
 world size 1 returns None and nothing is initialised (unless `fsdp.at_world_size_1`: then a
 group of one, so one GPU runs the sharded code path). Otherwise it creates the training group
-(NCCL on CUDA, gloo on CPU) whose collectives time out after `fsdp.collective_timeout_s`, and a
+(NCCL on CUDA, gloo on CPU) whose collectives time out after `backend.collective_timeout_s`
+(reported by training/distributed/watchdog.py), and a
 gloo group for the command channel (rank 0 → others), whose waits time out after
 `fsdp.command_timeout_s` (a worker idles there while rank 0 generates rollouts).
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rollouts.errors import ConfigError
+from training.distributed import watchdog
 from training.distributed.teardown import (
     end_process_groups,
     final_barrier,
@@ -48,6 +50,7 @@ class DistContext:
     executor: ThreadPoolExecutor | None = None  # rank 0: the one thread that issues collectives
     backends: dict[int, Any] = field(default_factory=dict)
     next_id: int = 0
+    collective_timeout_s: float = 120.0  # the training group's deadline (watchdog messages)
 
     def register(self, backend: Any, backend_id: int | None = None) -> int:
         """Give `backend` the next id (rank 0) or the id rank 0 gave it (ranks ≥ 1)."""
@@ -111,7 +114,7 @@ def init_distributed(backend: BackendConfig) -> DistContext | None:
     import_before_default_group()  # else it holds the default group for good (teardown.py)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        timeout=timedelta(seconds=fsdp.collective_timeout_s),
+        timeout=timedelta(seconds=backend.collective_timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
     commands = dist.new_group(backend="gloo", timeout=timedelta(seconds=fsdp.command_timeout_s))
@@ -119,7 +122,8 @@ def init_distributed(backend: BackendConfig) -> DistContext | None:
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer") if rank == 0 else None
     )
     _CURRENT = DistContext(rank, world, local_rank, device, dist.group.WORLD, commands, fsdp,
-                           executor)  # fmt: skip
+                           executor, collective_timeout_s=backend.collective_timeout_s)  # fmt: skip
+    watchdog.set_status(_CURRENT, {"op": "starting", "step": None, "phase": None})
     log.info("rank %d of %d on %s (%s)", rank, world, device, dist.get_backend())
     return _CURRENT
 

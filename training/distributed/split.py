@@ -8,6 +8,7 @@ sample is its own block. Blocks go largest first to the rank with the fewest tok
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,3 +33,10 @@ def rank_shares(samples: Sequence[Any], world: int, *, packed: bool) -> list[lis
         shares[rank].extend(indices)
         load[rank] += tokens
     return [sorted(share) for share in shares]
+
+
+def even_shares(n: int, world: int) -> list[list[int]]:
+    """Indices 0..n-1 cut into `world` contiguous shares whose sizes differ by at most one
+    (prompts to decode: concatenating the ranks' answers restores their order)."""
+    bounds = [k * n // world for k in range(world + 1)]
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]

@@ -11,7 +11,7 @@ Nothing is pickled. A message is JSON; what JSON lacks is tagged:
 
 Transport: `broadcast_bytes` (rank 0 → all) and `send_bytes` / `recv_bytes` (point to point),
 all on the context's gloo command group, so they work the same whether training uses gloo or
-NCCL.
+NCCL; each takes an optional deadline shorter than the group's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import importlib
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -134,30 +135,46 @@ def loads(raw: bytes, backends: dict[int, Any] | None = None) -> Any:
 # -- transport (gloo command group) -------------------------------------------------------------
 
 
-def broadcast_bytes(raw: bytes | None, group: Any) -> bytes:
-    """Rank 0 sends `raw` to every rank of `group`; every rank returns it."""
+def _wait(work: Any, timeout_s: float | None) -> None:
+    """Wait for an async op; past `timeout_s` raise RuntimeError("... timed out ...") (None:
+    the group's own deadline)."""
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+
+
+def broadcast_bytes(raw: bytes | None, group: Any, timeout_s: float | None = None) -> bytes:
+    """Rank 0 sends `raw` to every rank of `group`; every rank returns it.
+
+    gloo's sender waits until every receiver has posted its receive: rank 0 passes a
+    `timeout_s` so that a rank that stopped answering does not hold it for the command group's
+    long deadline (which is for ranks ≥ 1 idling between operations).
+    """
     length = torch.tensor([len(raw) if raw is not None else 0], dtype=torch.int64)
-    dist.broadcast(length, src=0, group=group)
+    _wait(dist.broadcast(length, src=0, group=group, async_op=True), timeout_s)
     buf = (
         torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         if raw
         else torch.empty(int(length.item()), dtype=torch.uint8)
     )
     if buf.numel():
-        dist.broadcast(buf, src=0, group=group)
+        _wait(dist.broadcast(buf, src=0, group=group, async_op=True), timeout_s)
     return buf.numpy().tobytes()
 
 
-def send_bytes(raw: bytes, dst: int, group: Any) -> None:
-    dist.send(torch.tensor([len(raw)], dtype=torch.int64), dst=dst, group=group)
+def send_bytes(raw: bytes, dst: int, group: Any, timeout_s: float | None = None) -> None:
+    _wait(dist.isend(torch.tensor([len(raw)], dtype=torch.int64), dst=dst, group=group),
+          timeout_s)  # fmt: skip
     if raw:
-        dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst=dst, group=group)
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        _wait(dist.isend(buf, dst=dst, group=group), timeout_s)
 
 
-def recv_bytes(src: int, group: Any) -> bytes:
+def recv_bytes(src: int, group: Any, timeout_s: float | None = None) -> bytes:
     length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src=src, group=group)
+    _wait(dist.irecv(length, src=src, group=group), timeout_s)
     buf = torch.empty(int(length.item()), dtype=torch.uint8)
     if buf.numel():
-        dist.recv(buf, src=src, group=group)
+        _wait(dist.irecv(buf, src=src, group=group), timeout_s)
     return buf.numpy().tobytes()

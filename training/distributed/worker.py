@@ -34,15 +34,20 @@ def issue(ctx: DistContext, op: str, backend_id: int | None, args: dict[str, Any
     """Rank 0: announce `op` to every rank and send each rank ≥ 1 its rows (`shares[rank]`)."""
     header = {"op": op, "id": backend_id, "args": args, "rows": shares is not None,
               "gather": gather}  # fmt: skip
-    wire.broadcast_bytes(wire.dumps(header), ctx.commands)
+    # Every wait of rank 0 here has the collective deadline: a rank that stopped answering
+    # must not hold rank 0 for the command group's (ranks ≥ 1 idle there between ops).
+    wait_s = ctx.collective_timeout_s
+    wire.broadcast_bytes(wire.dumps(header), ctx.commands, wait_s)
     if shares is not None:
         for rank in range(1, ctx.world):
-            wire.send_bytes(wire.dumps(list(shares[rank])), rank, ctx.commands)
+            wire.send_bytes(wire.dumps(list(shares[rank])), rank, ctx.commands, wait_s)
 
 
 def gather_results(ctx: DistContext, local: Any) -> list[Any]:
     """Rank 0: its own result, then each other rank's, in rank order."""
-    return [local, *(wire.loads(wire.recv_bytes(r, ctx.commands)) for r in range(1, ctx.world))]
+    wait_s = ctx.collective_timeout_s
+    return [local, *(wire.loads(wire.recv_bytes(r, ctx.commands, wait_s))
+                     for r in range(1, ctx.world))]  # fmt: skip
 
 
 def shutdown_workers(ctx: DistContext) -> None:
@@ -123,7 +128,9 @@ def serve_commands(ctx: DistContext) -> None:
             return
         args = header["args"]
         rows = (
-            wire.loads(wire.recv_bytes(0, ctx.commands), ctx.backends) if header["rows"] else None
+            wire.loads(wire.recv_bytes(0, ctx.commands, ctx.collective_timeout_s), ctx.backends)
+            if header["rows"]
+            else None
         )
         if op == "create":
             PyTorchTrainingBackend.build_on_worker(args, backend_id)

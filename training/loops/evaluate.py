@@ -32,7 +32,10 @@ async def greedy_accuracy(
     *,
     max_new_tokens: int = 16,
 ) -> dict[str, float]:
-    """Greedy-decode every prompt and report the fraction `check(completion, answer)` accepts."""
+    """Greedy-decode every prompt and report the fraction `check(completion, answer)` accepts.
+
+    Under torchrun the prompts are split across ranks (`generate_greedy`); the answers, and so
+    the accuracy, are those of one process."""
     if not prompts:
         return {}
     tok = backend.tokenizer

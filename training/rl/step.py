@@ -13,6 +13,12 @@ PPO (`algorithm.needs_critic`): the critic's values of the batch give per-token 
 and returns (training/rl/gae.py), and the critic makes the same k·e updates on the same
 mini-batches, queued on its own worker thread so that they run beside the policy's.
 
+Dropout is off in every RL forward pass: the old-policy and reference logprobs come from eval
+mode, and the updates run with `forward_backward(dropout=False)`, so all three are the same
+function of the weights and the first update's ratio is exactly 1 (with LoRA dropout 0.3 and
+two mini-batches it was e^0.081 before). TRL's RL trainers do the same
+(`disable_dropout_in_model`); SFT keeps dropout as configured.
+
 Departures: mini-batches are visited in batch order, not reshuffled per epoch (verl shuffles
 when asked; the groups of a batch are already in random prompt order).
 """
@@ -117,7 +123,7 @@ def _queue_updates(backend: PyTorchTrainingBackend, chunks: list[list[RLExample]
     futures = []
     for k in range(n_updates):
         fb = backend.forward_backward(chunks[k % len(chunks)], loss_fn=loss_fn,
-                                      loss_weight_fn=weight_fn)  # fmt: skip
+                                      loss_weight_fn=weight_fn, dropout=False)  # fmt: skip
         futures.append((fb, backend.optim_step(finish_step=k == n_updates - 1)))
     return futures
 

@@ -1,0 +1,197 @@
+"""What every rank runs of a backend operation: the `_local_*` parts, and the one rule that keeps
+FSDP's collectives matched across ranks.
+
+A mixin of `PyTorchTrainingBackend` (training/backend/pytorch.py), split off to keep each file
+readable. `_dispatch` there sends an op with each rank's rows; `run_local` calls the method
+here named `_local_<op>` on every rank, in the same order everywhere.
+
+The rule for every op that runs forward passes (loss, forward-backward, logprobs, values,
+greedy decoding, anything added later): FSDP all-gathers the parameters in each forward (and
+reduce-scatters the gradients in each backward), so every rank must run the same number of
+passes, though the token-budget split gives ranks different numbers of micro-batches. So an op
+
+1. agrees its pass count FIRST, in one collective (`_agree_passes`: every rank's count, and
+   the loss normaliser when the op has one, in the same all-reduce), and only then
+2. runs its own micro-batches followed by idle passes up to the agreed count (`_passes`).
+
+Agreeing after the rank's own passes instead deadlocks: a rank with fewer micro-batches enters
+the count's all-reduce while a busier one waits in its next pass's all-gather (issue 24).
+At world size 1 the agreement is the identity and there are no idle passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from training.backend import lora as lo
+from training.backend import model_io
+from training.backend import state as st
+from training.backend.futures import BackendError
+from training.backend.state import merge_metrics
+from training.data.packing import forward_logits
+from training.distributed import watchdog
+
+if TYPE_CHECKING:
+    from training.backend.pytorch import LossFn
+
+T = TypeVar("T")
+
+
+class RankOps:
+    # -- the pass-count rule (see the module docstring) --------------------------------------------
+
+    def _agree_passes(self, n_local: int, weight: float = 0.0) -> tuple[int, float]:
+        """(the largest pass count of any rank, the sum of `weight` over ranks), in one
+        collective issued before any pass of the op."""
+        self._phase(f"agreeing pass counts (this rank: {n_local})")
+        counts, total_weight = st.agree_counts(n_local, weight, self._dist)
+        self._counts = counts
+        return max(counts), total_weight
+
+    @contextlib.contextmanager
+    def _watching(self, op: str) -> Iterator[None]:
+        """The op's status on the watchdog's board (training/distributed/watchdog.py); nested
+        calls (rank 0's `_dispatch` around its own `run_local`) join the outer one."""
+        if getattr(self, "_watch", None) is not None:
+            yield
+            return
+        step = self.step + 1 if self.optimizer is not None else None  # the step in progress
+        try:
+            with watchdog.watch(self._dist, op, step) as self._watch:
+                yield
+        finally:
+            self._watch = None
+
+    def _phase(self, text: str) -> None:
+        """Record this rank's progress through the op (what the watchdog reports)."""
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.phase(text)
+
+    def _passes(self, items: Sequence[T], n_agreed: int,
+                idle: Callable[[], object]) -> Iterator[T]:  # fmt: skip
+        """Yield this rank's `items` (the caller runs one pass on each), then run `idle()`
+        until the rank has made `n_agreed` passes."""
+        if n_agreed < len(items):
+            raise BackendError(f"agreed on {n_agreed} passes but this rank has {len(items)}")
+        counts = getattr(self, "_counts", None)
+        of = f"of {n_agreed}" + (f" (passes by rank: {counts})" if counts else "")
+        for k, item in enumerate(items):
+            self._phase(f"pass {k + 1} {of}")
+            yield item
+        for k in range(len(items), n_agreed):
+            self._phase(f"idle pass {k + 1} {of}")
+            idle()
+
+    def _idle_pass(self, *, backward: bool) -> None:
+        """A forward (and backward) pass on one pad token: the same collectives as a real one,
+        no effect on the gradient (its loss is multiplied by 0)."""
+        ids = torch.full((1, 1), self.pad_id or 0, dtype=torch.long, device=self.device)
+        with torch.set_grad_enabled(backward):
+            logits = self.model(input_ids=ids).logits
+            if backward:
+                (logits.float().sum() * 0.0).backward()
+
+    # -- the ops -----------------------------------------------------------------------------------
+
+    def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn,
+                                dropout: bool = True) -> dict:  # fmt: skip
+        t0 = time.perf_counter()
+        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
+        local_weight = float(sum(weight_fn(b) for b in batches))
+        n_passes, total_weight = self._agree_passes(len(batches), local_weight)
+        if total_weight <= 0:
+            raise BackendError("forward_backward got a batch with no trained tokens")
+        merged: dict[str, float] = {}
+        n_tokens = n_slots = n_trained = 0
+        idle = lambda: self._idle_pass(backward=True)  # noqa: E731
+        with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
+            for batch in self._passes(batches, n_passes, idle):
+                logits = forward_logits(self.model, batch.to(self.device))
+                loss, metrics = loss_fn(logits, batch)
+                weight = weight_fn(batch) / total_weight
+                (loss * weight).backward()
+                merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
+                n_tokens += batch.n_tokens
+                n_slots += batch.n_slots
+                n_trained += batch.n_trained_tokens
+        return {
+            "weighted": merged,
+            "n_samples": len(samples),
+            "n_tokens": n_tokens,
+            "n_slots": n_slots,
+            "n_trained_tokens": n_trained,
+            "n_microbatches": len(batches),
+            "time_forward_backward_s": time.perf_counter() - t0,
+        }
+
+    def _local_optim_step(self, finish_step: bool = True) -> dict[str, float]:
+        if self.optimizer is None or self.scheduler is None:
+            raise BackendError("this backend's model has no trainable parameters (a reference?)")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        clip = self.optim_config.grad_clip
+        max_norm = clip if clip is not None else float("inf")
+        grad_norm = st.to_local_scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if finish_step:
+            self.scheduler.step()
+            self.step += 1
+            self.weight_version += 1
+        return {"grad_norm": grad_norm, "lr": lr, "step": self.step}
+
+    def _local_forward(self, samples: list[Any]) -> float:
+        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
+        local_weight = float(sum(self.loss_weight_fn(b) for b in batches))
+        n_passes, total_weight = self._agree_passes(len(batches), local_weight)
+        loss_sum = 0.0
+        idle = lambda: self._idle_pass(backward=False)  # noqa: E731
+        with torch.no_grad(), model_io.eval_mode(self.model):
+            for batch in self._passes(batches, n_passes, idle):
+                loss, _ = self.loss_fn(forward_logits(self.model, batch.to(self.device)), batch)
+                loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
+        return loss_sum
+
+    def _local_per_trained_token(self, samples: list[Any], fn,
+                                 base_model: bool = False) -> list[torch.Tensor]:  # fmt: skip
+        """`fn(logits, batch)` → [B, T], read at each sample's trained positions (no grad)."""
+        out: list[torch.Tensor] = []
+        mbs = self.split_microbatches(samples)
+        n_passes, _ = self._agree_passes(len(mbs))
+        idle = lambda: self._idle_pass(backward=False)  # noqa: E731
+        base = lo.base_model_pass(self.model) if base_model else contextlib.nullcontext()
+        with torch.no_grad(), model_io.eval_mode(self.model), base:
+            for mb in self._passes(mbs, n_passes, idle):
+                batch = self._collate(mb).to(self.device)
+                values_BT = fn(forward_logits(self.model, batch), batch)
+                trained = batch.target_ids != -100
+                for i in range(len(mb)):
+                    sel = (batch.segment_ids == i) & trained
+                    out.append(values_BT[sel].float().cpu())
+        return out
+
+    def _local_generate_greedy(self, prompts: list[list[int]], max_new_tokens: int,
+                               batch_size: int) -> list[list[int]]:  # fmt: skip
+        """Greedy decoding of this rank's prompts, in batches. Under torchrun the batch count is
+        agreed first and each batch decodes with `synced_gpus` (transformers' generate then
+        all-reduces "finished?" each step and a finished rank keeps making forward passes until
+        every rank is done): the ranks' prompts end at different lengths."""
+        chunks = [prompts[k : k + batch_size] for k in range(0, len(prompts), batch_size)]
+        n_passes, _ = self._agree_passes(len(chunks))
+        synced = self._dist is not None
+        pad = [[self.pad_id or 0]]
+
+        def generate(chunk: list[list[int]]) -> list[list[int]]:
+            return model_io.generate_batch(self.model, self.tokenizer, chunk, max_new_tokens,
+                                           synced=synced)  # fmt: skip
+
+        out: list[list[int]] = []
+        for chunk in self._passes(chunks, n_passes, lambda: generate(pad)):
+            out += generate(chunk)
+        return out
