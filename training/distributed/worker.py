@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from training.distributed import wire
 from training.distributed.context import DistContext, init_distributed, shutdown_distributed
+from training.distributed.watchdog import CollectiveTimeoutError
 
 if TYPE_CHECKING:
     from training.config import BackendConfig
@@ -70,6 +71,8 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
     if ctx.rank > 0:
         try:
             serve_commands(ctx)
+        except CollectiveTimeoutError as err:  # already says the op, the step and every rank
+            raise SystemExit(f"rank {ctx.rank}: {err}") from None
         except RuntimeError as err:  # rank 0 is gone (its sockets closed) or went silent
             raise SystemExit(f"rank {ctx.rank}: lost rank 0 ({err}); exiting") from None
         except KeyboardInterrupt:
