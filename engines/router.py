@@ -15,6 +15,13 @@ per request: a batch or a list of rids is refused. It has no `/pause_generation`
   raised as `StaleWeightsError`; an `EnginePool` over the workers (the recipe opens one) gives
   such a worker the current weights.
 
+- `server_info()` is the gateway's `/server_info`; smg's may lack `version`, then one
+  worker's is used (directly, or through the RL control plane's fan-out).
+
+`workers` may also be one `GatewayControl` (engines/control_plane.py): smg's `/v1/rl/*` control
+plane, for deployments where only the gateway is reachable; aborts and syncs then fan out
+through the gateway.
+
 Not covered: registering workers with the gateway; prefill/decode disaggregation.
 """
 
@@ -27,7 +34,8 @@ import trio
 
 from rollouts.errors import EngineError
 
-from .client import SGLangEngine
+from .client import SGLangEngine, check_version
+from .control_plane import GatewayControl
 from .lora import ACTIVE
 from .pool import StaleWeightsError
 from .types import GenerateResult, ModelInfo, ScoreResult
@@ -152,6 +160,23 @@ class RouterEngine:
 
     async def model_info(self) -> ModelInfo:
         return await self.gateway.model_info()
+
+    async def server_info(self) -> dict[str, Any]:
+        """The gateway's `/server_info`, with a worker's `version` when the gateway's lacks one."""
+        info = await self.gateway.server_info()
+        if info.get("version") or not self.workers:
+            return info
+        worker = self.workers[0]
+        if isinstance(worker, GatewayControl):
+            answers = await worker.fanout("server_info", method="GET")
+            url, theirs = next(iter(answers.values()))
+        else:
+            url, theirs = worker.url, await worker.server_info()
+        return {**info, "version": (theirs or {}).get("version"), "version_from": url}
+
+    async def check_server(self) -> str:
+        """`SGLangEngine.check_server` for the fleet behind the gateway (see `server_info`)."""
+        return check_version(await self.server_info(), self.url)
 
     async def is_healthy(self) -> bool:
         return await self.gateway.is_healthy()

@@ -19,6 +19,14 @@ class EnginesConfig(Strict):
     router_url: str | None = Field(
         None, description="sgl-model-gateway for generation; `urls` (or its GET /workers) = workers"
     )
+    control_plane: Literal["auto", "direct", "gateway"] = Field(
+        "auto",
+        description=(
+            "with router_url, where weight syncs go: each worker directly, or smg's /v1/rl "
+            "control plane (smg >= 1.11 run with --enable-rl); auto = direct when every worker "
+            "answers GET /model_info within 2 s, else the gateway"
+        ),
+    )
     api_key: str | None = None
     admin_api_key: str | None = Field(None, description="SGLang --admin-api-key (control routes)")
     n_local: int = Field(1, ge=1)

@@ -23,6 +23,7 @@ import trio
 
 from engines import EnginePool, LoraLaunch, SGLangEngine
 from engines.client import EngineTimeouts, probe_engines
+from engines.control_plane import GatewayControl, choose_control_plane, control_targets
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
 from rollouts.errors import ConfigError
@@ -187,7 +188,8 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
     here (relaunched when they die, up to `engines.max_relaunches`; stopped at the end).
 
     Generation goes through an `EnginePool` of the workers, or through the gateway at
-    `engines.router_url` (`RouterEngine`); weight syncs always go to each worker. Every worker
+    `engines.router_url` (`RouterEngine`); weight syncs go to each worker, or through smg's
+    `/v1/rl` control plane when the workers are out of reach (`engines.control_plane`). Every worker
     must run SGLang >= 0.5.6 (`SGLangEngine.check_server`).
     """
     ec = config.engines
@@ -198,10 +200,17 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
         if ec.router_url:
             gateway = SGLangEngine(ec.router_url, api_key=ec.api_key, timeouts=timeouts)
             router = await stack.enter_async_context(RouterEngine(gateway))
-            if not urls:
-                urls = await router.list_workers()
+            urls = control_targets(urls or await router.list_workers())  # url@rank: one each
             if not urls:
                 raise ConfigError(f"the router at {ec.router_url} lists no workers (GET /workers)")
+            plane = await choose_control_plane(ec.control_plane, urls, api_key=ec.api_key)
+            if plane == "gateway":  # only the gateway is reachable: syncs fan out through it
+                control = GatewayControl(gateway)
+                router.workers = [control]
+                log.info("%s runs SGLang %s; weight syncs through its /v1/rl control plane",
+                         ec.router_url, await router.check_server())  # fmt: skip
+                yield router, [control]
+                return
         elif not urls:
             for i in range(ec.n_local):
                 args = ["--weight-version", "0", "--max-running-requests",
