@@ -12,12 +12,18 @@ Contract:
   the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
   marked up. Engines this client has paused (a weight sync in progress) are never
   marked down by a probe.
-- A request whose engine fails with `EngineUnavailableError`, a 5xx or a timeout, or answers
-  from weights other than `expected_weights`, is retried on another engine that has not failed
-  it, at most `max_failovers` times (the failing engine is asked to abort it first); it returns
-  exactly one result or raises, so a sample is never lost silently nor duplicated. A 4xx is
-  raised at once, except a 400 saying the adapter the last LoRA sync gave that engine is not
-  loaded (it restarted): that counts as stale weights. Each failure is counted per engine and kind (`EngineStats.failures`).
+- A request whose engine fails transiently (`EngineUnavailableError`, a 5xx, a timeout, or an
+  answer from weights other than `expected_weights`) is retried on another engine that has not
+  failed it (the failing engine is asked to abort it first). When every engine has failed it,
+  the pool waits for one to be healthy again (the prober brings a down one back; a 5xx or a
+  timeout is retried after a backoff of 0.5 s doubling to `probe_interval_s`) and retries
+  there, a pool of one as a pool of many. All of it is bounded by `unavailable_timeout_s` from
+  the request's first failure (and `max_attempts`); past that `NoEngineAvailableError` says how
+  long it waited and the last failure. It returns exactly one result or raises, so a sample is
+  never lost silently nor duplicated. Any other error is raised at once, and a 4xx too, except
+  a 400 saying the adapter the last LoRA sync gave that engine is not loaded (it restarted):
+  that counts as stale weights. Each failure is counted per engine and kind
+  (`EngineStats.failures`).
 - The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
 
 Not covered: prefix-affinity routing (sglang-router's cache_aware policy), weighted engines.
@@ -106,6 +112,15 @@ class StaleWeightsError(EngineUnavailableError):
     """The engine answered from other weights than the last sync gave it (it restarted)."""
 
 
+class NoEngineAvailableError(EngineUnavailableError):
+    """The pool waited `unavailable_timeout_s` (or spent `max_attempts`) and no engine served
+    the request: sending it again at once would not help. `last_kind`: the last failure's kind."""
+
+    def __init__(self, message: str, *, last: EngineError | None = None) -> None:
+        super().__init__(message, url=getattr(last, "url", "") or "")
+        self.last_kind = engine_failure_kind(last) if last is not None else None
+
+
 def _failover(exc: EngineError) -> bool:
     """Worth trying on another engine: no answer, a server error, a timeout, stale weights."""
     return isinstance(exc, EngineUnavailableError | EngineTimeoutError) or (
@@ -124,16 +139,16 @@ class EnginePool:
         engines: Sequence[InferenceEngine],
         *,
         probe_interval_s: float = 2.0,
-        wait_for_engine_s: float = 60.0,
-        max_failovers: int = 2,
+        unavailable_timeout_s: float = 60.0,
+        max_attempts: int = 10,
         rejoin_timeout_s: float = 300.0,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self._slots = [_Slot(e) for e in engines]
         self.probe_interval_s = probe_interval_s
-        self.wait_for_engine_s = wait_for_engine_s
-        self.max_failovers = max_failovers
+        self.unavailable_timeout_s = unavailable_timeout_s
+        self.max_attempts = max_attempts
         self.rejoin_timeout_s = rejoin_timeout_s
         self._picks = itertools.count(1)
         self._changed = trio.Event()  # set and replaced whenever an engine goes down or up
@@ -262,22 +277,26 @@ class EnginePool:
         slot.last_pick = next(self._picks)
         return slot
 
-    async def _acquire(self, exclude: set[_Slot]) -> _Slot:
+    async def _acquire(
+        self, exclude: set[_Slot], deadline: float, why: str, last: EngineError | None
+    ) -> _Slot:
+        """A healthy engine not in `exclude`, waiting until `deadline` for one."""
         slot = self._pick(exclude)
         if slot is not None:  # the common case, without setting up a deadline
             return slot
-        with trio.move_on_after(self.wait_for_engine_s):
+        t0 = trio.current_time()
+        with trio.move_on_at(deadline):
             while True:
                 slot = self._pick(exclude)
                 if slot is not None:
                     return slot
-                if all(s in exclude for s in self._slots):
-                    break
                 await self._changed.wait()
-        tried = ", ".join(s.engine.url for s in exclude) or "none"
-        raise EngineUnavailableError(
-            f"no healthy engine left for this request (failed on: {tried}; waited up to "
-            f"{self.wait_for_engine_s} s for one to come back)"
+        down = ", ".join(s.engine.url for s in self._slots if not s.healthy) or "none"
+        raise NoEngineAvailableError(
+            f"no engine could serve this request: waited {trio.current_time() - t0:.1f} s "
+            f"(engines.unavailable_timeout_s={self.unavailable_timeout_s}) for one to answer "
+            f"its health probe again; down: {down}; {why}",
+            last=last,
         )
 
     # ----- requests -------------------------------------------------------------------------
@@ -287,8 +306,14 @@ class EnginePool:
     ) -> T:
         rids = [rid] if isinstance(rid, str) else list(rid or ())
         failed_on: set[_Slot] = set()
-        while True:
-            slot = await self._acquire(failed_on)
+        first_failure: float | None = None
+        deadline = trio.current_time() + self.unavailable_timeout_s
+        why, last = "no failure of this request yet", None
+        backoff = 0.5
+        for attempt in range(1, self.max_attempts + 1):
+            if first_failure is not None and trio.current_time() >= deadline:
+                break
+            slot = await self._acquire(failed_on, deadline, why, last)
             weight = max(1, len(rids))  # a batch weighs as many requests as it has items
             slot.in_flight += weight
             slot.samples_sent += weight
@@ -304,25 +329,25 @@ class EnginePool:
                 slot.fail(exc)
                 if isinstance(exc, EngineUnavailableError):
                     self._mark_down(slot, exc)
-                if not _failover(exc) or len(failed_on) >= self.max_failovers:
+                if not _failover(exc):
                     raise exc from None
-                no_other = all(s in failed_on or s is slot for s in self._slots)
-                if no_other and not isinstance(exc, EngineUnavailableError):
-                    raise exc from None  # a 5xx or timeout with nowhere else: the caller drops it
+                if first_failure is None:  # the bound runs from the first failure
+                    first_failure = trio.current_time()
+                    deadline = first_failure + self.unavailable_timeout_s
+                last = exc
+                why = f"last failure on {slot.engine.url}: {engine_failure_kind(exc)}: {exc}"
                 failed_on.add(slot)
                 with trio.move_on_after(1.0):  # the old engine may still run it: best effort
                     for r in rids:
                         with contextlib.suppress(EngineError):
                             await slot.engine.abort(r)
-                what = (
-                    f"{rids[0]} (+{len(rids) - 1} more)"
-                    if len(rids) > 1
-                    else rids[0]
-                    if rids
-                    else "a request"
-                )
-                logger.warning("request %s failed on %s (%s); trying another engine", what,
-                               slot.engine.url, engine_failure_kind(exc))  # fmt: skip
+                if all(s in failed_on for s in self._slots):  # nowhere else: wait, then retry
+                    failed_on.clear()
+                    await trio.sleep_until(min(deadline, trio.current_time() + backoff))
+                    backoff = min(2 * backoff, max(self.probe_interval_s, 0.5))
+                logger.warning("request %s failed on %s (%s, attempt %d of at most %d); retrying",
+                               _what(rids), slot.engine.url, engine_failure_kind(exc), attempt,
+                               self.max_attempts)  # fmt: skip
                 continue
             else:
                 slot.done += 1
@@ -333,6 +358,13 @@ class EnginePool:
                 for r in rids:
                     if self._rid_slot.get(r) is slot:
                         del self._rid_slot[r]
+        waited = trio.current_time() - (first_failure or trio.current_time())
+        raise NoEngineAvailableError(
+            f"request {_what(rids)} gave up after {attempt} attempts in {waited:.1f} s "
+            f"(engines.unavailable_timeout_s={self.unavailable_timeout_s}, max_attempts="
+            f"{self.max_attempts}); {why}",
+            last=last,
+        )
 
     def _check_weights(self, slot: _Slot, result: Any) -> None:
         """An answer from other weights than the last sync gave (the engine restarted since)."""
@@ -397,6 +429,12 @@ class EnginePool:
         async with trio.open_nursery() as nursery:
             for slot in self._slots:
                 nursery.start_soon(slot.engine.wait_healthy, timeout_s)
+
+
+def _what(rids: Sequence[str]) -> str:
+    if not rids:
+        return "(no rid)"
+    return rids[0] if len(rids) == 1 else f"{rids[0]} (+{len(rids) - 1} more)"
 
 
 async def _probe(engine: InferenceEngine, timeout_s: float) -> bool:

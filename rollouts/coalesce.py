@@ -15,11 +15,14 @@ Contract:
 - Merged items keep their rids, so `abort(rid)` still reaches each item.
 - A caller cancelled before the request leaves is dropped from it; after, its results are
   discarded (abort its rids to stop them early, as `collect_groups` does).
-- When a merged request is refused with a 400 (the server validated and ran nothing), each
-  caller's part is re-sent on its own, so one bad group (a prompt too long, say) fails only its
-  own caller, as without merging. Any other failure (500, timeout, dropped connection) may have
-  run some items already: it is never re-sent, every caller gets the error (and the pool's
-  failover, below this wrapper, has had its bounded try), so no rid is sent twice from here.
+- When a merged request fails, each caller's part is re-sent on its own, so one failure is never
+  every group's: a 400 (one bad group, a prompt too long, say) fails only its own caller, and a
+  transient failure (a reset, a 500, a truncated body, a timeout) that outlived the pool's own
+  retries of the merged request gets one more try per group. Not re-sent: an
+  `EngineUnavailableError` from a pool that already waited its `unavailable_timeout_s` for an
+  engine (`NoEngineAvailableError`; every caller gets it). A part re-sent keeps its rids, and
+  the pool below aborts a failed request's rids before any retry, so each caller gets exactly
+  one answer per rid (a result or the error), never two.
 - Calls with per-item sampling parameters, and every other method, pass through unchanged.
 """
 
@@ -109,17 +112,17 @@ class CoalescingEngine:
         merged = _Call([ids for c in calls for ids in c.input_ids],
                        {**calls[0].kwargs, "rids": [r for c in calls for r in c.kwargs["rids"]]})  # fmt: skip
         await self._send(merged, params)
-        if merged.error is not None and getattr(merged.error, "status", None) != 400:
-            for c in calls:
-                c.error = merged.error
-                c.done.set()
-            return
         if merged.error is None:
             assert merged.results is not None
             start = 0
             for c in calls:
                 c.results = merged.results[start : start + len(c.input_ids)]
                 start += len(c.input_ids)
+                c.done.set()
+            return
+        if _pool_gave_up(merged.error):  # it waited its bound for an engine: no use again now
+            for c in calls:
+                c.error = merged.error
                 c.done.set()
             return
         async with trio.open_nursery() as nursery:  # isolate the failure: each part alone
@@ -132,6 +135,11 @@ class CoalescingEngine:
         except EngineError as exc:
             call.error = exc
         call.done.set()
+
+
+def _pool_gave_up(error: BaseException) -> bool:
+    # by name: `rollouts` sits below `engines` (as `rollouts.errors.engine_failure_kind` does)
+    return any(cls.__name__ == "NoEngineAvailableError" for cls in type(error).__mro__)
 
 
 def _key(sampling_params: Any, kwargs: Mapping[str, Any]) -> str | None:

@@ -53,11 +53,13 @@ class EngineError(RolloutsError, RuntimeError):
 
 
 def engine_failure_kind(exc: BaseException) -> str:
-    """ "unreachable", "timeout", "stale weights" or "HTTP <status>" (engines' error classes are
+    """ "unreachable", "timeout", "stale weights", "gave up after <kind>" or "HTTP <status>" (engines' error classes are
     matched by name: this module is below `engines`)."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     if "StaleWeightsError" in names:
         return "stale weights"
+    if "NoEngineAvailableError" in names:  # the pool retried until its bound
+        return f"gave up after {getattr(exc, 'last_kind', None) or 'no engine'}"
     if isinstance(exc, TimeoutError):
         return "timeout"
     if "EngineUnavailableError" in names:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 import trio
 
 from rollouts.coalesce import CoalescingEngine
@@ -18,11 +17,15 @@ class CountingEngine:
     def __init__(self, fail: int | None) -> None:
         self.sent: Counter[str] = Counter()
         self.fail = fail
+        self.fail_only_merged = fail == 400  # a 400 refuses the merged call only
+        self.error: EngineError | None = None  # raised for every call when set
 
     async def generate_batch(self, batch_input_ids, sampling_params=None, *, rids):
         self.sent.update(rids)
         await trio.sleep(0)
-        if self.fail is not None and (self.fail != 400 or len(rids) > 2):
+        if self.error is not None:
+            raise self.error
+        if self.fail is not None and (not self.fail_only_merged or len(rids) > 2):
             raise EngineError("boom", url="http://e", status=self.fail)
         return [f"result {r}" for r in rids]
 
@@ -44,16 +47,26 @@ async def _three_callers(engine: CountingEngine) -> dict[int, object]:
     return outcomes
 
 
-@pytest.mark.parametrize("status", [500, 503, None])
-async def test_a_failed_merged_request_sends_no_rid_twice(status):
-    engine = CountingEngine(status)
+class NoEngineAvailableError(EngineError):
+    """Named as `engines.pool`'s: the pool waited its bound for an engine."""
+
+
+async def test_a_merged_request_that_fails_transiently_is_retried_per_group_once():
+    # Issue 26 item 1: one reset (or 500) of the coalesced request failed all its groups.
+    for status in (500, 503):
+        engine = CountingEngine(status)
+        engine.fail_only_merged = True
+        outcomes = await _three_callers(engine)
+        assert outcomes == {i: [f"result g{i}-0.", f"result g{i}-1."] for i in range(3)}
+        assert set(engine.sent.values()) == {2}  # merged once, then each part alone once
+
+
+async def test_a_merged_request_the_pool_gave_up_on_is_not_resent():
+    engine = CountingEngine(None)
+    engine.error = NoEngineAvailableError("waited 60.0 s", url="http://e")
     outcomes = await _three_callers(engine)
-    assert sorted(engine.sent) == sorted(f"g{i}-{j}." for i in range(3) for j in range(2))
     assert set(engine.sent.values()) == {1}
-    if status is None:
-        assert outcomes[1] == ["result g1-0.", "result g1-1."]
-    else:
-        assert all(isinstance(o, EngineError) and o.status == status for o in outcomes.values())
+    assert all(o is engine.error for o in outcomes.values())
 
 
 async def test_a_merged_request_refused_with_400_is_resent_per_caller():

@@ -17,8 +17,9 @@ import trio
 from test_engine_launch import alive, pids_with_port
 from test_engine_pool import run_engine, wait_for
 
-from engines import EngineError, EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
 from engines.http import EngineTimeouts
+from engines.pool import NoEngineAvailableError
 from engines.supervisor import supervise_engine
 from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from rollouts.config import RolloutConfig, SamplingConfig
@@ -52,12 +53,37 @@ async def test_5xx_and_timeouts_fail_over_to_another_engine_and_are_counted(tiny
             assert stats[0].failures == {"HTTP 500": proxy.counts["500"],
                                          "timeout": proxy.counts["hang"]}  # fmt: skip
             assert proxy.counts["500"] > 0 and proxy.counts["hang"] > 0
-            async with EnginePool([a], probe_interval_s=60) as alone:  # nowhere else to go
+            alone = EnginePool([a], probe_interval_s=60, unavailable_timeout_s=1.0)
+            async with alone:  # nowhere else to go: retried until the bound, then named
                 proxy.plan = FaultPlan(rates={"500": 1.0})
-                with pytest.raises(EngineError) as failed:
+                t0 = trio.current_time()
+                with pytest.raises(NoEngineAvailableError, match=r"in 1\.\d s .*HTTP 500"):
                     await alone.generate([1, 2], SHORT)
-                assert failed.value.status == 500
+                assert 1.0 <= trio.current_time() - t0 < 3.0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_pool_of_one_waits_out_a_reset_a_500_a_truncated_body_and_a_hang(tiny_model_dir):
+    # Issue 26 item 1: the only engine failing once used to end the request at once.
+    async with trio.open_nursery() as nursery:
+        engine = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        script = ("reset", "pass", "500", "pass", "truncate", "pass", "hang")
+        proxy = FaultProxy(engine.url, FaultPlan(script=script, hang_s=30.0))
+        url = await nursery.start(proxy.serve)
+        fast = EngineTimeouts(generate_s=1.0)  # the hang ends at the request's deadline
+        async with client(url, timeouts=fast) as a, EnginePool([a], probe_interval_s=0.1) as pool:
+            with trio.fail_after(30):
+                results = [await pool.generate_batch([[i + 1, 2]] * 2, SHORT,
+                                                     rids=[f"r{i}.0", f"r{i}.1"])
+                           for i in range(4)]  # fmt: skip
+            stats = pool.statistics().engines[0]
+        nursery.cancel_scope.cancel()
+    assert [len(r) for r in results] == [2, 2, 2, 2]
+    assert all(x.completion_tokens == 4 for r in results for x in r)
+    faults = {k: n for k, n in proxy.counts.items() if k != "forwarded"}  # probes are forwarded
+    assert faults == {"reset": 1, "500": 1, "truncate": 1, "hang": 1}
+    assert stats.failures == {"unreachable": 2, "HTTP 500": 1, "timeout": 1}
+    assert (stats.done, stats.samples_sent, stats.samples_received) == (4, 16, 8)
 
 
 async def test_dead_engine_is_skipped_by_the_sync_and_given_the_weights_before_it_serves(
@@ -132,12 +158,13 @@ async def test_failed_groups_are_dropped_and_counted_until_the_rate_ends_the_run
         proxy_url = await nursery.start(proxy.serve)
         cfg = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
                             sampling=SamplingConfig(max_new_tokens=4), max_failed_group_rate=0.5)  # fmt: skip
-        async with client(proxy_url) as flaky, EnginePool([flaky]) as pool:
+        pool = EnginePool([flaky := client(proxy_url)], unavailable_timeout_s=1.0)
+        async with flaky, pool:  # every answer a 500: retried for 1 s, then the group fails
             manager = AsyncRolloutManager(pool, DataBuffer(make_prompts(tiny_tokenizer, 16)),
                                           cfg, reward_fn=lambda s: 0.0)  # fmt: skip
             with pytest.raises(RolloutsError) as ended:
                 await manager.generate_batch()
-            assert f"{proxy_url}: HTTP 500 x" in str(ended.value)
+            assert f"{proxy_url}: gave up after HTTP 500 x" in str(ended.value)
             proxy.enabled = False  # under the rate: the run goes on, failures counted
             batch = await manager.generate_batch()
             assert len(batch.groups) == 2 and batch.metrics["groups_failed"] == 0

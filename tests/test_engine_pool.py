@@ -108,8 +108,11 @@ async def test_requests_on_a_dying_engine_are_retried_elsewhere_once_and_never_d
 
 async def test_no_engine_left_raises_unavailable_naming_the_failures():
     dead = client(find_free_port())
-    async with dead, EnginePool([dead], wait_for_engine_s=0.5) as pool:
-        with pytest.raises(EngineUnavailableError, match="no healthy engine left"):
+    async with dead, EnginePool([dead], unavailable_timeout_s=0.5) as pool:
+        with pytest.raises(
+            EngineUnavailableError,
+            match=r"in 0\.5 s \(engines\.unavailable_timeout_s=0\.5.*unreachable",
+        ):
             await pool.generate([1, 2], {"max_new_tokens": 2})
         stats = pool.statistics()
         assert stats.failed == 1 and not stats.engines[0].healthy

@@ -34,6 +34,12 @@ class EnginesConfig(Strict):
     max_running_requests: int = Field(64, ge=1)
     startup_timeout_s: float = Field(300.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)
+    unavailable_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a request waits for an engine to come back after a transient "
+        "failure (reset, 5xx, truncated body, timeout) before its group fails",
+    )
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort",
         description=(

@@ -7,7 +7,10 @@ Each request whose path is in `FaultPlan.paths` draws one fault (seeded, so runs
 - "truncate": forwarded, and half of the answer's bytes are sent before the connection closes;
 - "500": answered `500 {"error": {"message": "injected fault"}}` without forwarding;
 - "hang": no answer for `hang_s`, then the connection closes;
+- "nonjson": answered `200` with an HTML body (a misrouted load balancer) without forwarding;
 - otherwise the request is forwarded as is. Every other path is always forwarded.
+`FaultPlan.script` names the faults of the first requests in order ("pass": forwarded), so a
+test can place one fault exactly; the seeded draws take over after it.
 
 One request per connection (`Connection: close` both ways), so a fault hits exactly one request.
 Every wait is bounded (`io_timeout_s` per read, `hang_s`); `counts` tallies each fault and each
@@ -24,13 +27,15 @@ from dataclasses import dataclass, field
 
 import trio
 
-FAULTS = ("reset", "delay", "truncate", "500", "hang")
+FAULTS = ("reset", "delay", "truncate", "500", "hang", "nonjson")
 _ERROR = b'{"error": {"message": "injected fault"}}'
+_HTML = b"<html><body>502 Bad Gateway (injected fault)</body></html>"
 
 
 @dataclass(frozen=True)
 class FaultPlan:
     rates: Mapping[str, float] = field(default_factory=dict)  # fault -> probability per request
+    script: tuple[str, ...] = ()  # faults of the first requests, in order ("pass": none)
     paths: tuple[str, ...] = ("/generate",)
     delay_s: float = 0.5
     hang_s: float = 5.0
@@ -49,6 +54,7 @@ class FaultProxy:
         self.counts: Counter[str] = Counter()
         self.enabled = True
         self._rng = random.Random(plan.seed)
+        self._n_drawn = 0
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -60,6 +66,10 @@ class FaultProxy:
     def _draw(self, path: str) -> str | None:
         if not self.enabled or path not in self.plan.paths:
             return None
+        self._n_drawn += 1
+        if self._n_drawn <= len(self.plan.script):
+            fault = self.plan.script[self._n_drawn - 1]
+            return None if fault == "pass" else fault
         roll = self._rng.random()
         for fault in FAULTS:
             roll -= self.plan.rates.get(fault, 0.0)
@@ -86,6 +96,11 @@ class FaultProxy:
                 await _send(client, b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
                             b"application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
                             % len(_ERROR) + _ERROR)  # fmt: skip
+                return
+            if fault == "nonjson":
+                await _send(client, b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\n"
+                            b"content-length: %d\r\nconnection: close\r\n\r\n"
+                            % len(_HTML) + _HTML)  # fmt: skip
                 return
             if fault == "delay":
                 await trio.sleep(self.plan.delay_s)

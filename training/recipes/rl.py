@@ -231,7 +231,9 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
         ]  # fmt: skip
         for client in clients:
             log.info("%s runs SGLang %s", client.url, await client.check_server())
-        pool = await stack.enter_async_context(EnginePool(clients))
+        pool = await stack.enter_async_context(
+            EnginePool(clients, unavailable_timeout_s=ec.unavailable_timeout_s)
+        )
         if router is not None:  # the pool only watches the workers and gives returning ones
             router.workers = clients  # the current weights; generation goes via the gateway
             yield router, clients
