@@ -2,7 +2,9 @@
 
 A sample whose reward could not be computed (it raised, timed out, returned a non-number) is a
 reward failure, not a wrong answer: it is counted apart (`reward_failed`) and left out of
-`accuracy` and `reward_mean`, and the errors are logged, deduplicated with counts.
+`accuracy` and `reward_mean`, and the errors are logged, deduplicated with counts. A prompt
+whose episode failed at the engine (after the pool's own retries) is counted in `failed` and
+left out too: an evaluation never ends a run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import trio
 
+from rollouts.errors import EngineError
 from rollouts.generation import (
     GenerateContext,
     GenerateFn,
@@ -48,7 +51,7 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
         stall_warning_s: log the function holding the event loop when it stalls this long.
 
     Returns:
-        `reward_mean` and `accuracy` (mean of the reward's "correct" component, or of
+        `failed` (prompts whose episode failed at the engine), `reward_mean` and `accuracy` (mean of the reward's "correct" component, or of
         reward > 0 when it has none) over the samples the reward scored (absent when it scored
         none); `reward_failed` and `reward_failure_rate` (samples it could not score); and, for
         multi-turn episodes, the tool metrics (`tool_success_rate`, `tool_calls_per_sample`, ...).
@@ -58,11 +61,18 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
     limiter = trio.CapacityLimiter(max_concurrency)
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     scored: list[Sample | None] = [None] * len(prompts)
+    engine_errors: Counter[str] = Counter()
     threads = reward_threads or RewardThreads()
 
     async def one(i: int) -> None:
         ctx = GenerateContext(engine, params, limiter, f"eval-{i}", i, tokenizer)
-        samples = await generate_fn(prompts[i], 1, ctx)
+        samples: list[Sample] = []
+        try:
+            samples = await generate_fn(prompts[i], 1, ctx)
+        except* EngineError as group:  # except*: a generate function may run a nursery
+            engine_errors[str(group.exceptions[0])] += 1
+        if not samples:
+            return
         scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s,
                                        threads=threads)  # fmt: skip
 
@@ -70,13 +80,17 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
     done = [s for s in scored if s is not None]
+    n_failed = sum(engine_errors.values())
+    if n_failed:
+        log.warning("evaluation: %d of %d prompts failed at the engine (left out): %s",
+                    n_failed, len(prompts), summarize_errors(engine_errors))  # fmt: skip
     ok = [s for s in done if s.status != "failed"]
     errors = Counter(s.error or "failed" for s in done if s.status == "failed")
     if errors:
         log.warning("evaluation: %d of %d samples could not be scored: %s", len(done) - len(ok),
                     len(done), summarize_errors(errors))  # fmt: skip
-    out = {"reward_failed": float(len(done) - len(ok)),
-           "reward_failure_rate": (len(done) - len(ok)) / len(done)}  # fmt: skip
+    out = {"failed": float(n_failed), "reward_failed": float(len(done) - len(ok)),
+           "reward_failure_rate": (len(done) - len(ok)) / max(1, len(done))}  # fmt: skip
     if ok:
         correct = [s.reward_components.get("correct", float(s.reward > 0)) for s in ok]
         out |= {"accuracy": statistics.fmean(correct),

@@ -4,7 +4,8 @@ One step reads top to bottom: batch of groups (AsyncRolloutManager) → algorith
 `train_on_batch` (advantages, reference and old logprobs of the same tokens if needed, then one
 or more forward_backward + optim_step: training/rl/step.py) → every `sync_every` steps export weights and pause every engine; the engines load
 the weights in the background (requests sent meanwhile wait and run on the new weights) →
-log → maybe eval → maybe checkpoint. All state lives in the backend (weights, optimizer, versions),
+maybe checkpoint → maybe eval → log (the checkpoint first: an evaluation that fails never
+costs trained steps). All state lives in the backend (weights, optimizer, versions),
 the DataBuffer (cursor + held groups) and the engines; resume loads them.
 
 Cancellation (Ctrl-C, a host app's cancel scope) propagates out of whatever await is running:
@@ -234,6 +235,13 @@ async def run_rl_training(
     algo = algorithm(start + 1, {})
     if use_algorithm is not None:
         use_algorithm(algo)
+
+    async def save(step: int, metrics: dict[str, Any]) -> None:
+        if critic is not None:  # first: `latest` of the policy implies its critic's
+            await critic.save_checkpoint(step, metrics)
+        await _checkpoint(backend, step, metrics, data_buffer, resolved_config, checkpoint_hook,
+                          reference, reference_update)  # fmt: skip
+
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
         settle = getattr(rollout_manager, "settle", None)
@@ -279,6 +287,11 @@ async def run_rl_training(
                 "time_sync_s": sync_s,  # export + pause; the engines load in the background
                 "time_step_s": time.perf_counter() - t0,
             }
+            # The checkpoint comes before the evaluation: a failing evaluation (or a crash in
+            # it) never costs the steps trained since the last one. It has no eval_* metrics.
+            saved = step % config.checkpoint_every == 0 or step == config.max_steps
+            if saved:
+                await save(step, metrics)
             if evaluate_fn is not None and (
                 step % config.eval_every == 0 or step == config.max_steps
             ):
@@ -294,11 +307,8 @@ async def run_rl_training(
                     on_algorithm_switch(upcoming)
             algo = upcoming
             stop = stop_fn is not None and stop_fn(step, metrics)
-            if step % config.checkpoint_every == 0 or step == config.max_steps or stop:
-                if critic is not None:  # first: `latest` of the policy implies its critic's
-                    await critic.save_checkpoint(step, metrics)
-                await _checkpoint(backend, step, metrics, data_buffer, resolved_config,
-                                  checkpoint_hook, reference, reference_update)  # fmt: skip
+            if stop and not saved:
+                await save(step, metrics)
             if stop:
                 log.info("stop_fn ended the run after step %d", step)
                 break

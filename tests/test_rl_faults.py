@@ -1,0 +1,96 @@
+"""Issue 26 items 1 and 2 end to end: one local engine behind the project's fault proxy, a short
+RL run through `EnginePool` (the recipe's path). Transient faults on `/generate` cost time, never
+samples; a non-JSON answer during the final evaluation is counted and the run ends with its
+last checkpoint written."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+from test_engine_pool import run_engine
+
+from engines import EnginePool, SGLangEngine, find_free_port
+from engines.http import EngineTimeouts
+from engines.testing.fault_proxy import FaultPlan, FaultProxy
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.evaluation import evaluate_greedy
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import load_prompt_jsonl
+from rollouts.tasks.arithmetic import digit_share_reward, write_arithmetic_datasets
+from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.config import OptimConfig
+from training.data.buffer import DataBuffer
+from training.loops.rl import run_rl_training
+from training.rl.algorithms import constant_schedule, grpo
+from training.rl.batch import collate_rl
+from training.rl.rollout_dump import RolloutDumpWriter, read_rollout_dump
+from training.rl_config import RLLoopConfig
+
+STEPS, GROUPS, N = 5, 4, 2
+# one fault per step's coalesced /generate, then the retry goes through
+SCRIPT = ("reset", "pass", "500", "pass", "truncate", "pass", "hang", "pass")
+
+
+async def test_one_engine_run_survives_faults_with_no_sample_lost_or_trained_twice(
+    tiny_model_dir, tmp_path
+):
+    files = write_arithmetic_datasets(tmp_path / "data", n_sft=10, n_rl=64, n_eval=4, seed=0)
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    prompts = load_prompt_jsonl(files.rl_train, tok)
+    held_out = load_prompt_jsonl(files.rl_eval, tok)
+    buffer = DataBuffer(prompts, seed=0)
+    backend = PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=STEPS,
+        checkpoint_dir=tmp_path / "ck", pack_length=None,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+    rollout = RolloutConfig(batch_size=GROUPS, n_samples_per_prompt=N, filter_groups="none",
+                            sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+    dump = RolloutDumpWriter(tmp_path / "rollouts.jsonl")
+    # A hang lasts until the request's deadline: generate_timeout_s lowered from 600 s to 2 s
+    # here (resending a stalled request sooner is issue 26 item 3, not built here).
+    fast = EngineTimeouts(generate_s=2.0)
+    with backend:
+        async with trio.open_nursery() as nursery:
+            engine = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+            proxy = FaultProxy(engine.url, FaultPlan(script=SCRIPT, hang_s=60.0))
+            url = await nursery.start(proxy.serve)
+            client = SGLangEngine(url, timeouts=fast, retry_generate=False)
+            pool = EnginePool([client], probe_interval_s=0.2, unavailable_timeout_s=30)
+            async with client, pool:
+
+                async def evaluate() -> dict[str, float]:
+                    proxy.plan = FaultPlan(rates={"nonjson": 1.0})  # every eval answer
+                    return await evaluate_greedy(pool, held_out, digit_share_reward)
+
+                manager = AsyncRolloutManager(pool, buffer, rollout,
+                                              reward_fn=digit_share_reward,
+                                              current_version=lambda: backend.weight_version)  # fmt: skip
+                t0 = time.perf_counter()
+                with trio.fail_after(120):
+                    history = await run_rl_training(
+                        backend, buffer, manager, [client],
+                        RLLoopConfig(max_steps=STEPS, checkpoint_every=100, eval_every=100),
+                        algorithm=constant_schedule(grpo()), export_dir=tmp_path / "w",
+                        on_batch=dump, evaluate_fn=evaluate,
+                    )  # fmt: skip
+                wall = time.perf_counter() - t0
+                stats = pool.statistics().engines[0]
+            nursery.cancel_scope.cancel()
+    dump.close()
+    batches = read_rollout_dump(tmp_path / "rollouts.jsonl")
+    trained = [(step, s) for step, b in batches.items() for s in b.samples]
+    ids = [(step, s.group_id, s.index_in_group) for step, s in trained]
+    lost = stats.samples_received - len(trained)
+    trained_twice = len(ids) - len(set(ids))
+    faults = {k: n for k, n in proxy.counts.items() if k != "forwarded"}
+    print(f"steps {len(history)} in {wall:.1f} s; trained {len(trained)}, lost {lost}, "
+          f"trained twice {trained_twice}; faults {faults}; failures {stats.failures}")  # fmt: skip
+    assert faults == {"reset": 1, "500": 1, "truncate": 1, "hang": 1, "nonjson": len(held_out)}
+    assert len(history) == STEPS and sorted(batches) == list(range(1, STEPS + 1))
+    assert all(m["groups_failed"] == 0 for m in history)
+    assert len(trained) == STEPS * GROUPS * N and lost == 0 and trained_twice == 0
+    assert history[-1]["eval_failed"] == len(held_out)
+    assert find_latest_checkpoint(tmp_path / "ck").name == checkpoint_name(STEPS)
