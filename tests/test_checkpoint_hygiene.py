@@ -125,6 +125,18 @@ def test_a_disk_that_fills_during_the_run_gives_one_error_line_naming_it(
     assert not [p for p in (disk / "out" / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
+async def test_resume_lines_are_logged_as_checkpoint_lines_not_sft(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from training.loops.sft import maybe_resume
+
+    (tmp_path / f".step_000002.tmp-{dead_pid()}").mkdir()
+    backend = SimpleNamespace(checkpoint_dir=tmp_path)  # only its directory is read here
+    with caplog.at_level("INFO"):
+        assert await maybe_resume(backend, None, SimpleNamespace(resume="never")) == 0
+    assert [r.name for r in caplog.records] == ["rollouts.checkpoint"]
+
+
 def test_a_resumed_run_replaces_the_rows_after_its_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     first = JsonlLogger(path)
