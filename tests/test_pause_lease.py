@@ -33,7 +33,7 @@ async def test_a_pause_whose_lease_is_not_renewed_ends_by_itself(local_engine, c
 
 
 async def test_a_pause_without_a_lease_is_sglangs_and_a_bad_lease_is_refused(local_engine):
-    server, engine = local_engine
+    server, _ = local_engine
     async with httpx.AsyncClient(base_url=server.url) as http:
         bad = await http.post("/pause_generation", json={"mode": "abort", "lease_s": -1})
         assert bad.status_code == 400 and "lease_s" in bad.text
