@@ -41,3 +41,15 @@ async def test_a_pause_without_a_lease_is_sglangs_and_a_bad_lease_is_refused(loc
         await trio.sleep(0.3)
         assert server.state.scheduler.paused and not server.state.pause_lease.held
         assert (await http.post("/continue_generation", json={})).status_code == 200
+
+
+async def test_the_rl_recipe_resumes_an_engine_it_finds_paused(local_engine, caplog):
+    from training.recipes.rl import resume_if_paused
+
+    server, engine = local_engine
+    assert not await resume_if_paused(engine)  # running: left alone
+    async with httpx.AsyncClient(base_url=server.url) as http:  # paused by hand, no lease
+        assert (await http.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+    with caplog.at_level("WARNING"):
+        assert await resume_if_paused(engine)
+    assert not server.state.scheduler.paused and "left paused" in caplog.text
