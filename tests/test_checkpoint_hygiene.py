@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from rollouts.errors import CheckpointError
+from training.backend import checkpoint
 from training.backend.checkpoint import (
+    begin_checkpoint,
     check_free_space,
     find_latest_checkpoint,
     reclaim_temp_dirs,
@@ -62,7 +65,7 @@ def test_a_failed_write_removes_its_temp_dir_and_keeps_the_last_checkpoint(
     tmp_path, model, tiny_tokenizer
 ):
     write(tmp_path, 1, model, tiny_tokenizer)
-    with pytest.raises(CheckpointError, match="No space left on device"):
+    with pytest.raises(CheckpointError, match=r"no space left on /.*step_000002: needed .* free"):
         write(tmp_path, 2, model, FullDiskTokenizer())
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert find_latest_checkpoint(tmp_path).name == "step_000001"
@@ -72,6 +75,66 @@ def test_not_enough_free_space_says_how_much_is_needed(tmp_path):
     check_free_space(tmp_path, 1, what="checkpoint step_000001")
     with pytest.raises(CheckpointError, match=r"GiB needed, .* GiB free"):
         check_free_space(tmp_path, 1 << 60, what="checkpoint step_000001")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Mount a real tmpfs of the size asked for (root only: skipped elsewhere)."""
+    mounted = []
+
+    def mount(size_mb: int) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs",
+                               str(where)], capture_output=True, text=True, timeout=10)  # fmt: skip
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], timeout=10, check=False)
+
+
+def test_the_free_space_margin_scales_with_the_checkpoint(small_disk):
+    disk = small_disk(70)  # 70 MiB free: room for a 48 MB checkpoint
+    tmp, _ = begin_checkpoint(disk / "checkpoints", 1, 48_000_000)
+    assert tmp.is_dir()
+    with pytest.raises(CheckpointError, match="not enough free space"):
+        begin_checkpoint(disk / "checkpoints", 2, 70 << 20)
+
+
+def test_a_disk_that_fills_during_the_run_gives_one_error_line_naming_it(
+    small_disk, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    from training.recipes.cli import EXIT_ERROR, sft_main
+
+    disk = small_disk(20)  # smaller than the checkpoint: its write runs out of space
+    # Stands in for another writer filling the disk between the free-space check and the write.
+    monkeypatch.setattr(checkpoint, "check_free_space", lambda *args, **kwargs: None)
+    code = sft_main(["--config", str(Path(__file__).parents[1] / "configs" / "sft_tiny.yaml"), "--output-dir", str(disk / "out"),
+                     "--max-steps", "1", "train.checkpoint_every=1", f"model.path={tiny_model_dir}",
+                     f"data.task_dir={tmp_path / 'data'}", "backend.num_threads=1",
+                     "train.greedy_eval_samples=0"])  # fmt: skip
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line[:4].isdigit()]  # log lines aside
+    assert code == EXIT_ERROR, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: no space left on {disk} "), err
+    assert "step_000001: needed " in lines[0] and " free " in lines[0]
+    assert not [p for p in (disk / "out" / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+async def test_resume_lines_are_logged_as_checkpoint_lines_not_sft(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from training.loops.sft import maybe_resume
+
+    (tmp_path / f".step_000002.tmp-{dead_pid()}").mkdir()
+    backend = SimpleNamespace(checkpoint_dir=tmp_path)  # only its directory is read here
+    with caplog.at_level("INFO"):
+        assert await maybe_resume(backend, None, SimpleNamespace(resume="never")) == 0
+    assert [r.name for r in caplog.records] == ["rollouts.checkpoint"]
 
 
 def test_a_resumed_run_replaces_the_rows_after_its_checkpoint(tmp_path):

@@ -142,3 +142,8 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(tiny_model_dir, tmp_pat
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end after rank 1 died"
     assert proc.returncode != 0
     assert "rank      : 1" in rest or "rank 1" in rest, rest[-3000:]
+    # rank 0 says it in one line, naming the rank it lost, without a traceback (torch prefixes
+    # a rank's traceback with "[rank0]:"; torchrun's own report after it is the launcher's)
+    errors = [line for line in rest.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "lost rank 1" in errors[0], rest[-3000:]
+    assert "[rank0]:" not in rest and "ExceptionGroup" not in rest, rest[-3000:]

@@ -23,6 +23,7 @@ from .asgi import (
     text_response,
 )
 from .params import GenerateItem
+from .pause_lease import MAX_LEASE_S
 from .sampling_params import BadRequestError, RequestValidationError, SamplingParams
 from .scheduler import PauseMode
 from .sequence import Sequence
@@ -244,9 +245,22 @@ def register_native_routes(app: App, state: EngineState) -> None:
         mode: PauseMode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return error_response(f"mode must be one of abort, retract, in_place; got {mode!r}.")
+        lease_s = body.get("lease_s")  # the project's extension (pause_lease.py); SGLang: none
+        if lease_s is not None and (not isinstance(lease_s, int | float) or isinstance(lease_s, bool)
+                                    or not 0 < lease_s <= MAX_LEASE_S):  # fmt: skip
+            return error_response(
+                f"lease_s must be a number in (0, {MAX_LEASE_S:g}]; got {lease_s!r}."
+            )
         if state.scheduler is None:
             return not_ready()
-        await state.scheduler.pause(mode)
+        if lease_s is not None and state.scheduler.paused and state.pause_lease.held:
+            state.pause_lease.hold(lease_s)  # a renewal: held requests stay held
+        else:
+            await state.scheduler.pause(mode)
+            if lease_s is not None:
+                state.pause_lease.hold(lease_s)
+            else:
+                state.pause_lease.release()
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.route("/continue_generation", methods=("POST",), admin=True)
@@ -258,6 +272,7 @@ def register_native_routes(app: App, state: EngineState) -> None:
         if state.scheduler is None:
             return not_ready()
         state.scheduler.resume()
+        state.pause_lease.release()
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.route("/flush_cache", methods=("GET", "POST"), admin=True)

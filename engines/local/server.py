@@ -214,6 +214,7 @@ async def serve(
         )
         state.lora = state.scheduler.lora = _lora_registry(state.scheduler, config)
         await nursery.start(state.scheduler.run)
+        await nursery.start(state.pause_lease.run, state.scheduler)
         if not config.skip_server_warmup:
             await _warmup(state)
         state.ready.set()

@@ -17,6 +17,7 @@ from .params import (
     RequestBounds,
     parse_generate_request,
 )
+from .pause_lease import PauseLease
 from .sequence import Sequence, TopLogprobs
 
 VERSION = "0.5.23+rollouts.local"  # the SGLang release whose behaviour it follows
@@ -94,6 +95,7 @@ class EngineState:
         self.ready = trio.Event()
         self.scheduler: Any = None  # Scheduler, set when the model is loaded
         self.lora: Any = None  # LoraRegistry, set when the model is loaded
+        self.pause_lease = PauseLease()  # a pause's lease (pause_lease.py)
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
         self.model_type = ""

@@ -19,12 +19,17 @@ only when complete, and `latest` is replaced atomically after that, so a crash a
 leaves the previous checkpoint and pointer intact. A write that fails removes its temporary
 directory; one killed mid-write leaves it behind, and `reclaim_temp_dirs` (called when a loop
 starts and before each write) removes those of writers that are gone. Before writing, the free
-space is checked against the size of what will be written. Not covered: concurrent writers to
+space is checked against the size of what will be written plus a margin that scales with it
+(5 % + 8 MiB: tokenizer files, configs, filesystem overhead). A disk that fills during the write
+(another writer, a quota) fails as `CheckpointError("no space left on <mount> ...: needed …,
+free …")`: torch reports a full disk as a bare RuntimeError with no errno, so a write that fails
+on a disk with (almost) nothing free counts as a full one. Not covered: concurrent writers to
 one dir.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -86,7 +91,7 @@ def write_checkpoint(
         export_hf(model, tokenizer, tmp)
         write_trainer_state(tmp, torch_state, json_state)
     except BaseException as err:
-        abandon(tmp, final, err)
+        abandon(tmp, final, err, needed)
         raise
     return finish_checkpoint(checkpoint_dir, tmp, final, keep_last)
 
@@ -99,7 +104,8 @@ def begin_checkpoint(checkpoint_dir: Path, step: int, needed_bytes: int) -> tupl
     final = checkpoint_dir / checkpoint_name(step)
     tmp = checkpoint_dir / f".{final.name}{TMP_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    check_free_space(checkpoint_dir, needed_bytes + _MARGIN_BYTES, what=f"checkpoint {final.name}")
+    check_free_space(checkpoint_dir, needed_bytes + free_space_margin(needed_bytes),
+                     what=f"checkpoint {final.name}")  # fmt: skip
     tmp.mkdir()
     return tmp, final
 
@@ -110,11 +116,79 @@ def write_trainer_state(tmp: Path, torch_state: dict[str, Any], json_state: dict
     (tmp / STATE_JSON).write_text(state_json, encoding="utf-8")
 
 
-def abandon(tmp: Path, final: Path, err: BaseException) -> None:
-    """A write failed: remove its temporary dir; raise an OSError as a CheckpointError."""
+def abandon(tmp: Path, final: Path, err: BaseException, needed_bytes: int) -> None:
+    """A write failed: remove its temporary dir; raise a full disk or another write error
+    (OSError, torch's RuntimeError, DCP's CheckpointException) as a CheckpointError that names
+    the path and the cause. Anything else (a bug, a cancellation) propagates unchanged."""
+    full = _out_of_space(err) or _nearly_full(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(err, OSError | RuntimeError):  # torch reports a full disk as RuntimeError
-        raise CheckpointError(f"writing {final} failed: {err}") from err
+    if full:
+        free = shutil.disk_usage(final.parent).free
+        raise CheckpointError(
+            f"no space left on {_mount_point(final.parent)} while writing {final}: needed "
+            f"{_size(needed_bytes + free_space_margin(needed_bytes))}, free {_size(free)} "
+            "(after removing the partial checkpoint); free some space or point output_dir at "
+            "a larger disk"
+        ) from err
+    if isinstance(err, OSError | RuntimeError) or _is_dcp_error(err):
+        raise CheckpointError(f"writing {final} failed: {_first_cause(err)}") from err
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL_BYTES = 1 << 20  # a write that failed with less than this left: the disk is full
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    """`err`, what it wraps (DCP's per-rank failures, exception groups) and its causes."""
+    found: list[BaseException] = []
+    todo = [err]
+    while todo and len(found) < 50:
+        e = todo.pop()
+        if e is None or e in found:
+            continue
+        found.append(e)
+        if _is_dcp_error(e):
+            todo.extend(wrapped for wrapped, _ in e.failures.values())
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend((e.__cause__, e.__context__))
+    return found
+
+
+def _out_of_space(err: BaseException) -> bool:
+    return any(isinstance(e, OSError) and e.errno in _FULL_ERRNOS for e in _causes(err))
+
+
+def _nearly_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _is_dcp_error(err: BaseException) -> bool:
+    # torch.distributed.checkpoint's CheckpointException is a BaseException holding each
+    # rank's error; matched by name so that this module does not import torch.distributed
+    return type(err).__name__ == "CheckpointException" and hasattr(err, "failures")
+
+
+def _first_cause(err: BaseException) -> str:
+    """The error's one-line message; for DCP's, the first rank's error (its own message is a
+    traceback per rank)."""
+    leaf = next(iter(err.failures.values()))[0] if _is_dcp_error(err) and err.failures else err
+    return f"{type(leaf).__name__}: {str(leaf).splitlines()[0] if str(leaf) else ''}"
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding `path` (what "df" would name)."""
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def finish_checkpoint(checkpoint_dir: Path, tmp: Path, final: Path, keep_last: int | None) -> Path:
@@ -129,7 +203,12 @@ def finish_checkpoint(checkpoint_dir: Path, tmp: Path, final: Path, keep_last: i
 
 
 TMP_MARK = ".tmp-"  # `.<name>.tmp-<pid>`: a checkpoint or pointer being written by process pid
-_MARGIN_BYTES = 64 << 20  # tokenizer files, configs and filesystem overhead
+
+
+def free_space_margin(needed_bytes: int) -> int:
+    """What a checkpoint of `needed_bytes` tensors needs on top: tokenizer files, configs and
+    filesystem overhead (5 % + 8 MiB; a fixed 64 MiB refused small checkpoints on small disks)."""
+    return needed_bytes // 20 + (8 << 20)
 
 
 def reclaim_temp_dirs(checkpoint_dir: Path) -> list[Path]:
@@ -172,7 +251,7 @@ def check_free_space(directory: Path, needed_bytes: int, *, what: str) -> None:
     if free < needed_bytes:
         raise CheckpointError(
             f"not enough free space to write {what} in {directory}: about "
-            f"{needed_bytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free; free some space "
+            f"{_size(needed_bytes)} needed, {_size(free)} free; free some space "
             "or point output_dir at a larger disk"
         )
 

@@ -106,14 +106,13 @@ class StateOps:
         needed *= self._dist.world if self._dist else 1
         if self.lora is not None and self.lora.merged_export:
             needed += st.model_bytes(self.model) * (self._dist.world if self._dist else 1)
-        tmp, final = ckpt.begin_checkpoint(
-            self.checkpoint_dir, step, needed + ckpt.tensor_bytes(torch_state)
-        )
+        needed += ckpt.tensor_bytes(torch_state)
+        tmp, final = ckpt.begin_checkpoint(self.checkpoint_dir, step, needed)
         try:
             self._dispatch("write_shards", None, {"tmp": tmp})
             ckpt.write_trainer_state(tmp, torch_state, json_state)
         except BaseException as err:
-            ckpt.abandon(tmp, final, err)
+            ckpt.abandon(tmp, final, err, needed)
             raise
         return ckpt.finish_checkpoint(self.checkpoint_dir, tmp, final, self.keep_last)
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rollouts.errors import ConfigError
-from training.distributed import watchdog
+from training.distributed import liveness, watchdog
 from training.distributed.teardown import (
     end_process_groups,
     final_barrier,
@@ -124,6 +124,7 @@ def init_distributed(backend: BackendConfig) -> DistContext | None:
     _CURRENT = DistContext(rank, world, local_rank, device, dist.group.WORLD, commands, fsdp,
                            executor, collective_timeout_s=backend.collective_timeout_s)  # fmt: skip
     watchdog.set_status(_CURRENT, {"op": "starting", "step": None, "phase": None})
+    liveness.record_process(_CURRENT)
     log.info("rank %d of %d on %s (%s)", rank, world, device, dist.get_backend())
     return _CURRENT
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from training.distributed import wire
 from training.distributed.context import DistContext, init_distributed, shutdown_distributed
+from training.distributed.liveness import lost_rank_error
 from training.distributed.watchdog import CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
     which get None back.
 
     If `main` raises on rank 0 the others are not waited for: rank 0 exits, its sockets close,
-    their next wait fails at once and torchrun ends the job.
+    their next wait fails at once and torchrun ends the job. If it raised because another rank
+    died, it raises `RankLostError` naming that rank instead (one `error:` line in the CLI).
     """
     ctx = init_distributed(backend)
     if ctx is None:
@@ -82,8 +84,11 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
         return None
     try:
         result = main()
-    except BaseException:
+    except BaseException as err:
         _release_workers_if_idle(ctx)
+        lost = lost_rank_error(ctx, err)  # gloo's "closed by peer" inside trio's groups
+        if lost is not None:
+            raise lost from None
         raise
     shutdown_workers(ctx)
     shutdown_distributed()

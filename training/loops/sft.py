@@ -21,6 +21,8 @@ from training.data.buffer import DataBuffer
 from training.loops.loggers import Logger
 
 log = logging.getLogger("rollouts.sft")
+# maybe_resume runs in the RL loop too: its lines are about checkpoints, not SFT
+checkpoint_log = logging.getLogger("rollouts.checkpoint")
 
 EvaluateFn = Callable[[PyTorchTrainingBackend], Awaitable[dict[str, float]]]
 
@@ -42,7 +44,7 @@ async def maybe_resume(backend: PyTorchTrainingBackend, buffer: DataBuffer, conf
         The number of steps already done (0 for a fresh run).
     """
     for stale in reclaim_temp_dirs(backend.checkpoint_dir):
-        log.warning("removed %s, left by a checkpoint write that did not finish", stale)
+        checkpoint_log.warning("removed %s, left by a checkpoint write that did not finish", stale)
     if config.resume != "auto":
         return 0
     latest = find_latest_checkpoint(backend.checkpoint_dir)
@@ -50,7 +52,7 @@ async def maybe_resume(backend: PyTorchTrainingBackend, buffer: DataBuffer, conf
         return 0
     extra = await backend.load_checkpoint(latest)
     buffer.load_state_dict(extra["data_buffer"])
-    log.info("resumed from %s at step %d", latest, backend.step)
+    checkpoint_log.info("resumed from %s at step %d", latest, backend.step)
     return backend.step
 
 

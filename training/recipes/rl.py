@@ -231,6 +231,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
         ]  # fmt: skip
         for client in clients:
             log.info("%s runs SGLang %s", client.url, await client.check_server())
+            await resume_if_paused(client)
         pool = await stack.enter_async_context(
             EnginePool(clients, unavailable_timeout_s=ec.unavailable_timeout_s)
         )
@@ -239,6 +240,27 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
             yield router, clients
         else:
             yield pool, clients
+
+
+async def resume_if_paused(engine: SGLangEngine) -> bool:
+    """Resume an engine left paused (a trainer killed during a weight sync), logging it.
+
+    The local engine reports `paused` in `/server_info` (and ends a leased pause itself); SGLang
+    reports no such field and has no lease, so an engine that does not say is resumed too
+    (`/continue_generation` on a running SGLang engine changes nothing).
+
+    Returns:
+        Whether `/continue_generation` was sent.
+    """
+    states = (await engine.server_info()).get("internal_states") or [{}]
+    paused = [s.get("paused") for s in states if isinstance(s, dict)]
+    if paused and not any(p is None or p for p in paused):
+        return False
+    if any(paused):
+        log.warning("%s was left paused (a trainer stopped during a weight sync?): resuming it",
+                    engine.url)  # fmt: skip
+    await engine.resume()
+    return True
 
 
 def lora_launch(config: RLRunConfig) -> LoraLaunch | None:

@@ -1,0 +1,103 @@
+"""Which rank of the job died: what rank 0 says when a collective fails because a peer is gone.
+
+Each rank records `<host> <pid>` in the job's key-value store (torchrun's TCP store, hosted by
+the launcher, so it outlives the ranks) when it joins. When rank 0's run fails with gloo's
+"connection closed/reset by peer", `lost_rank_error` looks up which ranks on this host no longer
+run and returns one `RankLostError` naming them, which the CLI prints as one `error:` line
+instead of the nested traceback trio and gloo give.
+
+Covered: ranks on rank 0's host (their pids are checked). Not covered: a rank on another host is
+not probed; the error then says that a peer closed the connection, with gloo's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from rollouts.errors import RolloutsError
+
+if TYPE_CHECKING:
+    from training.distributed.context import DistContext
+
+log = logging.getLogger("rollouts.distributed")
+
+_KEY = "rollouts/process/{rank}"
+# gloo's messages when the other end of a pair went away (tcp/pair.cc)
+_PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused")
+
+
+class RankLostError(RolloutsError, RuntimeError):
+    """A rank of the job died (killed, out of memory, crashed); names it when it can."""
+
+
+def record_process(ctx: DistContext) -> None:
+    """Record this rank's host and pid in the job's store (at join)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(_KEY.format(rank=ctx.rank), f"{socket.gethostname()} {os.getpid()}")
+    except RuntimeError as err:  # no store: the error on a death names no rank
+        log.debug("rank %d could not record its process: %s", ctx.rank, err)
+
+
+def lost_rank_error(ctx: DistContext, err: BaseException) -> RankLostError | None:
+    """A `RankLostError` when `err` (or an exception inside it) is gloo's report of a peer that
+    went away; None for any other failure."""
+    leaves = _leaves(err)
+    gone = next((e for e in leaves if isinstance(e, RuntimeError)
+                 and any(s in str(e) for s in _PEER_GONE)), None)  # fmt: skip
+    if gone is None or any(isinstance(e, RolloutsError) for e in leaves):
+        return None
+    dead = _dead_ranks(ctx)
+    if dead:
+        who = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in dead)
+        what = f"lost {who}: its process is gone (killed or crashed)"
+    else:
+        first_line = str(gone).splitlines()[0] if str(gone) else ""
+        what = f"lost another rank: a peer closed its connection ({first_line})"
+    return RankLostError(f"{what}; the job stops. Check that rank's log (an out-of-memory kill "
+                         "shows in dmesg), then resume with --resume")  # fmt: skip
+
+
+def _leaves(err: BaseException) -> list[BaseException]:
+    if isinstance(err, BaseExceptionGroup):
+        return [leaf for inner in err.exceptions for leaf in _leaves(inner)]
+    return [err]
+
+
+def _dead_ranks(ctx: DistContext) -> list[tuple[int, int]]:
+    """(rank, pid) of each rank on this host whose process no longer runs."""
+    import torch.distributed as dist
+
+    host, dead = socket.gethostname(), []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for rank in range(ctx.world):
+            key = _KEY.format(rank=rank)
+            if rank == ctx.rank or not store.check([key]):
+                continue
+            their_host, pid = store.get(key).decode().split()
+            if their_host == host and not _alive(int(pid)):
+                dead.append((rank, int(pid)))
+    except (RuntimeError, ValueError) as lookup:  # the store went too: name no rank
+        log.debug("could not look up the ranks' processes: %s", lookup)
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a killed child not yet reaped by torchrun is a zombie: gone all the same
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
