@@ -273,10 +273,15 @@ async def test_connections_past_the_bound_are_refused_503_at_once(tiny_model_dir
         tiny_model_dir, num_threads=1, max_connections=4, header_timeout_s=5
     ) as server:
         held = [await _raw(server) for _ in range(4)]
+        for stream in held:  # a head sent (no key needed) and its body awaited: holds a slot
+            await stream.send_all(
+                b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: 9\r\n\r\n"
+            )
         with trio.fail_after(5):
             while server.state.http_stats.open_connections < 4:
                 await trio.sleep(0.01)
         extra = await _raw(server)
+        await extra.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
         answer = await _read_until_closed(extra, 2)
         assert answer.startswith(b"HTTP/1.1 503") and b"Too many open connections" in answer
         for stream in held:

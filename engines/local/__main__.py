@@ -81,7 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=int,
         default=512,
-        help="open connections served at once; one more is answered 503",
+        help="admitted connections (head sent, key checked) served at once; one more is 503",
+    )
+    bounds.add_argument(
+        "--max-pre-auth-connections",
+        type=int,
+        default=64,
+        help="connections not yet admitted; a newcomer over this closes the oldest",
+    )
+    bounds.add_argument(
+        "--pre-auth-timeout",
+        type=float,
+        default=5.0,
+        help="seconds from accept for a connection to send an admitted request head",
     )
     bounds.add_argument(
         "--header-timeout",
@@ -139,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         max_n=args.max_n,
         max_request_items=args.max_request_items,
         max_connections=args.max_connections,
+        max_pre_auth_connections=args.max_pre_auth_connections,
+        pre_auth_timeout_s=args.pre_auth_timeout,
         header_timeout_s=args.header_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout,
         read_timeout_s=args.read_timeout,

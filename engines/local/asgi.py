@@ -197,6 +197,16 @@ class App:
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
+    def admits(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request head may hold a connection slot (`http11.serve_http`'s `admit`):
+        without `api_key` every head may; with it, only one carrying `api_key` or
+        `admin_api_key`. Route-level checks (401 on the route, 404) stay in `__call__`."""
+        if not self.api_key:
+            return True
+        given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        keys = [key for key in (self.api_key, self.admin_api_key) if key]
+        return any(hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys)
+
     def _too_large(self) -> Response:
         return object_error(
             f"Request body too large: the limit is {self.max_body_bytes} bytes "

@@ -5,8 +5,16 @@ header byte at a time holds a connection forever), no bound on open connections,
 a connection whose client went away until its keep-alive timer fires. This server serves one
 ASGI app (`asgi.App`) and guarantees:
 
-- at most `max_connections` connections are served at once; one more is answered 503 and
-  closed at once (it never waits in a queue);
+- a connection takes one of `max_connections` slots only once it has sent a request head
+  that is admitted (`admit`: the engine's API key when it has one); one admitted head more
+  than the slots is answered 503 and closed at once (it never waits in a queue);
+- before that, a connection waits in a lobby of `max_pre_auth_connections`: it must send its
+  head within `pre_auth_timeout_s` of being accepted, and when the lobby is full the oldest
+  waiter is closed to let the newcomer in, so clients that send their head at once always
+  get through however many idle sockets an attacker holds (issue 26); a head that is not
+  admitted is answered from the lobby (401, or an auth-exempt route) with `connection: close`;
+- an admitted connection keeps its slot while it idles between requests (keep-alive): its
+  client proved its key, and the slot ends with `keep_alive_timeout_s`;
 - a request head must arrive within `header_timeout_s` of its first byte (and within
   `keep_alive_timeout_s` of the previous response when the connection is idle), else the
   connection is closed; heads are capped at 16 KiB (h11's default);
@@ -35,6 +43,7 @@ import trio
 
 logger = logging.getLogger(__name__)
 
+Admit = Callable[[list[tuple[bytes, bytes]]], bool]
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Any]
 _RECV = 64 * 1024
 _MAX_UNREAD = 64 * 1024  # bytes a client may send past its request while it is answered
@@ -45,6 +54,8 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout", 500: "Internal Server Er
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_connections: int = 512
+    max_pre_auth_connections: int = 64  # accepted, head not yet read and admitted
+    pre_auth_timeout_s: float = 5.0  # from accept to an admitted head
     header_timeout_s: float = 10.0
     keep_alive_timeout_s: float = 15.0  # > httpx's 5 s pool expiry, so idle clients close first
     read_timeout_s: float = 30.0
@@ -55,6 +66,8 @@ class ConnectionLimits:
 class ServerStatistics:
     open_connections: int = 0
     refused_connections: int = 0  # over max_connections
+    pre_auth_connections: int = 0  # in the lobby: head not yet read and admitted
+    evicted_connections: int = 0  # closed in the lobby to make room for a newer one
     timed_out_connections: int = 0  # head, body or send deadline passed
 
 
@@ -67,6 +80,7 @@ class _Connection:
         self.stream, self.limits, self.stats = stream, limits, stats
         self.conn = h11.Connection(h11.SERVER)
         self.peer_gone = False
+        self.closing = False  # answer with `connection: close`, then close
 
     async def _read(self, timeout: float, *, idle: bool = False) -> None:
         try:
@@ -146,22 +160,53 @@ class _Connection:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.stream.send_all(head.encode() + body)
 
-    async def serve(self, app: ASGIApp, server: tuple[str, int]) -> None:
-        first = True
-        while True:
-            request = await self._read_head(first)
-            if request is None:
-                return
-            first = False
-            await self._run_app(app, request, server)
-            if self.peer_gone or self.conn.our_state is not h11.DONE:
-                return
-            if self.conn.their_state is not h11.DONE:
-                return  # the app did not read the body: close rather than read it now
+    async def serve(self, app: ASGIApp, server: tuple[str, int], admit: Admit,
+                    lobby: _Lobby, slots: trio.Semaphore) -> None:  # fmt: skip
+        request = await self._wait_in_lobby(app, server, admit, lobby)
+        if request is None:
+            return
+        try:
+            slots.acquire_nowait()
+        except trio.WouldBlock:
+            self.stats.refused_connections += 1
+            await self._refuse(503, "Too many open connections; try again later.")
+            return
+        self.stats.open_connections += 1
+        try:
+            while request is not None:
+                self.closing = not admit(request.headers)  # a later request without the key
+                await self._run_app(app, request, server)
+                if self.closing or self.peer_gone or self.conn.our_state is not h11.DONE:
+                    return
+                if self.conn.their_state is not h11.DONE:
+                    return  # the app did not read the body: close rather than read it now
+                try:
+                    self.conn.start_next_cycle()
+                except h11.LocalProtocolError:
+                    return
+                request = await self._read_head(first=False)
+        finally:
+            self.stats.open_connections -= 1
+            slots.release()
+
+    async def _wait_in_lobby(self, app: ASGIApp, server, admit: Admit, lobby: _Lobby):
+        """The first request head if it is admitted; else None (answered or closed)."""
+        with trio.CancelScope() as evicted:
+            lobby.enter(evicted)
             try:
-                self.conn.start_next_cycle()
-            except h11.LocalProtocolError:
-                return
+                with trio.move_on_after(self.limits.pre_auth_timeout_s) as late:
+                    request = await self._read_head(first=True)
+                if late.cancelled_caught:
+                    self.stats.timed_out_connections += 1
+                    return None
+                if request is None or admit(request.headers):
+                    return request
+                self.closing = True
+                await self._run_app(app, request, server)  # 401, or /health without the key
+                return None
+            finally:
+                lobby.leave(evicted)
+        return None  # evicted: the lobby was full and this was its oldest waiter
 
     async def _run_app(self, app: ASGIApp, request: h11.Request, server) -> None:
         target = request.target.decode("latin-1")
@@ -210,7 +255,7 @@ class _Connection:
             nonlocal started
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
-                if self.conn.their_state is not h11.DONE:
+                if self.closing or self.conn.their_state is not h11.DONE:
                     headers.append((b"connection", b"close"))  # body unread: no reuse
                 await self._send(h11.Response(status_code=message["status"], headers=headers))
                 started = True
@@ -236,6 +281,31 @@ class _Connection:
             await self._refuse(500, "The app sent no response")
 
 
+class _Lobby:
+    """Connections not yet admitted, oldest first; a newcomer over the cap evicts the oldest."""
+
+    def __init__(self, capacity: int, stats: ServerStatistics) -> None:
+        self.capacity, self.stats = capacity, stats
+        self.waiting: dict[trio.CancelScope, None] = {}  # insertion order is age
+
+    def enter(self, scope: trio.CancelScope) -> None:
+        if len(self.waiting) >= self.capacity:
+            oldest = next(iter(self.waiting))
+            del self.waiting[oldest]
+            oldest.cancel()
+            self.stats.evicted_connections += 1
+        self.waiting[scope] = None
+        self.stats.pre_auth_connections = len(self.waiting)
+
+    def leave(self, scope: trio.CancelScope) -> None:
+        self.waiting.pop(scope, None)
+        self.stats.pre_auth_connections = len(self.waiting)
+
+
+def admit_all(headers: list[tuple[bytes, bytes]]) -> bool:
+    return True
+
+
 async def serve_http(
     app: ASGIApp,
     host: str,
@@ -243,31 +313,27 @@ async def serve_http(
     limits: ConnectionLimits,
     stats: ServerStatistics | None = None,
     *,
+    admit: Admit = admit_all,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on host:port until cancelled; `task_status.started([url])` once bound."""
+    """Serve `app` on host:port until cancelled; `task_status.started([url])` once bound.
+
+    `admit(headers)` says whether a request head may hold a connection slot (see the module
+    docstring); the app still answers every request itself.
+    """
     stats = stats if stats is not None else ServerStatistics()
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     slots = trio.Semaphore(limits.max_connections)
+    lobby = _Lobby(limits.max_pre_auth_connections, stats)
 
     async def handle(stream: trio.SocketStream) -> None:
         connection = _Connection(stream, limits, stats)
         try:
-            slots.acquire_nowait()
-        except trio.WouldBlock:
-            stats.refused_connections += 1
-            await connection._refuse(503, "Too many open connections; try again later.")
-            await _close(stream)
-            return
-        stats.open_connections += 1
-        try:
-            await connection.serve(app, (bound[0], bound[1]))
+            await connection.serve(app, (bound[0], bound[1]), admit, lobby, slots)
         except _Closed as exc:
             logger.debug("connection closed: %s", exc)
         finally:
-            stats.open_connections -= 1
-            slots.release()
             await _close(stream)
 
     url = f"http://{bound[0]}:{bound[1]}"

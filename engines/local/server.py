@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import trio
@@ -185,6 +186,8 @@ async def serve(
     state = EngineState(config)
     limits = ConnectionLimits(
         max_connections=config.max_connections,
+        max_pre_auth_connections=config.max_pre_auth_connections,
+        pre_auth_timeout_s=config.pre_auth_timeout_s,
         header_timeout_s=config.header_timeout_s,
         keep_alive_timeout_s=config.keep_alive_timeout_s,
         read_timeout_s=config.read_timeout_s,
@@ -194,8 +197,10 @@ async def serve(
         parent = os.environ.get("ROLLOUTS_PARENT_PID", "")
         if parent.isdigit():
             nursery.start_soon(_exit_with_parent, int(parent))
+        app = build_app(state)
+        serve_app = partial(serve_http, admit=app.admits)
         binds = await nursery.start(
-            serve_http, build_app(state), config.host, config.port, limits, state.http_stats
+            serve_app, app, config.host, config.port, limits, state.http_stats
         )
         url = binds[0].replace("0.0.0.0", "127.0.0.1")
         logger.info("local engine listening on %s; loading %s", url, config.model_path)

@@ -50,7 +50,9 @@ class LocalEngineConfig:
     max_request_bytes: int = 32 * 1024 * 1024
     max_n: int = 256  # samples per prompt
     max_request_items: int = 4096  # prompts x n in one request
-    max_connections: int = 512
+    max_connections: int = 512  # admitted connections (head read, key checked)
+    max_pre_auth_connections: int = 64  # accepted, head not yet admitted; oldest evicted
+    pre_auth_timeout_s: float = 5.0  # from accept to an admitted head
     header_timeout_s: float = 10.0
     keep_alive_timeout_s: float = 15.0  # longer than httpx's 5 s pool expiry: clients close first
     read_timeout_s: float = 30.0
