@@ -22,7 +22,10 @@ Contract:
   long it waited and the last failure. It returns exactly one result or raises, so a sample is
   never lost silently nor duplicated. Any other error is raised at once, and a 4xx too, except
   a 400 saying the adapter the last LoRA sync gave that engine is not loaded (it restarted):
-  that counts as stale weights. Each failure is counted per engine and kind
+  that counts as stale weights. A `/generate` with no answer within its stall bound
+  (`stall_floor_s + stall_s_per_token × max_new_tokens`, engines/stall.py) is a failure of
+  kind "stalled": it is cancelled, aborted on its engine and sent to another, long before the
+  HTTP timeout; only one answer is ever returned. Each failure is counted per engine and kind
   (`EngineStats.failures`).
 - The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
 
@@ -38,6 +41,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from functools import partial
 from typing import Any, TypeVar
 
 import trio
@@ -45,6 +49,7 @@ import trio
 from rollouts.errors import EngineError, engine_failure_kind
 
 from .lora import lost_adapter
+from .stall import call_unless_stalled, stall_bound_s
 from .types import (
     EngineTimeoutError,
     EngineUnavailableError,
@@ -142,6 +147,8 @@ class EnginePool:
         unavailable_timeout_s: float = 60.0,
         max_attempts: int = 10,
         rejoin_timeout_s: float = 300.0,
+        stall_floor_s: float | None = 30.0,
+        stall_s_per_token: float | None = 0.05,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
@@ -150,6 +157,7 @@ class EnginePool:
         self.unavailable_timeout_s = unavailable_timeout_s
         self.max_attempts = max_attempts
         self.rejoin_timeout_s = rejoin_timeout_s
+        self.stall_floor_s, self.stall_s_per_token = stall_floor_s, stall_s_per_token
         self._picks = itertools.count(1)
         self._changed = trio.Event()  # set and replaced whenever an engine goes down or up
         self._rid_slot: dict[str, _Slot] = {}
@@ -302,7 +310,10 @@ class EnginePool:
     # ----- requests -------------------------------------------------------------------------
 
     async def _call(
-        self, fn: Callable[[InferenceEngine], Awaitable[T]], rid: str | Sequence[str] | None
+        self,
+        fn: Callable[[InferenceEngine], Awaitable[T]],
+        rid: str | Sequence[str] | None,
+        sampling_params: Any = None,
     ) -> T:
         rids = [rid] if isinstance(rid, str) else list(rid or ())
         failed_on: set[_Slot] = set()
@@ -310,6 +321,7 @@ class EnginePool:
         deadline = trio.current_time() + self.unavailable_timeout_s
         why, last = "no failure of this request yet", None
         backoff = 0.5
+        stall_s = stall_bound_s(sampling_params, self.stall_floor_s, self.stall_s_per_token)
         for attempt in range(1, self.max_attempts + 1):
             if first_failure is not None and trio.current_time() >= deadline:
                 break
@@ -320,7 +332,7 @@ class EnginePool:
             for r in rids:
                 self._rid_slot[r] = slot
             try:
-                result = await fn(slot.engine)
+                result = await call_unless_stalled(partial(fn, slot.engine), slot.engine, stall_s)
                 self._check_weights(slot, result)
             except EngineError as exc:
                 if lost_adapter(slot.engine, exc):
@@ -388,7 +400,9 @@ class EnginePool:
     ) -> GenerateResult:
         """`InferenceEngine.generate` on the least-loaded healthy engine (see the contract)."""
         return await self._call(
-            lambda e: e.generate(input_ids, sampling_params, **kwargs), kwargs.get("rid")
+            lambda e: e.generate(input_ids, sampling_params, **kwargs),
+            kwargs.get("rid"),
+            sampling_params,
         )
 
     async def generate_batch(
@@ -402,6 +416,7 @@ class EnginePool:
         return await self._call(
             lambda e: e.generate_batch(batch_input_ids, sampling_params, **kwargs),
             kwargs.get("rids"),
+            sampling_params,
         )
 
     async def score(
