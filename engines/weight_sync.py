@@ -25,6 +25,8 @@ from_disk(dir, version, flush_cache=False)` → read `/model_info` and check it 
   names every engine that failed with the server's message. Engines that succeeded keep the new
   weights (SGLang keeps the old ones on a failed load), so after an error the fleet may be
   mixed; the error says which engine has what.
+- While it holds an engine paused it renews the pause's lease (`renewing_pauses`): a trainer
+  killed mid-sync leaves a local engine paused for at most `engine.pause_lease_s`.
 - Returns the wall time of the whole sync in seconds.
 
 `pause_engines` + `sync_weights_to_engines(..., paused=True)` split the same sequence in two, so
@@ -47,6 +49,7 @@ import trio
 from rollouts.errors import EngineError
 
 from .lora import LoraAdapterError
+from .pause_renewal import renewing_pauses
 from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -111,7 +114,7 @@ async def sync_weights_to_engines(
             # Also after a failed pause: the request may have reached the server.
             await _resume_noting(engine, is_paused, resume_timeout_s, down, failures)
 
-    async with trio.open_nursery() as nursery:
+    async with renewing_pauses(engines), trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
@@ -335,7 +338,7 @@ async def sync_lora_to_engines(
         if loaded:
             await _unload_old(engine, keep)
 
-    async with trio.open_nursery() as nursery:
+    async with renewing_pauses(engines), trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started

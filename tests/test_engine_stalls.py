@@ -7,7 +7,13 @@ from __future__ import annotations
 import trio
 from test_engine_pool import run_engine
 
-from engines import EnginePool, SGLangEngine, find_free_port
+from engines import (
+    EnginePool,
+    SGLangEngine,
+    find_free_port,
+    pause_engines,
+    sync_weights_to_engines,
+)
 from engines.http import EngineTimeouts
 from engines.testing.fault_proxy import FaultPlan, FaultProxy
 
@@ -43,3 +49,58 @@ async def test_a_stalled_generate_is_resent_to_a_healthy_engine_within_its_token
         assert stats[1].done == 1  # answered once, by the other engine
         assert 2.0 <= took < 5.0
         nursery.cancel_scope.cancel()
+
+
+class SlowUpdate(SGLangEngine):
+    """A real client whose weight update takes `update_s` longer: a long sync."""
+
+    update_s = 2.5
+
+    async def update_weights_from_disk(self, *args, **kwargs):
+        await trio.sleep(self.update_s)
+        return await super().update_weights_from_disk(*args, **kwargs)
+
+
+async def test_a_pause_left_by_a_dead_trainer_ends_within_its_lease(local_engine, caplog):
+    # Issue 26 item 5: a trainer killed during a weight sync left the engine paused, and every
+    # other client's /generate hung until a later run pushed weights again.
+    server, other = local_engine
+    async with SGLangEngine(server.url, max_retries=0, pause_lease_s=1.0) as trainer:
+        await pause_engines([trainer])  # then the trainer dies: no resume, no more renewals
+    assert server.state.scheduler.paused
+    t0 = trio.current_time()
+    with trio.fail_after(5), caplog.at_level("WARNING"):
+        result = await other.generate([1, 2, 3], {"max_new_tokens": 2})
+    assert len(result.output_ids) == 2 and 1.0 <= trio.current_time() - t0 < 3.0
+    assert "pause lease of 1.0 s expired" in caplog.text
+
+
+async def test_a_long_sync_keeps_its_pause_past_the_lease_by_renewing_it(
+    local_engine, tiny_model_dir
+):
+    server, other = local_engine
+    done = trio.Event()
+
+    async def generate() -> None:
+        await other.generate([1, 2, 3], {"max_new_tokens": 2})
+        done.set()
+
+    async with (
+        SlowUpdate(server.url, max_retries=0, pause_lease_s=1.0) as trainer,
+        trio.open_nursery() as nursery,
+    ):
+        with trio.fail_after(15):
+            await pause_engines([trainer])
+            nursery.start_soon(generate)  # held behind the pause until the sync resumes
+            sync = trio.Event()
+
+            async def run_sync() -> None:
+                await sync_weights_to_engines([trainer], tiny_model_dir, "v1", paused=True)
+                sync.set()
+
+            nursery.start_soon(run_sync)
+            await trio.sleep(2.0)  # two leases: without renewals the engine resumed at 1 s
+            assert server.state.scheduler.paused and not done.is_set()
+            await sync.wait()
+            await done.wait()
+        assert (await other.model_info()).weight_version == "v1"
