@@ -11,7 +11,8 @@ Contract:
   the current weights by a full sync (pause → flush → update → version check → continue), and
   the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
   marked up. Engines this client has paused (a weight sync in progress) are never
-  marked down by a probe.
+  marked down by a probe. A down engine's `known_down` is set: weight syncs skip it without
+  trying (its retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
 - A request whose engine fails transiently (`EngineUnavailableError`, a 5xx, a timeout, or an
   answer from weights other than `expected_weights`) is retried on another engine that has not
   failed it (the failing engine is asked to abort it first). When every engine has failed it,
@@ -221,6 +222,7 @@ class EnginePool:
         if slot.healthy:
             logger.warning("engine %s marked down: %s", slot.engine.url, reason)
             slot.healthy = False
+            _set_known_down(slot.engine, True)
             self._notify()
 
     async def _probe_loop(self) -> None:
@@ -258,6 +260,7 @@ class EnginePool:
             return
         slot.rejoining = True
         engine = slot.engine
+        _set_known_down(engine, False)  # it answers: the sync below must not skip it
         try:
             expected = getattr(engine, "expected_weights", None)
             lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
@@ -444,6 +447,12 @@ class EnginePool:
         async with trio.open_nursery() as nursery:
             for slot in self._slots:
                 nursery.start_soon(slot.engine.wait_healthy, timeout_s)
+
+
+def _set_known_down(engine: InferenceEngine, down: bool) -> None:
+    """`engine.known_down`: weight syncs skip it at once instead of paying its retries."""
+    with contextlib.suppress(AttributeError):
+        engine.known_down = down  # type: ignore[attr-defined]
 
 
 def _what(rids: Sequence[str]) -> str:

@@ -104,3 +104,38 @@ async def test_a_long_sync_keeps_its_pause_past_the_lease_by_renewing_it(
             await sync.wait()
             await done.wait()
         assert (await other.model_info()).weight_version == "v1"
+
+
+async def test_a_sync_skips_an_engine_the_pool_knows_is_down_without_paying_its_retries(
+    tiny_model_dir,
+):
+    # Issue 26 item 7: each sync retried a dead engine (0.5 + 1 + 2 s per route: an 8 s step).
+    async with trio.open_nursery() as nursery:
+        doomed = trio.CancelScope()
+
+        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with doomed:
+                await run_engine(tiny_model_dir, find_free_port(), task_status=task_status)
+
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        dead = await nursery.start(run_doomed)
+        async with (
+            SGLangEngine(live.url, retry_generate=False) as a,  # default retries: 0.5, 1, 2 s
+            SGLangEngine(dead.url, retry_generate=False) as b,
+            EnginePool([a, b], probe_interval_s=60) as pool,
+        ):
+            doomed.cancel()
+            await trio.sleep(0.3)
+            with trio.fail_after(10):
+                for i in range(2):  # one of them meets the dead engine: marked down
+                    await pool.generate([1, 2], SHORT, rid=f"down-r{i}.")
+            assert [e.healthy for e in pool.statistics().engines] == [True, False]
+            t0 = trio.current_time()
+            with trio.fail_after(10):
+                await pause_engines([a, b])
+                await sync_weights_to_engines([a, b], tiny_model_dir, "v1", paused=True)
+            took = trio.current_time() - t0
+            print(f"pause + sync with one engine known down: {took:.2f} s")
+            assert took < 1.0 and (await a.model_info()).weight_version == "v1"
+            assert b.expected_weights[1] == "v1"  # given on rejoin
+        nursery.cancel_scope.cancel()
