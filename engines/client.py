@@ -74,6 +74,7 @@ class SGLangEngine(LoraClientMixin):
         max_keepalive_connections: int = 20,
         transport: httpx.AsyncBaseTransport | None = None,
         retry_generate: bool = True,
+        pause_lease_s: float | None = 60.0,
     ) -> None:
         self._http = EngineHTTP(
             url.rstrip("/"),
@@ -92,6 +93,9 @@ class SGLangEngine(LoraClientMixin):
         # its initial weights; the pool retries elsewhere, or here once it has the weights.
         self._generate_retries = None if retry_generate else 0
         self.paused = False  # this client paused the engine and has not resumed it yet
+        # each pause carries this lease (engines/pause_renewal.py); None: SGLang's plain pause
+        self.pause_lease_s: float | None = pause_lease_s
+        self._lease_lock = trio.Lock()  # a renewal never reaches the server after the resume
         # (path, version) the last weight sync gave this engine (path None: only adapters were
         # synced); EnginePool checks it
         self.expected_weights: tuple[str | None, str] | None = None
@@ -319,22 +323,34 @@ class SGLangEngine(LoraClientMixin):
         self.paused = True  # before the call: it may reach the server even if it fails
         self._pauses += 1
         self.kv_namespace = f"rollouts-{self._kv_id}-{self._pauses}"
+        body: dict[str, Any] = {"mode": mode}
+        if self.pause_lease_s is not None:  # ends by itself unless renewed; SGLang ignores it
+            body["lease_s"] = self.pause_lease_s
         try:
-            await self._http.json("POST", "/pause_generation", body={"mode": mode}, admin=True)
+            await self._http.json("POST", "/pause_generation", body=body, admin=True)
         except EngineUnavailableError:
             self.paused = False  # not reached, or the server is gone: nothing is paused
             raise
+
+    async def renew_pause(self) -> None:
+        """Renew the lease of this client's pause: the same pause again, "in_place" so that
+        SGLang (which has no lease) aborts nothing held behind it."""
+        body = {"mode": "in_place", "lease_s": self.pause_lease_s}
+        async with self._lease_lock:  # a renewal arriving after the resume would pause again
+            if self.paused:
+                await self._http.json("POST", "/pause_generation", body=body, admin=True)
 
     async def resume(self) -> None:
         """`/continue_generation`, then the aborts sent during the pause, once more: SGLang
         0.5.23 drops an abort of a request held behind a pause, which then runs."""
         try:
-            await self._http.json("POST", "/continue_generation", body={}, admin=True)
+            async with self._lease_lock:
+                await self._http.json("POST", "/continue_generation", body={}, admin=True)
+                self.paused = False
         except EngineUnavailableError:
             self.paused = False  # gone: a restarted server is not paused
             self._aborts_in_pause.clear()
             raise
-        self.paused = False
         pending, self._aborts_in_pause = self._aborts_in_pause, []
         for rid in dict.fromkeys(pending):
             body = {"rid": rid} if rid else {"abort_all": True}

@@ -11,7 +11,8 @@ Contract:
   the current weights by a full sync (pause → flush → update → version check → continue), and
   the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
   marked up. Engines this client has paused (a weight sync in progress) are never
-  marked down by a probe.
+  marked down by a probe. A down engine's `known_down` is set: weight syncs skip it without
+  trying (its retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
 - A request whose engine fails transiently (`EngineUnavailableError`, a 5xx, a timeout, or an
   answer from weights other than `expected_weights`) is retried on another engine that has not
   failed it (the failing engine is asked to abort it first). When every engine has failed it,
@@ -22,7 +23,10 @@ Contract:
   long it waited and the last failure. It returns exactly one result or raises, so a sample is
   never lost silently nor duplicated. Any other error is raised at once, and a 4xx too, except
   a 400 saying the adapter the last LoRA sync gave that engine is not loaded (it restarted):
-  that counts as stale weights. Each failure is counted per engine and kind
+  that counts as stale weights. A `/generate` with no answer within its stall bound
+  (`stall_floor_s + stall_s_per_token × max_new_tokens`, engines/stall.py) is a failure of
+  kind "stalled": it is cancelled, aborted on its engine and sent to another, long before the
+  HTTP timeout; only one answer is ever returned. Each failure is counted per engine and kind
   (`EngineStats.failures`).
 - The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
 
@@ -38,6 +42,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from functools import partial
 from typing import Any, TypeVar
 
 import trio
@@ -45,6 +50,7 @@ import trio
 from rollouts.errors import EngineError, engine_failure_kind
 
 from .lora import lost_adapter
+from .stall import call_unless_stalled, stall_bound_s
 from .types import (
     EngineTimeoutError,
     EngineUnavailableError,
@@ -142,6 +148,8 @@ class EnginePool:
         unavailable_timeout_s: float = 60.0,
         max_attempts: int = 10,
         rejoin_timeout_s: float = 300.0,
+        stall_floor_s: float | None = 30.0,
+        stall_s_per_token: float | None = 0.05,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
@@ -150,6 +158,7 @@ class EnginePool:
         self.unavailable_timeout_s = unavailable_timeout_s
         self.max_attempts = max_attempts
         self.rejoin_timeout_s = rejoin_timeout_s
+        self.stall_floor_s, self.stall_s_per_token = stall_floor_s, stall_s_per_token
         self._picks = itertools.count(1)
         self._changed = trio.Event()  # set and replaced whenever an engine goes down or up
         self._rid_slot: dict[str, _Slot] = {}
@@ -213,6 +222,7 @@ class EnginePool:
         if slot.healthy:
             logger.warning("engine %s marked down: %s", slot.engine.url, reason)
             slot.healthy = False
+            _set_known_down(slot.engine, True)
             self._notify()
 
     async def _probe_loop(self) -> None:
@@ -250,6 +260,7 @@ class EnginePool:
             return
         slot.rejoining = True
         engine = slot.engine
+        _set_known_down(engine, False)  # it answers: the sync below must not skip it
         try:
             expected = getattr(engine, "expected_weights", None)
             lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
@@ -302,7 +313,10 @@ class EnginePool:
     # ----- requests -------------------------------------------------------------------------
 
     async def _call(
-        self, fn: Callable[[InferenceEngine], Awaitable[T]], rid: str | Sequence[str] | None
+        self,
+        fn: Callable[[InferenceEngine], Awaitable[T]],
+        rid: str | Sequence[str] | None,
+        sampling_params: Any = None,
     ) -> T:
         rids = [rid] if isinstance(rid, str) else list(rid or ())
         failed_on: set[_Slot] = set()
@@ -310,6 +324,7 @@ class EnginePool:
         deadline = trio.current_time() + self.unavailable_timeout_s
         why, last = "no failure of this request yet", None
         backoff = 0.5
+        stall_s = stall_bound_s(sampling_params, self.stall_floor_s, self.stall_s_per_token)
         for attempt in range(1, self.max_attempts + 1):
             if first_failure is not None and trio.current_time() >= deadline:
                 break
@@ -320,7 +335,7 @@ class EnginePool:
             for r in rids:
                 self._rid_slot[r] = slot
             try:
-                result = await fn(slot.engine)
+                result = await call_unless_stalled(partial(fn, slot.engine), slot.engine, stall_s)
                 self._check_weights(slot, result)
             except EngineError as exc:
                 if lost_adapter(slot.engine, exc):
@@ -388,7 +403,9 @@ class EnginePool:
     ) -> GenerateResult:
         """`InferenceEngine.generate` on the least-loaded healthy engine (see the contract)."""
         return await self._call(
-            lambda e: e.generate(input_ids, sampling_params, **kwargs), kwargs.get("rid")
+            lambda e: e.generate(input_ids, sampling_params, **kwargs),
+            kwargs.get("rid"),
+            sampling_params,
         )
 
     async def generate_batch(
@@ -402,6 +419,7 @@ class EnginePool:
         return await self._call(
             lambda e: e.generate_batch(batch_input_ids, sampling_params, **kwargs),
             kwargs.get("rids"),
+            sampling_params,
         )
 
     async def score(
@@ -429,6 +447,12 @@ class EnginePool:
         async with trio.open_nursery() as nursery:
             for slot in self._slots:
                 nursery.start_soon(slot.engine.wait_healthy, timeout_s)
+
+
+def _set_known_down(engine: InferenceEngine, down: bool) -> None:
+    """`engine.known_down`: weight syncs skip it at once instead of paying its retries."""
+    with contextlib.suppress(AttributeError):
+        engine.known_down = down  # type: ignore[attr-defined]
 
 
 def _what(rids: Sequence[str]) -> str:

@@ -17,14 +17,16 @@ from_disk(dir, version, flush_cache=False)` → read `/model_info` and check it 
   `meta_info.weight_versions` spans say so.
 - Every engine that was paused is resumed, whatever happened: a failure, another engine's
   failure, or cancellation (the resume runs shielded, bounded by `resume_timeout_s`).
-- An engine that cannot be reached (`EngineUnavailableError`: dead, restarting) is skipped and
-  logged, and the sync goes on with the live ones; it fails only if no engine took the weights.
+- An engine that cannot be reached (`EngineUnavailableError`: dead, restarting), or that an
+  `EnginePool` knows is down (`engine.known_down`, not tried), is skipped and logged, and the sync goes on with the live ones; it fails only if no engine took the weights.
   Each engine's `expected_weights` (path, version) is set first, so an `EnginePool` gives a
   skipped or restarted engine these weights before it serves again.
 - Engines do not cancel each other: each finishes its own sequence, then one `WeightSyncError`
   names every engine that failed with the server's message. Engines that succeeded keep the new
   weights (SGLang keeps the old ones on a failed load), so after an error the fleet may be
   mixed; the error says which engine has what.
+- While it holds an engine paused it renews the pause's lease (`renewing_pauses`): a trainer
+  killed mid-sync leaves a local engine paused for at most `engine.pause_lease_s`.
 - Returns the wall time of the whole sync in seconds.
 
 `pause_engines` + `sync_weights_to_engines(..., paused=True)` split the same sequence in two, so
@@ -47,6 +49,7 @@ import trio
 from rollouts.errors import EngineError
 
 from .lora import LoraAdapterError
+from .pause_renewal import renewing_pauses
 from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -90,6 +93,9 @@ async def sync_weights_to_engines(
         is_paused = paused
         if hasattr(engine, "expected_weights"):
             engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
+        if getattr(engine, "known_down", False):  # the pool gives it these weights on rejoin
+            down[engine.url] = "known down by the pool (not tried)"
+            return
         try:
             if not is_paused:
                 await engine.pause(pause_mode)
@@ -111,7 +117,7 @@ async def sync_weights_to_engines(
             # Also after a failed pause: the request may have reached the server.
             await _resume_noting(engine, is_paused, resume_timeout_s, down, failures)
 
-    async with trio.open_nursery() as nursery:
+    async with renewing_pauses(engines), trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started
@@ -202,6 +208,9 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
     previous: dict[Any, str | None] = {}  # active_lora before `activate_lora`
 
     async def pause_one(engine: InferenceEngine) -> None:
+        if getattr(engine, "known_down", False):  # the sync that follows skips it too
+            down[engine.url] = "known down by the pool (not tried)"
+            return
         try:
             await engine.pause(pause_mode)
             if activate_lora is not None:
@@ -314,6 +323,10 @@ async def sync_lora_to_engines(
         previous = getattr(engine, "expected_weights", None)
         engine.expected_weights = (previous[0] if previous else None, weight_version)
         engine.expected_lora = (lora_name, path)
+        if getattr(engine, "known_down", False):
+            down[engine.url] = "known down by the pool (not tried)"
+            engine.active_lora = lora_name  # it is given the adapter on rejoin
+            return
         try:
             if not is_paused:
                 await engine.pause(pause_mode)
@@ -335,7 +348,7 @@ async def sync_lora_to_engines(
         if loaded:
             await _unload_old(engine, keep)
 
-    async with trio.open_nursery() as nursery:
+    async with renewing_pauses(engines), trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(sync_one, engine)
     duration = time.perf_counter() - started

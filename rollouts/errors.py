@@ -53,13 +53,15 @@ class EngineError(RolloutsError, RuntimeError):
 
 
 def engine_failure_kind(exc: BaseException) -> str:
-    """ "unreachable", "timeout", "stale weights", "gave up after <kind>" or "HTTP <status>" (engines' error classes are
+    """ "unreachable", "stalled", "timeout", "stale weights", "gave up after <kind>" or "HTTP <status>" (engines' error classes are
     matched by name: this module is below `engines`)."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     if "StaleWeightsError" in names:
         return "stale weights"
     if "NoEngineAvailableError" in names:  # the pool retried until its bound
         return f"gave up after {getattr(exc, 'last_kind', None) or 'no engine'}"
+    if "EngineStalledError" in names:  # the pool's bound from max_new_tokens, not the HTTP one
+        return "stalled"
     if isinstance(exc, TimeoutError):
         return "timeout"
     if "EngineUnavailableError" in names:

@@ -40,6 +40,13 @@ class EnginesConfig(Strict):
         description="how long a request waits for an engine to come back after a transient "
         "failure (reset, 5xx, truncated body, timeout) before its group fails",
     )
+    stall_floor_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="a /generate unanswered after stall_floor_s + stall_s_per_token × "
+        "max_new_tokens is aborted and re-sent to another engine (None: only generate_timeout_s)",
+    )
+    stall_s_per_token: float | None = Field(0.05, gt=0, description="see stall_floor_s")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort",
         description=(

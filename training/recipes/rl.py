@@ -233,7 +233,12 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
             log.info("%s runs SGLang %s", client.url, await client.check_server())
             await resume_if_paused(client)
         pool = await stack.enter_async_context(
-            EnginePool(clients, unavailable_timeout_s=ec.unavailable_timeout_s)
+            EnginePool(
+                clients,
+                unavailable_timeout_s=ec.unavailable_timeout_s,
+                stall_floor_s=ec.stall_floor_s,
+                stall_s_per_token=ec.stall_s_per_token,
+            )
         )
         if router is not None:  # the pool only watches the workers and gives returning ones
             router.workers = clients  # the current weights; generation goes via the gateway

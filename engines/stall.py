@@ -1,0 +1,96 @@
+"""Stall bound: a `/generate` that has not answered well within what its length allows is
+given up on, so the pool can re-send it to another engine (issue 26 item 3).
+
+Contract:
+- `stall_bound_s(sampling_params, floor_s, per_token_s)` is `floor_s + per_token_s ×
+  max_new_tokens` (the largest of a batch's); None when either knob is None (no bound) or the
+  request names no `max_new_tokens`. The defaults (`engines.stall_floor_s` = 30 s,
+  `engines.stall_s_per_token` = 0.05 s) give a 1024-token request 81 s, where the HTTP
+  timeout (`engines.generate_timeout_s`) is 600 s.
+- `call_unless_stalled(call, engine, bound_s)` runs `call()`; if it has not returned
+  `bound_s` after it started it is cancelled (its HTTP request closed, so its answer can never
+  be returned) and `EngineStalledError` raised. Time the engine spends paused by this client
+  (a weight sync: requests wait behind the pause by design) does not count: a pause seen at
+  the deadline, or one that happened since the timer started (`kv_namespace` changed), starts
+  the timer again.
+
+Not covered: the engine's own progress (tokens so far) is not read; the bound is per request,
+from its length only, so an engine loaded far beyond its usual queue may be taken for stalled
+(the request then runs elsewhere; raise `stall_s_per_token`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from .types import EngineTimeoutError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineStalledError(EngineTimeoutError):
+    """No answer within the stall bound from `max_new_tokens`; the request may still run there
+    (the pool aborts it) and is sent to another engine."""
+
+
+def stall_bound_s(
+    sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+    floor_s: float | None,
+    per_token_s: float | None,
+) -> float | None:
+    """`floor_s + per_token_s * max_new_tokens`, or None (no bound); see the module docstring."""
+    if floor_s is None or per_token_s is None or sampling_params is None:
+        return None
+    params = [sampling_params] if isinstance(sampling_params, Mapping) else list(sampling_params)
+    lengths = [p.get("max_new_tokens") for p in params]
+    if not lengths or any(n is None for n in lengths):
+        return None
+    return floor_s + per_token_s * max(int(n) for n in lengths)  # type: ignore[arg-type]
+
+
+async def call_unless_stalled(
+    call: Callable[[], Awaitable[T]], engine: Any, bound_s: float | None
+) -> T:
+    """`await call()`, raising `EngineStalledError` once it has run `bound_s` unpaused."""
+    if bound_s is None:
+        return await call()
+    stalled = False
+    result: list[T] = []  # empty until `call` returns: an answer that came is never dropped
+
+    async def watch(scope: trio.CancelScope) -> None:
+        nonlocal stalled
+        namespace = getattr(engine, "kv_namespace", None)
+        while True:
+            await trio.sleep(bound_s)
+            now_ns = getattr(engine, "kv_namespace", None)
+            if getattr(engine, "paused", False) or now_ns != namespace:
+                namespace = now_ns  # paused by a weight sync meanwhile: start again
+                continue
+            stalled = True
+            scope.cancel()
+            return
+
+    error: Exception | None = None  # raised as is after the nursery, not wrapped in a group
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch, nursery.cancel_scope)
+        try:
+            result.append(await call())
+        except Exception as exc:
+            error = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    if stalled and not result:
+        raise EngineStalledError(
+            f"no answer within {bound_s:.1f} s, the stall bound (engines.stall_floor_s + "
+            "engines.stall_s_per_token × max_new_tokens)",
+            url=getattr(engine, "url", ""),
+        )
+    return result[0]
