@@ -9,7 +9,7 @@ import json
 import pytest
 import trio
 from test_engine_pool import run_engine
-from test_run_rl_cli import ROOT, run_cli
+from test_run_rl_cli import two_step_run
 
 from engines import EngineError, SGLangEngine, find_free_port, sync_weights_to_engines
 from engines.router import RouterEngine
@@ -82,14 +82,9 @@ async def test_run_rl_with_router_url_trains_and_pushes_weights_to_each_worker(
         workers = [await nursery.start(run_engine, tiny_model_dir, find_free_port())
                    for _ in range(2)]  # fmt: skip
         async with open_gateway([w.url for w in workers]) as (url, stats):
-            proc = await trio.to_thread.run_sync(lambda: run_cli(
-                "--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--router-url", url,
-                "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "out"),
-                "--max-steps", "2", "rollout.batch_size=2", "rollout.n_samples_per_prompt=2",
-                "rollout.filter_groups=none", "train.eval_samples=4", "backend.num_threads=1",
-                "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
-                f"data.task_dir={tmp_path / 'data'}", cwd=tmp_path,
-            ))  # fmt: skip
+            proc = await trio.to_thread.run_sync(
+                lambda: two_step_run(tiny_model_dir, tmp_path, "--router-url", url)
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             versions = [w.state.weight_version for w in workers]
             forwarded = dict(stats.forwarded)

@@ -99,19 +99,14 @@ async def test_run_rl_with_router_url_refits_workers_only_the_gateway_can_reach(
 ):
     """The CLI end to end with `engines.control_plane: auto`: the workers answer the trainer
     401, so every weight sync (the initial push, then one per step) goes through `/v1/rl/*`."""
-    from test_run_rl_cli import ROOT, run_cli
+    from test_run_rl_cli import two_step_run
 
     async with trio.open_nursery() as nursery:
         workers = [await nursery.start(run_keyed_engine, tiny_model_dir) for _ in range(2)]
         async with open_gateway([w.url for w in workers], worker_api_key=SECRET) as (gw, stats):
-            proc = await trio.to_thread.run_sync(lambda: run_cli(
-                "--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--router-url", gw,
-                "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "out"),
-                "--max-steps", "2", "rollout.batch_size=2", "rollout.n_samples_per_prompt=2",
-                "rollout.filter_groups=none", "train.eval_samples=4", "backend.num_threads=1",
-                "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
-                f"data.task_dir={tmp_path / 'data'}", cwd=tmp_path,
-            ))  # fmt: skip
+            proc = await trio.to_thread.run_sync(
+                lambda: two_step_run(tiny_model_dir, tmp_path, "--router-url", gw)
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             versions = [w.state.weight_version for w in workers]
         nursery.cancel_scope.cancel()
