@@ -28,6 +28,10 @@ Contract:
   kind "stalled": it is cancelled, aborted on its engine and sent to another, long before the
   HTTP timeout; only one answer is ever returned. Each failure is counted per engine and kind
   (`EngineStats.failures`).
+- `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
+  ("down", url) marks that engine down at once, so no request is sent to a dead engine while
+  it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
+  that finds it answering would), without waiting for the next probe.
 - The pool does not own the engines: enter them (`async with SGLangEngine(...)`) yourself.
 
 Not covered: prefix-affinity routing (sglang-router's cache_aware policy), weighted engines.
@@ -150,6 +154,7 @@ class EnginePool:
         rejoin_timeout_s: float = 300.0,
         stall_floor_s: float | None = 30.0,
         stall_s_per_token: float | None = 0.05,
+        engine_events: trio.MemoryReceiveChannel[tuple[str, str]] | None = None,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
@@ -164,6 +169,7 @@ class EnginePool:
         self._rid_slot: dict[str, _Slot] = {}
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
+        self._engine_events = engine_events
 
     @property
     def engines(self) -> list[InferenceEngine]:
@@ -179,6 +185,8 @@ class EnginePool:
         self._nursery_manager = trio.open_nursery()
         self._nursery = await self._nursery_manager.__aenter__()
         self._nursery.start_soon(self._probe_loop)
+        if self._engine_events is not None:
+            self._nursery.start_soon(self._follow_engine_events, self._engine_events)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -253,6 +261,17 @@ class EnginePool:
         if version != expected[1] and not getattr(engine, "paused", False):
             self._mark_down(slot, StaleWeightsError(
                 f"serves weight_version {version!r}, the last sync gave it {expected[1]!r}"))  # fmt: skip
+
+    async def _follow_engine_events(self, events: trio.MemoryReceiveChannel[tuple[str, str]]
+                                    ) -> None:  # fmt: skip
+        """A supervisor saw an engine die ("down") or its relaunch answer ("up")."""
+        async for what, url in events:
+            for slot in (s for s in self._slots if s.engine.url == url):
+                if what == "down":
+                    self._mark_down(slot, EngineUnavailableError("its supervisor saw it exit",
+                                                                 url=url))  # fmt: skip
+                elif not slot.healthy:
+                    self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
 
     async def _rejoin(self, slot: _Slot) -> None:
         """A down engine answers again: give it the current weights, then let it serve."""

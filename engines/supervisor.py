@@ -10,6 +10,10 @@ Contract:
   past that the block is cancelled with `EngineLaunchError` naming the engine and its log.
 - Leaving the block stops the current process as `launch_engine` does.
 - `relaunches` on the yielded `Supervision` counts them (for metrics and tests).
+- `events` (optional, a trio memory channel): ("down", url) is sent as soon as the process is
+  seen to exit, before the relaunch, and ("up", url) once the relaunch is healthy, so an
+  `EnginePool(engine_events=...)` stops sending it work at once and gives it the weights when
+  it is back, without waiting for a probe.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Supervision:
 
 @asynccontextmanager
 async def supervise_engine(*, max_relaunches: int = 3, relaunch_delay_s: float = 1.0,
+                           events: trio.MemorySendChannel[tuple[str, str]] | None = None,
                            **launch_kwargs: Any) -> AsyncIterator[Supervision]:  # fmt: skip
     """See the module docstring; keyword arguments go to `launch_engine`."""
     launch_kwargs["port"] = launch_kwargs.get("port") or find_free_port(
@@ -46,14 +51,15 @@ async def supervise_engine(*, max_relaunches: int = 3, relaunch_delay_s: float =
     )
     async with trio.open_nursery() as nursery:
         supervision = await nursery.start(_keep_running, max_relaunches, relaunch_delay_s,
-                                          launch_kwargs)  # fmt: skip
+                                          launch_kwargs, events)  # fmt: skip
         try:
             yield supervision
         finally:
             nursery.cancel_scope.cancel()
 
 
-async def _keep_running(max_relaunches: int, delay_s: float, kwargs: dict[str, Any], *,
+async def _keep_running(max_relaunches: int, delay_s: float, kwargs: dict[str, Any],
+                        events: trio.MemorySendChannel[tuple[str, str]] | None, *,
                         task_status: trio.TaskStatus[Supervision]) -> None:  # fmt: skip
     supervision: Supervision | None = None
     while True:
@@ -67,8 +73,10 @@ async def _keep_running(max_relaunches: int, delay_s: float, kwargs: dict[str, A
                     logger.warning("engine %s relaunched (pid %d, relaunch %d of at most %d)",
                                    launched.url, launched.pid, supervision.relaunches,
                                    max_relaunches)  # fmt: skip
+                    _tell(events, "up", launched.url)
                 supervision.pids.append(launched.pid)
                 await launched.exited.wait()
+                _tell(events, "down", launched.url)
             reason = f"process {launched.pid} exited; log ends with:\n{log_tail(launched.log_path)}"
         except EngineLaunchError as exc:
             if supervision is None:
@@ -84,3 +92,13 @@ async def _keep_running(max_relaunches: int, delay_s: float, kwargs: dict[str, A
         logger.warning("engine %s died (%s); relaunching in %.1f s", supervision.url,
                        reason.splitlines()[0], delay_s)  # fmt: skip
         await trio.sleep(delay_s)
+
+
+def _tell(events: trio.MemorySendChannel[tuple[str, str]] | None, what: str, url: str) -> None:
+    """Tell the listener (an EnginePool) at once; a listener that has gone is no error."""
+    if events is None:
+        return
+    try:
+        events.send_nowait((what, url))
+    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+        logger.warning("engine %s is %s, but nobody could be told", url, what)

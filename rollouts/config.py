@@ -66,6 +66,16 @@ class RolloutConfig(Strict):
     engine_fail_fast: bool = Field(
         False, description="an engine error ends the run at once instead of dropping the group"
     )
+    sample_retries: int = Field(
+        1, ge=0,
+        description="times a failed sample (engine error, DropSample) is generated again "
+        "before its group is dropped",
+    )  # fmt: skip
+    reward_failure_value: float | None = Field(
+        0.0,
+        description="reward of a sample whose reward raised or timed out (error kept on it); "
+        "null: the sample fails and its group is dropped",
+    )
     max_failed_group_rate: float = Field(
         0.25, ge=0, le=1,
         description="end the run when more than this share of a batch's groups failed",

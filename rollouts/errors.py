@@ -97,3 +97,10 @@ def import_extra(module: str, *, package: str, extra: str, feature: str) -> Modu
         return importlib.import_module(module)
     except ImportError as err:
         raise MissingExtraError(package, extra, feature) from err
+
+
+class DropSample(RolloutsError):
+    """Raised by a reward to say its sample must not be trained on (e.g. a judge that cannot
+    parse the answer): the sample is regenerated (`rollout.sample_retries`), and its group is
+    dropped if that fails too. Any other exception from a reward gives the sample
+    `rollout.reward_failure_value`, records the error on it and keeps its group."""

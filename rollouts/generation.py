@@ -8,8 +8,10 @@ cut short are handed back (prompt + finished samples) so the caller can return t
 DataBuffer's holding area. Everything else here is pure: transforms, filters, conversion to a
 `RolloutBatch`, metrics.
 
-What is not covered: retrying a failed engine request (the EnginePool does that once per
-failure); a group with any failed sample is rejected as a whole and counted.
+A failed sample (an engine error the EnginePool could not fail over, a failed generation, a
+reward's `DropSample`) is generated again, alone, up to `sample_retries` times; only then is its
+group dropped and counted. A 4xx is not retried (it would fail again). A reward that raises or
+times out does not fail its sample: it gets `reward_failure_value` and the error is kept on it.
 """
 
 from __future__ import annotations
@@ -234,6 +236,8 @@ class CollectResult:
     n_filtered: int = 0
     n_failed_groups: int = 0
     n_failed_samples: int = 0
+    n_retried_samples: int = 0  # failed samples generated again (rollout.sample_retries)
+    n_reward_failed: int = 0  # samples given the failure reward (their reward raised/timed out)
     n_interrupted: int = 0  # groups with samples aborted by someone else, held for later
     completion_tokens: int = 0
     reward_sum: float = 0.0  # over every scored sample, accepted or filtered out
@@ -252,6 +256,8 @@ class CollectResult:
             "groups_filtered": float(self.n_filtered),
             "groups_failed": float(self.n_failed_groups),
             "samples_failed": float(self.n_failed_samples),
+            "samples_retried": float(self.n_retried_samples),
+            "reward_failed": float(self.n_reward_failed),
             "groups_interrupted": float(self.n_interrupted),
             "groups_returned_partial": float(len(self.partial)),
             "generate_time_s": self.wall_time_s,
@@ -283,6 +289,8 @@ async def collect_groups(
     reward_fail_fast: bool = False,
     reward_threads: RewardThreads | None = None,
     engine_fail_fast: bool = False,
+    sample_retries: int = 0,
+    reward_failure_value: float | None = None,
     rid_prefix: str = "r",
     tokenizer: Any = None,
 ) -> CollectResult:
@@ -296,6 +304,10 @@ async def collect_groups(
         reward_threads: the pool sync rewards run in (default: one for this call).
         engine_fail_fast: an engine error raises instead of dropping the group (counted in
             `n_failed_groups` and `failures`).
+        sample_retries: times a group's failed samples (a transient engine error, a failed
+            generation, a reward's `DropSample`) are generated again before the group is dropped.
+        reward_failure_value: the reward of a sample whose reward raised or timed out (error kept
+            on the sample, counted in `reward_failed`); None: the sample fails like the others.
 
     Raises:
         EngineError: an engine request failed and `engine_fail_fast` is set.
@@ -310,7 +322,37 @@ async def collect_groups(
     threads = reward_threads or RewardThreads()
 
     async def run_group(gid: int, prompt: PromptItem, done: list[Sample]) -> None:
-        offset = len(done)
+        outcome, error = "done", None
+        for attempt in range(sample_retries + 1):
+            # A sample that failed (a transient engine error, a failed generation, a reward's
+            # DropSample) is generated again; the failed attempt is never kept (exactly once).
+            missing = _missing_indices(done, n_samples)
+            if not missing:
+                error = None
+                break
+            if attempt:
+                result.n_retried_samples += len(missing)
+                log.info("group %d: generating %d failed samples again (retry %d of %d)",
+                         gid, len(missing), attempt, sample_retries)  # fmt: skip
+            try:
+                await generate_samples(gid, attempt, prompt, done, missing)
+                error = None
+            except* EngineError as group:  # except*: it arrives wrapped by the nurseries
+                if engine_fail_fast:
+                    raise
+                error = group.exceptions[0]
+            if error is not None and not _transient(error):
+                break  # a 4xx fails again: drop the group now
+        if error is not None:
+            log.warning("group %d dropped after an engine error: %s", gid, error)
+            result.failures[describe_engine_failure(error)] += 1
+            outcome = "failed"
+        await send.send((outcome, prompt, done))
+
+    async def generate_samples(gid: int, attempt: int, prompt: PromptItem, done: list[Sample],
+                               missing: list[int]) -> None:  # fmt: skip
+        """Generate and score the samples at `missing` (indices in the group) into `done`."""
+        done[:] = [s for s in done if s.status != "failed"]
         reported: set[int] = set()
         to_score: list[Sample] = []  # reported, not yet handed to a scoring task
 
@@ -318,7 +360,8 @@ async def collect_groups(
             batch = to_score[:]
             to_score.clear()
             done.extend(await score_samples(reward_fn, batch, timeout_s=reward_timeout_s,
-                                            fail_fast=reward_fail_fast, threads=threads))  # fmt: skip
+                                            fail_fast=reward_fail_fast, threads=threads,
+                                            failure_reward=reward_failure_value))  # fmt: skip
 
         try:
             async with trio.open_nursery() as scoring:
@@ -326,8 +369,7 @@ async def collect_groups(
                 def report(sample: Sample) -> None:
                     # Samples reported together (no await in between, e.g. the results of one
                     # batched request) are scored together: one scoring task, one thread call.
-                    if offset:
-                        sample = replace(sample, index_in_group=sample.index_in_group + offset)
+                    sample = replace(sample, index_in_group=missing[sample.index_in_group])
                     if sample.index_in_group in reported:
                         return
                     reported.add(sample.index_in_group)
@@ -335,22 +377,15 @@ async def collect_groups(
                         scoring.start_soon(score_reported)
                     to_score.append(sample)
 
+                suffix = f"-a{attempt}" if attempt else ""
                 ctx = GenerateContext(ctx_engine, sampling_params, limiter,
-                                      f"{rid_prefix}-g{gid}", gid, tokenizer, report=report,
-                                      slot_lock=slot_lock)  # fmt: skip
+                                      f"{rid_prefix}-g{gid}{suffix}", gid, tokenizer,
+                                      report=report, slot_lock=slot_lock)  # fmt: skip
                 running[gid] = (prompt, done, ctx)
-                for sample in await generate_fn(prompt, n_samples - offset, ctx):
+                for sample in await generate_fn(prompt, len(missing), ctx):
                     report(sample)
-            outcome = "done"
-        except* EngineError as group:  # except*: it arrives wrapped by the nurseries above
-            if engine_fail_fast:
-                raise
-            log.warning("group %d dropped after an engine error: %s", gid, group.exceptions[0])
-            result.failures[describe_engine_failure(group.exceptions[0])] += 1
-            outcome = "failed"
         finally:
             running.pop(gid, None)  # before the send: a finished group is never also "partial"
-        await send.send((outcome, prompt, done))
 
     async with trio.open_nursery() as nursery:
         ctx_engine = (CoalescingEngine(engine, nursery)  # concurrent groups: one request
@@ -381,8 +416,11 @@ async def collect_groups(
                     launch()
                 continue
             n_failed = sum(s.status == "failed" for s in group)
+            result.n_reward_failed += sum(s.status != "failed" and s.error is not None
+                                          for s in group)  # fmt: skip
             result.n_failed_samples += n_failed
-            result.sample_errors.update(s.error or "failed" for s in group if s.status == "failed")
+            result.sample_errors.update(s.error or "failed" for s in group
+                                        if s.status == "failed" or s.error is not None)  # fmt: skip
             if kind == "failed" or n_failed or len(group) < n_samples:
                 result.n_failed_groups += 1
             else:
@@ -413,6 +451,17 @@ async def collect_groups(
             result.partial.append((prompt, _finished(samples)))
     result.wall_time_s = time.perf_counter() - started
     return result
+
+
+def _missing_indices(done: Sequence[Sample], n_samples: int) -> list[int]:
+    """Indices in the group with no sample yet, or only a failed one."""
+    ok = {s.index_in_group for s in done if s.status != "failed"}
+    return [i for i in range(n_samples) if i not in ok]
+
+
+def _transient(exc: EngineError) -> bool:
+    """Worth generating again: no answer, a timeout or a 5xx (a 4xx would fail again)."""
+    return exc.status is None or exc.status >= 500
 
 
 def _clip(text: str, limit: int = 300) -> str:

@@ -249,7 +249,7 @@ class AsyncRolloutManager:
             raise
         _check_failure_rate(result, cfg.max_failed_group_rate)
         if result.sample_errors:
-            log.warning("%d samples failed (their groups were dropped): %s",
+            log.warning("%d samples failed or had their reward fail: %s",
                         result.n_failed_samples, summarize_errors(result.sample_errors))  # fmt: skip
         version = self.current_version()
         for prompt, samples in result.partial:
@@ -274,6 +274,8 @@ class AsyncRolloutManager:
             reward_fail_fast=cfg.reward_fail_fast,
             reward_threads=self.reward_threads,
             engine_fail_fast=cfg.engine_fail_fast,
+            sample_retries=cfg.sample_retries,
+            reward_failure_value=cfg.reward_failure_value,
             rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
             tokenizer=self.tokenizer,
         )

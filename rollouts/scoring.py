@@ -26,6 +26,7 @@ scored twice (once by each thread); only the fresh thread's result is kept.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Awaitable, Sequence
@@ -33,7 +34,7 @@ from typing import TypeAlias
 
 import trio
 
-from rollouts.errors import RewardError
+from rollouts.errors import DropSample, RewardError
 from rollouts.nursery import open_nursery
 from rollouts.reward_threads import RewardThreads, RewardThreadsExhausted
 from rollouts.rewards import RewardFn, call_reward, is_async_reward, reward_name, split_reward
@@ -52,6 +53,7 @@ async def score_sample(
     timeout_s: float,
     fail_fast: bool = False,
     threads: RewardThreads | None = None,
+    failure_reward: float | None = None,
 ) -> Sample:
     """`sample` with its reward (and components) set, or marked failed if the reward could not be computed.
 
@@ -68,6 +70,8 @@ async def score_sample(
         timeout_s: wall-clock budget for this reward call.
         fail_fast: raise instead of marking the sample failed.
         threads: the pool for sync rewards' threads (default: one for this call).
+        failure_reward: if set, a reward that raised or timed out gives the sample this value
+            (error kept in `sample.error`) instead of failing it; `DropSample` still fails it.
 
     Returns:
         The scored sample, or a failed copy.
@@ -84,11 +88,13 @@ async def score_sample(
             raise
         except Exception as exc:
             outcome = exc
-    return settle_reward(reward_fn, sample, outcome, timeout_s=timeout_s, fail_fast=fail_fast)
+    return settle_reward(reward_fn, sample, outcome, timeout_s=timeout_s, fail_fast=fail_fast,
+                         failure_reward=failure_reward)  # fmt: skip
 
 
 def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *,
-                  timeout_s: float, fail_fast: bool) -> Sample:  # fmt: skip
+                  timeout_s: float, fail_fast: bool,
+                  failure_reward: float | None = None) -> Sample:  # fmt: skip
     """`sample` scored with `outcome`, or a failed copy naming the error (see `score_sample`).
 
     Raises:
@@ -101,11 +107,15 @@ def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *
         error = f"reward {name} timed out after {timeout_s} s"
     else:
         error = f"reward {name} raised {type(outcome).__name__}: {outcome}"
+    if isinstance(outcome, DropSample):  # deliberate: regenerated, never scored
+        return sample.failed(error)
     if fail_fast:
         raise RewardError(
             f"group {sample.group_id} sample {sample.index_in_group}: {error} "
             "(reward fail-fast is on; turn it off to mark such samples failed instead)"
         ) from outcome
+    if failure_reward is not None:
+        return dataclasses.replace(sample.with_reward(failure_reward), error=error)
     return sample.failed(error)
 
 
@@ -116,6 +126,7 @@ async def score_samples(
     timeout_s: float,
     fail_fast: bool = False,
     threads: RewardThreads | None = None,
+    failure_reward: float | None = None,
 ) -> list[Sample]:
     """`samples` scored by `reward_fn` (or marked failed), in order. See the module docstring.
 
@@ -131,13 +142,14 @@ async def score_samples(
     """
     if len(samples) <= 1:
         return [await score_sample(reward_fn, s, timeout_s=timeout_s, fail_fast=fail_fast,
-                                   threads=threads) for s in samples]  # fmt: skip
+                                   threads=threads, failure_reward=failure_reward)
+                for s in samples]  # fmt: skip
     if is_async_reward(reward_fn):
         out = list(samples)
 
         async def one(i: int) -> None:
             out[i] = await score_sample(reward_fn, samples[i], timeout_s=timeout_s,
-                                        fail_fast=fail_fast)  # fmt: skip
+                                        fail_fast=fail_fast, failure_reward=failure_reward)  # fmt: skip
 
         async with trio.open_nursery() as nursery:
             for i in range(len(samples)):
@@ -154,7 +166,8 @@ async def score_samples(
             if inspect.isawaitable(result):  # a sync callable that returned an awaitable
                 result = await await_reward(result, timeout_s)
             out.append(settle_reward(reward_fn, sample, result,  # type: ignore[arg-type]
-                                     timeout_s=timeout_s, fail_fast=fail_fast))  # fmt: skip
+                                     timeout_s=timeout_s, fail_fast=fail_fast,
+                                     failure_reward=failure_reward))  # fmt: skip
     return out
 
 

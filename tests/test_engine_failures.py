@@ -243,3 +243,22 @@ def test_sync_mode_with_sync_every_above_one_is_refused():
     with pytest.raises(ValueError, match="train stale samples as on-policy"):
         RLRunConfig.model_validate({"rollout": {"mode": "sync"}, "train": {"sync_every": 2}})
     RLRunConfig.model_validate({"rollout": {"mode": "overlap"}, "train": {"sync_every": 2}})
+
+
+async def test_the_pool_hears_a_relaunch_before_sending_work(tiny_model_dir, tmp_path):
+    # probes far apart: only the supervisor's word can mark the engine down and up in time
+    send, recv = trio.open_memory_channel[tuple[str, str]](100)
+    async with (
+        supervise_engine(kind="local", model_path=tiny_model_dir, relaunch_delay_s=1.0,
+                         log_path=tmp_path / "e.log", max_relaunches=1, events=send) as supervised,
+        client(supervised.url) as engine,
+        EnginePool([engine], probe_interval_s=60, engine_events=recv) as pool,
+    ):  # fmt: skip
+        os.kill(supervised.current.pid, signal.SIGKILL)
+        await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)  # before relaunch
+        assert supervised.relaunches == 1 and pool.statistics().engines[0].samples_sent == 0
+        with trio.fail_after(60):  # sent now, it waits for the relaunch instead of failing
+            result = await pool.generate([1, 2], SHORT)
+        stats = pool.statistics().engines[0]
+        assert result.completion_tokens == 4 and stats.rejoined == 1
+        assert stats.failed == 0 and stats.samples_sent == 1  # nothing went to the dead engine

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 import trio
 
 from rollouts.config import RolloutConfig, SamplingConfig
-from rollouts.errors import EngineError
+from rollouts.errors import DropSample, EngineError
 from rollouts.generation import (
     GenerateContext,
     hold_slots,
@@ -226,7 +227,7 @@ async def test_groups_are_one_batched_request_or_one_request_per_sample(
             assert target.calls == expected_calls
 
 
-async def test_stalled_reward_in_a_batch_scored_group_fails_only_that_sample(
+async def test_stalled_reward_in_a_batch_scored_group_costs_only_that_samples_reward(
     local_engine, tiny_tokenizer
 ):
     # each group is one batched request whose samples are scored together in one thread call
@@ -246,9 +247,94 @@ async def test_stalled_reward_in_a_batch_scored_group_fails_only_that_sample(
             batch = await manager.generate_batch()
     finally:
         release.set()
-    assert batch.metrics["samples_failed"] == 1 and batch.metrics["groups_failed"] == 1
-    assert [prompt_index(g[0]) for g in batch.groups] == [1, 2]  # prompt 0's group rejected
-    assert all(s.status != "failed" and s.reward == 1.0 for g in batch.groups for s in g)
+    # the stalled sample gets the failure reward (0) and keeps its group; the others are scored
+    assert batch.metrics["reward_failed"] == 1 and batch.metrics["groups_failed"] == 0
+    assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1]
+    rewards = {(prompt_index(s), s.index_in_group): s.reward for g in batch.groups for s in g}
+    assert rewards.pop((0, 1)) == 0.0 and set(rewards.values()) == {1.0}
+    stalled = next(
+        s for g in batch.groups for s in g if (prompt_index(s), s.index_in_group) == (0, 1)
+    )
+    assert "timed out" in (stalled.error or "")
+
+
+async def test_a_reward_that_fails_on_one_sample_keeps_its_group(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+
+    def reward(sample: Sample) -> float:
+        if prompt_index(sample) == 0 and sample.index_in_group == 2:
+            raise ValueError("judge could not parse")
+        return 1.0
+
+    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
+    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
+                                                     shuffle=False), cfg, reward_fn=reward)  # fmt: skip
+    with trio.fail_after(60):
+        batch = await manager.generate_batch()
+    assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1]
+    assert batch.metrics["groups_launched"] == 2 and batch.metrics["groups_failed"] == 0
+    assert batch.metrics["reward_failed"] == 1
+    failed = next(g for g in batch.groups if prompt_index(g[0]) == 0)[2]
+    assert failed.reward == 0.0 and failed.status != "failed"
+    assert "ValueError: judge could not parse" in (failed.error or "")
+
+
+def generate_failing_once(failures: set[tuple[int, int]], calls: list[tuple[int, int]]):
+    """single_turn_generate, but the samples at (prompt, index) in `failures` come back failed
+    the first time (as after an engine error); `calls` records (prompt, n) of each call."""
+
+    async def generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
+        p = int(prompt.metadata["answer"]) // 2
+        calls.append((p, n))
+
+        def fail_once(s: Sample) -> Sample:
+            if (p, s.index_in_group) not in failures:
+                return s
+            failures.discard((p, s.index_in_group))
+            return s.failed("engine: injected reset")
+
+        report = ctx.report
+        ctx = dataclasses.replace(ctx, report=lambda s: report(fail_once(s)))
+        return [fail_once(s) for s in await single_turn_generate(prompt, n, ctx)]
+
+    return generate
+
+
+async def test_one_failing_sample_is_retried_and_its_group_kept(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    calls: list[tuple[int, int]] = []
+    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
+    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
+                                                     shuffle=False), cfg, reward_fn=lambda s: 1.0,
+                                  generate_fn=generate_failing_once({(0, 1)}, calls))  # fmt: skip
+    with trio.fail_after(60):
+        batch = await manager.generate_batch()
+    assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1]
+    assert all([s.index_in_group for s in g] == [0, 1, 2, 3] for g in batch.groups)
+    assert all(s.status != "failed" for g in batch.groups for s in g)
+    assert batch.metrics["groups_failed"] == 0 and batch.metrics["samples_retried"] == 1
+    # 4 + 1 samples for prompt 0 (only the failed one again), no third group launched
+    assert sorted(calls) == [(0, 1), (0, 4), (1, 4)]
+
+
+async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_tokenizer):
+    _, engine = local_engine
+    dropped: list[int] = []
+
+    def reward(sample: Sample) -> float:
+        if prompt_index(sample) == 0 and sample.index_in_group == 3 and not dropped:
+            dropped.append(1)
+            raise DropSample("unusable answer")
+        return 1.0
+
+    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
+    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
+                                                     shuffle=False), cfg, reward_fn=reward)  # fmt: skip
+    with trio.fail_after(60):
+        batch = await manager.generate_batch()
+    assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1] and dropped == [1]
+    assert batch.metrics["samples_retried"] == 1 and batch.metrics["reward_failed"] == 0
+    assert all(s.error is None and s.reward == 1.0 for g in batch.groups for s in g)
 
 
 class FailingForPromptZero:

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,6 +195,8 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
     """
     ec = config.engines
     timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s)
+    # supervisors tell the pool at once when a local engine dies and when its relaunch is up
+    engine_events_send, engine_events_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
     async with contextlib.AsyncExitStack() as stack:
         urls = list(ec.urls)
         router = None
@@ -221,6 +224,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                     kind="local", model_path=model_path, extra_args=args,
                     log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
                     max_relaunches=ec.max_relaunches, lora=lora_launch(config),
+                    events=engine_events_send.clone(),
                 ))  # fmt: skip
                 urls.append(launched.url)
         clients = [
@@ -238,6 +242,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                 unavailable_timeout_s=ec.unavailable_timeout_s,
                 stall_floor_s=ec.stall_floor_s,
                 stall_s_per_token=ec.stall_s_per_token,
+                engine_events=engine_events_recv,  # a relaunching engine gets no work
             )
         )
         if router is not None:  # the pool only watches the workers and gives returning ones
