@@ -416,12 +416,16 @@ async def collect_groups(
                     launch()
                 continue
             n_failed = sum(s.status == "failed" for s in group)
-            result.n_reward_failed += sum(s.status != "failed" and s.error is not None
-                                          for s in group)  # fmt: skip
+            n_reward_failed = sum(s.status != "failed" and s.error is not None for s in group)
+            result.n_reward_failed += n_reward_failed
             result.n_failed_samples += n_failed
             result.sample_errors.update(s.error or "failed" for s in group
                                         if s.status == "failed" or s.error is not None)  # fmt: skip
-            if kind == "failed" or n_failed or len(group) < n_samples:
+            # A group whose every reward failed carries no signal (all failure values): it fails
+            # like a failed group, so a reward that is broken for good empties the batches and
+            # ends the run naming its error (train.max_empty_batches) instead of training on 0s.
+            no_signal = n_reward_failed == len(group)
+            if kind == "failed" or n_failed or no_signal or len(group) < n_samples:
                 result.n_failed_groups += 1
             else:
                 result.reward_sum += sum(s.reward for s in group)
