@@ -152,8 +152,8 @@ class EnginePool:
         unavailable_timeout_s: float = 60.0,
         max_attempts: int = 10,
         rejoin_timeout_s: float = 300.0,
-        stall_floor_s: float | None = 30.0,
-        stall_s_per_token: float | None = 0.05,
+        stall_floor_s: float | None = 60.0,
+        stall_s_per_token: float | None = 0.2,
         engine_events: trio.MemoryReceiveChannel[tuple[str, str]] | None = None,
     ) -> None:
         if not engines:

@@ -4,9 +4,12 @@ given up on, so the pool can re-send it to another engine (issue 26 item 3).
 Contract:
 - `stall_bound_s(sampling_params, floor_s, per_token_s)` is `floor_s + per_token_s ×
   max_new_tokens` (the largest of a batch's); None when either knob is None (no bound) or the
-  request names no `max_new_tokens`. The defaults (`engines.stall_floor_s` = 30 s,
-  `engines.stall_s_per_token` = 0.05 s) give a 1024-token request 81 s, where the HTTP
-  timeout (`engines.generate_timeout_s`) is 600 s.
+  request names no `max_new_tokens`. The defaults (`engines.stall_floor_s` = 60 s,
+  `engines.stall_s_per_token` = 0.2 s) give a 1024-token request 265 s and an 8-token one
+  62 s, where the HTTP timeout (`engines.generate_timeout_s`) is 600 s. They are generous on
+  purpose: the time includes queueing behind other requests in the engine, and a big model
+  at a large batch decodes 15-30 tokens/s per sequence; a false stall costs a re-sent
+  request. Tighten them where the engine's speed is known.
 - `call_unless_stalled(call, engine, bound_s)` runs `call()`; if it has not returned
   `bound_s` after it started it is cancelled (its HTTP request closed, so its answer can never
   be returned) and `EngineStalledError` raised. Time the engine spends paused by this client

@@ -41,12 +41,13 @@ class EnginesConfig(Strict):
         "failure (reset, 5xx, truncated body, timeout) before its group fails",
     )
     stall_floor_s: float | None = Field(
-        30.0,
+        60.0,
         gt=0,
         description="a /generate unanswered after stall_floor_s + stall_s_per_token × "
-        "max_new_tokens is aborted and re-sent to another engine (None: only generate_timeout_s)",
+        "max_new_tokens is aborted and re-sent to another engine (None: only generate_timeout_s). "
+        "The time includes queueing in the engine: the defaults allow 5 tokens/s per sequence",
     )
-    stall_s_per_token: float | None = Field(0.05, gt=0, description="see stall_floor_s")
+    stall_s_per_token: float | None = Field(0.2, gt=0, description="see stall_floor_s")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort",
         description=(
