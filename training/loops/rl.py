@@ -290,13 +290,19 @@ async def run_rl_training(
             # The checkpoint comes before the evaluation: a failing evaluation (or a crash in
             # it) never costs the steps trained since the last one. It has no eval_* metrics.
             saved = step % config.checkpoint_every == 0 or step == config.max_steps
-            if saved:
-                await save(step, metrics)
-            if evaluate_fn is not None and (
-                step % config.eval_every == 0 or step == config.max_steps
-            ):
-                metrics |= {f"eval_{k}": v for k, v in (await evaluate_fn()).items()}
-            logger(step, metrics)
+            try:
+                if saved:
+                    await save(step, metrics)
+                if evaluate_fn is not None and (
+                    step % config.eval_every == 0 or step == config.max_steps
+                ):
+                    metrics |= {f"eval_{k}": v for k, v in (await evaluate_fn()).items()}
+            finally:
+                # Even when cancelled here (Ctrl-C during the evaluation, or just as the save
+                # ended): a step whose checkpoint exists must have its row, since a resume
+                # from it logs only later steps. A row without a checkpoint is harmless: the
+                # resume replaces rows after its own checkpoint.
+                logger(step, metrics)
             history.append(metrics)
             upcoming = algorithm(step + 1, metrics)
             if upcoming != algo and step < config.max_steps:
