@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import resource
 import time
-from urllib.parse import urlsplit
 
 import httpx
 import trio
 
 from engines.local import open_local_engine
+from tests.test_engine_abuse import _raw, _read_until_closed
 
 KEY = {"authorization": "Bearer k"}
 GOOD = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 4}}
@@ -25,23 +25,6 @@ def _raise_fd_limit(wanted: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
-
-
-async def _raw(server) -> trio.SocketStream:
-    return await trio.open_tcp_stream("127.0.0.1", urlsplit(server.url).port)
-
-
-async def _read_until_closed(stream: trio.SocketStream, timeout: float) -> bytes:
-    data = b""
-    with trio.fail_after(timeout):
-        while True:
-            try:
-                chunk = await stream.receive_some(65536)
-            except trio.BrokenResourceError:
-                return data
-            if not chunk:
-                return data
-            data += chunk
 
 
 def _p99(values: list[float]) -> float:
