@@ -258,6 +258,15 @@ async def test_stalled_reward_in_a_batch_scored_group_costs_only_that_samples_re
     assert "timed out" in (stalled.error or "")
 
 
+async def two_groups_of_four(engine, tokenizer, reward_fn, **manager_kwargs):
+    """One batch of 2 groups x 4 samples from the first prompts, in order (60 s deadline)."""
+    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
+    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tokenizer, 8), shuffle=False),
+                                  cfg, reward_fn=reward_fn, **manager_kwargs)  # fmt: skip
+    with trio.fail_after(60):
+        return await manager.generate_batch()
+
+
 async def test_a_reward_that_fails_on_one_sample_keeps_its_group(local_engine, tiny_tokenizer):
     _, engine = local_engine
 
@@ -266,11 +275,7 @@ async def test_a_reward_that_fails_on_one_sample_keeps_its_group(local_engine, t
             raise ValueError("judge could not parse")
         return 1.0
 
-    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
-    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
-                                                     shuffle=False), cfg, reward_fn=reward)  # fmt: skip
-    with trio.fail_after(60):
-        batch = await manager.generate_batch()
+    batch = await two_groups_of_four(engine, tiny_tokenizer, reward)
     assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1]
     assert batch.metrics["groups_launched"] == 2 and batch.metrics["groups_failed"] == 0
     assert batch.metrics["reward_failed"] == 1
@@ -303,12 +308,9 @@ def generate_failing_once(failures: set[tuple[int, int]], calls: list[tuple[int,
 async def test_one_failing_sample_is_retried_and_its_group_kept(local_engine, tiny_tokenizer):
     _, engine = local_engine
     calls: list[tuple[int, int]] = []
-    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
-    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
-                                                     shuffle=False), cfg, reward_fn=lambda s: 1.0,
-                                  generate_fn=generate_failing_once({(0, 1)}, calls))  # fmt: skip
-    with trio.fail_after(60):
-        batch = await manager.generate_batch()
+    batch = await two_groups_of_four(
+        engine, tiny_tokenizer, lambda s: 1.0, generate_fn=generate_failing_once({(0, 1)}, calls)
+    )
     assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1]
     assert all([s.index_in_group for s in g] == [0, 1, 2, 3] for g in batch.groups)
     assert all(s.status != "failed" for g in batch.groups for s in g)
@@ -327,11 +329,7 @@ async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_t
             raise DropSample("unusable answer")
         return 1.0
 
-    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
-    manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
-                                                     shuffle=False), cfg, reward_fn=reward)  # fmt: skip
-    with trio.fail_after(60):
-        batch = await manager.generate_batch()
+    batch = await two_groups_of_four(engine, tiny_tokenizer, reward)
     assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1] and dropped == [1]
     assert batch.metrics["samples_retried"] == 1 and batch.metrics["reward_failed"] == 0
     assert all(s.error is None and s.reward == 1.0 for g in batch.groups for s in g)
