@@ -14,7 +14,7 @@ import pytest
 from engines import find_free_port
 from rollouts.errors import DataError, EngineError
 from tests.test_embed_example import engine_processes_for
-from training.recipes.cli import print_errors
+from training.recipes.cli_run import print_errors
 
 ROOT = Path(__file__).parent.parent
 ROLLOUTS = Path(sys.executable).with_name("rollouts")

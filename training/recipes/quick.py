@@ -18,7 +18,7 @@ import trio
 
 from rollouts.rewards import RewardFn
 from training.config import load_config
-from training.recipes.cli import claim_output_dir
+from training.recipes.cli_run import claim_output_dir
 from training.recipes.rl import RLExtensions, RLSummary, run_rl_recipe
 from training.rl_config import RLRunConfig
 
