@@ -29,9 +29,11 @@ from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_toke
 from training.backend.tiny_model import build_tiny_model
 from training.config import OptimConfig
 from training.data.buffer import DataBuffer
+from training.loops.hooks import RLHooks
 from training.loops.rl import run_rl_training
-from training.rl.algorithms import constant_schedule, grpo
+from training.rl.algorithms import grpo
 from training.rl.batch import collate_rl
+from training.rl.objective import RLObjective
 from training.rl_config import RLLoopConfig
 
 RELEASE = threading.Event()
@@ -79,7 +81,8 @@ async def main(steps: int) -> None:
                     await run_rl_training(
                         backend, buffer, manager, [engine],
                         RLLoopConfig(max_steps=steps, checkpoint_every=1000),
-                        algorithm=constant_schedule(grpo()), export_dir=tmp / "w", logger=log,
+                        objective=RLObjective(grpo()), export_dir=tmp / "w",
+                        hooks=RLHooks(logger=log),
                     )  # fmt: skip
             except trio.TooSlowError:
                 outcome = f"stuck: no end after {60 * steps} s"

@@ -117,7 +117,7 @@ async def measure_push(size: str, args, tmp: Path) -> dict:
     from training.backend.tiny_model import ensure_tiny_model
     from training.config import LoraSettings, OptimConfig
     from training.data.tokenize import tokenize_conversation
-    from training.loops.rl import push_weights
+    from training.loops.weight_push import push_weights
 
     model_dir = ensure_tiny_model(harness.REPO / f"runs/tiny_model_{size}", size=size)
     tok = load_tokenizer(model_dir)

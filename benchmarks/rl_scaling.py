@@ -48,8 +48,9 @@ def run_config(group: int, batch: int, length: int, steps: int, threads: int) ->
     from training.config import OptimConfig
     from training.data.buffer import DataBuffer
     from training.loops.rl import run_rl_training
-    from training.rl.algorithms import constant_schedule, grpo
+    from training.rl.algorithms import grpo
     from training.rl.batch import collate_rl
+    from training.rl.objective import RLObjective
     from training.rl_config import RLLoopConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_scaling_"))
@@ -86,7 +87,7 @@ def run_config(group: int, batch: int, length: int, steps: int, threads: int) ->
             )  # fmt: skip
             async with manager:
                 history = await run_rl_training(backend, buffer, manager, [engine], loop,
-                                                algorithm=constant_schedule(grpo()),
+                                                objective=RLObjective(grpo()),
                                                 export_dir=tmp / "weights")  # fmt: skip
             return history, harness.peak_rss_mb(launched.pid)
 

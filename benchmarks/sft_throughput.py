@@ -138,6 +138,7 @@ def _rollouts_loop(tok, samples, args) -> tuple[list[float], float]:
     from training.backend.pytorch import PyTorchTrainingBackend, load_model
     from training.config import OptimConfig, SFTLoopConfig
     from training.data.buffer import DataBuffer
+    from training.loops.hooks import SFTHooks
     from training.loops.sft import SFTData, run_sft_training
 
     optim = OptimConfig(lr=LR, schedule="constant", grad_clip=1.0)
@@ -153,7 +154,7 @@ def _rollouts_loop(tok, samples, args) -> tuple[list[float], float]:
         history = trio.run(
             lambda: run_sft_training(
                 backend, SFTData(DataBuffer(samples, seed=0, shuffle=False)), config,
-                logger=lambda step, m: ends.append(time.perf_counter()),
+                hooks=SFTHooks(logger=lambda step, m: ends.append(time.perf_counter())),
             )
         )  # fmt: skip
     ends.insert(0, ends[0] - history[0]["step_time_s"])  # the first step's start

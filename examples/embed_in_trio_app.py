@@ -18,7 +18,9 @@ from rollouts import AsyncRolloutManager, RolloutConfig, load_prompt_jsonl
 from rollouts.tasks.arithmetic import digit_share_reward, write_arithmetic_datasets
 from training import (
     DataBuffer,
+    RLHooks,
     RLLoopConfig,
+    RLObjective,
     ensure_tiny_model,
     find_latest_checkpoint,
     grpo,
@@ -60,7 +62,8 @@ async def app(steps_before_cancel: int, out: Path) -> None:
         with backend, trio.CancelScope() as training:
             await run_rl_training(backend, prompts, manager, [engine],
                                   RLLoopConfig(max_steps=1000, checkpoint_every=1),
-                                  algorithm=grpo(), export_dir=out / "weights", logger=watch)  # fmt: skip
+                                  objective=RLObjective(grpo()), export_dir=out / "weights",
+                                  hooks=RLHooks(logger=watch))  # fmt: skip
         nursery.cancel_scope.cancel()  # stop the heartbeat too: the app is done
     checkpoint = find_latest_checkpoint(out / "checkpoints")
     print(f"training cancelled after {steps_before_cancel} steps; heartbeats={heartbeats}; "

@@ -16,9 +16,11 @@ from rollouts.types import RolloutBatch, Sample
 from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
 from training.data.buffer import DataBuffer
+from training.loops.hooks import RLHooks
 from training.loops.rl import run_rl_training
-from training.rl.algorithms import constant_schedule, grpo
+from training.rl.algorithms import grpo
 from training.rl.batch import collate_rl
+from training.rl.objective import RLObjective
 from training.rl.reference import make_reference
 from training.rl_config import RLLoopConfig
 
@@ -70,9 +72,12 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                    checkpoint_every: int = 10, reward_fn=index_reward, algorithm=None,
                    schedule=None, with_reference: bool = False,
                    rollout: RolloutConfig | None = None, max_empty_batches: int | None = None,
-                   **loop_kwargs: Any) -> SimpleNamespace:  # fmt: skip
+                   hooks: RLHooks = RLHooks(), **objective: Any) -> SimpleNamespace:  # fmt: skip
     """Run `run_rl_training` for `max_steps` on the in-process engine (2 prompts x 2 samples of
-    at most 4 tokens by default); return its history, the policy, reference and manager."""
+    at most 4 tokens by default); return its history, the policy, reference and manager.
+
+    `objective` holds more `RLObjective` fields (advantage_fn, policy_loss_fn, kl_fn,
+    reference_update, ...)."""
     model, tok = load_model_and_tokenizer(model_dir)
     buffer = DataBuffer(prompts(tok), seed=0)
     backend = PyTorchTrainingBackend(
@@ -91,8 +96,9 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
             RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every,
                          **({} if max_empty_batches is None else
                             {"max_empty_batches": max_empty_batches})),
-            algorithm=schedule or constant_schedule(algorithm or grpo()),
-            export_dir=tmp_path / "weights", reference=reference, **loop_kwargs,
+            objective=RLObjective(schedule or algorithm or grpo(), reference=reference,
+                                  **objective),
+            export_dir=tmp_path / "weights", hooks=hooks,
         )  # fmt: skip
         if reference is not None:
             reference.close()

@@ -10,6 +10,7 @@ from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.errors import ConfigError
 from tests.rl_helpers import run_loop
 from training.config import load_config
+from training.loops.hooks import RLHooks
 from training.recipes.rl import algorithm_schedule
 from training.rl.algorithms import dapo, grpo
 from training.rl_config import RLRunConfig
@@ -30,7 +31,7 @@ async def test_dapo_through_the_library_shapes_rewards_and_filters_groups(
                             sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
     run = await run_loop(engine, tiny_model_dir, tmp_path, rollout=rollout,
                          algorithm=dapo(max_response_len=64), reward_fn=varies_on_prompt_zero_only,
-                         on_batch=lambda step, batch: batches.append(batch))  # fmt: skip
+                         hooks=RLHooks(on_batch=lambda step, b: batches.append(b)))  # fmt: skip
     (batch,) = batches
     assert batch.metrics["groups_filtered"] == 7  # dynamic sampling
     assert len(batch.groups) == 1

@@ -14,6 +14,7 @@ import torch
 from rollouts.rewards import vector_reward, weighted_sum
 from rollouts.shaping import add_shaping, length_bonus
 from tests.rl_helpers import index_reward, run_loop
+from training.loops.hooks import RLHooks
 from training.recipes.rl import RLExtensions, run_rl_recipe
 from training.rl.advantages import grpo_advantages
 from training.rl.algorithms import compute_policy_loss, grpo
@@ -126,7 +127,7 @@ async def test_custom_logger_receives_every_step(local_engine, tiny_model_dir, t
     _, engine = local_engine
     logged = []
     run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2,
-                         logger=lambda step, metrics: logged.append((step, metrics)))  # fmt: skip
+                         hooks=RLHooks(logger=lambda step, m: logged.append((step, m))))  # fmt: skip
     assert [step for step, _ in logged] == [1, 2]
     assert [m for _, m in logged] == run.history
     assert all("loss" in m and "reward_mean" in m for _, m in logged)
@@ -143,7 +144,7 @@ async def test_stop_fn_ends_the_run_after_its_step_with_a_checkpoint(
         return step == 2
 
     run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=5, checkpoint_every=10,
-                         stop_fn=stop_at_two)  # fmt: skip
+                         hooks=RLHooks(stop_fn=stop_at_two))  # fmt: skip
     assert asked == [1, 2] and len(run.history) == 2 and run.backend.step == 2
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
@@ -158,7 +159,7 @@ async def test_checkpoint_hook_is_called_with_each_written_checkpoint(
         hooked.append((step, path.name, (path / "trainer_state.json").is_file(), metrics))
 
     run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2, checkpoint_every=1,
-                         checkpoint_hook=hook)  # fmt: skip
+                         hooks=RLHooks(checkpoint_hook=hook))  # fmt: skip
     assert [h[:3] for h in hooked] == [(1, "step_000001", True), (2, "step_000002", True)]
     assert [h[3] for h in hooked] == run.history
 
@@ -168,7 +169,9 @@ async def test_on_batch_dump_holds_each_step_batch_as_trained(
 ):
     _, engine = local_engine
     dump = RolloutDumpWriter(tmp_path / "rollouts.jsonl")
-    run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2, on_batch=dump)
+    run = await run_loop(
+        engine, tiny_model_dir, tmp_path, max_steps=2, hooks=RLHooks(on_batch=dump)
+    )
     dump.close()
     batches = read_rollout_dump(tmp_path / "rollouts.jsonl")
     assert sorted(batches) == [1, 2]

@@ -14,7 +14,14 @@ import trio
 import trio.testing
 
 from rollouts.errors import ConfigError
-from training import PyTorchTrainingBackend, RLLoopConfig, grpo, run_rl_training, train_rl
+from training import (
+    PyTorchTrainingBackend,
+    RLLoopConfig,
+    RLObjective,
+    grpo,
+    run_rl_training,
+    train_rl,
+)
 from training.config import OptimConfig, SFTRunConfig, load_config
 from training.loops.loggers import ConsoleLogger
 from training.recipes.sft import run_sft_recipe
@@ -27,7 +34,8 @@ def test_package_roots_export_the_loops_components_configs_and_extension_types()
         "load_prompt_jsonl, add_shaping\n"
         "from training import run_rl_training, run_sft_training, run_rl_recipe, train_rl, "
         "rl_backend, RLRunConfig, RLLoopConfig, SFTRunConfig, DataBuffer, grpo, dapo, "
-        "switch_at, AdvantageFn, PolicyLossFn, KLFn, ReferenceUpdateFn, Logger, StopFn\n"
+        "switch_at, AdvantageFn, PolicyLossFn, KLFn, ReferenceUpdateFn, Logger, StopFn, "
+        "RLObjective, RLHooks, SFTHooks\n"
         "from engines import SGLangEngine, launch_engine, probe_engines\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -47,7 +55,7 @@ async def test_an_sft_backend_is_refused_before_any_rollout(tmp_path, tiny_model
 
     with backend, pytest.raises(ConfigError, match="rl_backend"):
         await run_rl_training(backend, None, NoRollouts(), [], RLLoopConfig(max_steps=1),
-                              algorithm=grpo(), export_dir=tmp_path / "w")  # fmt: skip
+                              objective=RLObjective(grpo()), export_dir=tmp_path / "w")  # fmt: skip
 
 
 def test_train_rl_trains_from_a_model_prompts_and_a_reward(tmp_path, tiny_model_dir):

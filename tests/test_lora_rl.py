@@ -26,9 +26,10 @@ from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_to
 from training.config import LoraSettings, OptimConfig, load_config
 from training.data.buffer import DataBuffer
 from training.loops.rl import run_rl_training
-from training.recipes.rl import lora_launch
+from training.recipes.rl_engines import lora_launch
 from training.rl.algorithms import grpo, online_dpo
 from training.rl.batch import collate_rl
+from training.rl.objective import RLObjective
 from training.rl.reference import BaseModelReference, ema_update, make_reference
 from training.rl.step import train_on_batch
 from training.rl_config import RLLoopConfig, RLRunConfig
@@ -81,8 +82,9 @@ async def test_a_lora_reference_refuses_update_rules_other_than_frozen(tiny_mode
         reference = make_reference(backend)
         with pytest.raises(ConfigError, match="only the `frozen` rule"):
             await run_rl_training(backend, None, None, [], RLLoopConfig(max_steps=1),
-                                  algorithm=grpo(kl_coef=0.1), export_dir=tmp_path / "w",
-                                  reference=reference, reference_update=ema_update(0.9))  # fmt: skip
+                                  objective=RLObjective(grpo(kl_coef=0.1), reference=reference,
+                                                        reference_update=ema_update(0.9)),
+                                  export_dir=tmp_path / "w")  # fmt: skip
         assert backend.step == 0
         n_params = sum(p.numel() for p in backend.model.parameters())
     base = sum(p.numel() for p in load_model(tiny_model_dir).parameters())
@@ -112,8 +114,8 @@ async def test_rl_pushes_versioned_adapters_the_engine_generates_with(tiny_model
                                           current_version=lambda: backend.weight_version)  # fmt: skip
             history = await run_rl_training(
                 backend, buffer, manager, [engine], RLLoopConfig(max_steps=4),
-                algorithm=grpo(kl_coef=0.05), export_dir=tmp_path / "weights",
-                reference=make_reference(backend),
+                objective=RLObjective(grpo(kl_coef=0.05), reference=make_reference(backend)),
+                export_dir=tmp_path / "weights",
             )  # fmt: skip
             prompt = list(prompts(backend.tokenizer)[0].prompt_ids)
             greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}

@@ -44,7 +44,7 @@ async def test_a_pause_without_a_lease_is_sglangs_and_a_bad_lease_is_refused(loc
 
 
 async def test_the_rl_recipe_resumes_an_engine_it_finds_paused(local_engine, caplog):
-    from training.recipes.rl import resume_if_paused
+    from training.recipes.rl_engines import resume_if_paused
 
     server, engine = local_engine
     assert not await resume_if_paused(engine)  # running: left alone

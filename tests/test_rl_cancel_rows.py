@@ -9,6 +9,7 @@ import trio
 
 from tests.rl_helpers import run_loop
 from training.backend.checkpoint import find_latest_checkpoint
+from training.loops.hooks import RLHooks
 
 
 async def test_a_step_cancelled_during_its_evaluation_keeps_its_checkpoint_and_its_row(
@@ -24,8 +25,8 @@ async def test_a_step_cancelled_during_its_evaluation_keeps_its_checkpoint_and_i
             return {"accuracy": 1.0}
 
         await run_loop(engine, tiny_model_dir, tmp_path, max_steps=2, checkpoint_every=2,
-                       evaluate_fn=cancelled_evaluation,
-                       logger=lambda step, metrics: rows.append(step))  # fmt: skip
+                       hooks=RLHooks(evaluate_fn=cancelled_evaluation,
+                                     logger=lambda step, metrics: rows.append(step)))  # fmt: skip
     assert scope.cancelled_caught
     assert find_latest_checkpoint(tmp_path / "checkpoints").name == "step_000002"
     assert rows == [1, 2]

@@ -22,9 +22,11 @@ from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
 from training.data.buffer import DataBuffer
+from training.loops.hooks import RLHooks
 from training.loops.rl import run_rl_training
-from training.rl.algorithms import constant_schedule, grpo
+from training.rl.algorithms import grpo
 from training.rl.batch import collate_rl
+from training.rl.objective import RLObjective
 from training.rl.rollout_dump import RolloutDumpWriter, read_rollout_dump
 from training.rl_config import RLLoopConfig
 
@@ -73,8 +75,8 @@ async def test_one_engine_run_survives_faults_with_no_sample_lost_or_trained_twi
                     history = await run_rl_training(
                         backend, buffer, manager, [client],
                         RLLoopConfig(max_steps=STEPS, checkpoint_every=100, eval_every=100),
-                        algorithm=constant_schedule(grpo()), export_dir=tmp_path / "w",
-                        on_batch=dump, evaluate_fn=evaluate,
+                        objective=RLObjective(grpo()), export_dir=tmp_path / "w",
+                        hooks=RLHooks(on_batch=dump, evaluate_fn=evaluate),
                     )  # fmt: skip
                 wall = time.perf_counter() - t0
                 stats = pool.statistics().engines[0]

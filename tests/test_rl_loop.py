@@ -17,10 +17,12 @@ from training.backend.checkpoint import find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
 from training.data.buffer import DataBuffer
+from training.loops.hooks import RLHooks
 from training.loops.loggers import JsonlLogger
 from training.loops.rl import run_rl_training
-from training.rl.algorithms import constant_schedule, grpo
+from training.rl.algorithms import grpo
 from training.rl.batch import collate_rl
+from training.rl.objective import RLObjective
 from training.rl_config import RLLoopConfig
 
 
@@ -63,8 +65,8 @@ async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
                                           current_version=lambda: backend.weight_version)  # fmt: skip
             history = await run_rl_training(
                 backend, buffer, manager, [engine],
-                RLLoopConfig(max_steps=3, checkpoint_every=3), algorithm=constant_schedule(grpo()),
-                export_dir=tmp_path / "out" / "weights", logger=logger,
+                RLLoopConfig(max_steps=3, checkpoint_every=3), objective=RLObjective(grpo()),
+                export_dir=tmp_path / "out" / "weights", hooks=RLHooks(logger=logger),
             )  # fmt: skip
             info = await engine.model_info()
             after = await engine.score(probe, len(prompts[0].prompt_ids))
@@ -78,7 +80,7 @@ async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
                 with pytest.raises(WeightSyncError, match="Failed to get weights iterator"):
                     await run_rl_training(
                         backend, buffer, manager, [broken], RLLoopConfig(max_steps=1),
-                        algorithm=constant_schedule(grpo()), export_dir=tmp_path / "out" / "w2",
+                        objective=RLObjective(grpo()), export_dir=tmp_path / "out" / "w2",
                     )  # fmt: skip
             assert (await engine.model_info()).weight_version == "3"
             assert (await engine.server_info())["internal_states"][0]["paused"] is False
@@ -134,8 +136,8 @@ async def test_cancelling_the_loop_leaves_no_process_and_a_loadable_checkpoint(
                     await run_rl_training(
                         backend, buffer, mgr, [engine],
                         RLLoopConfig(max_steps=100, checkpoint_every=1),
-                        algorithm=constant_schedule(grpo()), export_dir=tmp_path / "w",
-                        logger=lambda step, m: steps_done.append(step),
+                        objective=RLObjective(grpo()), export_dir=tmp_path / "w",
+                        hooks=RLHooks(logger=lambda step, m: steps_done.append(step)),
                     )  # fmt: skip
 
             nursery.start_soon(train)

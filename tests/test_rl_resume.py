@@ -14,9 +14,10 @@ from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_toke
 from training.config import OptimConfig
 from training.data.buffer import DataBuffer
 from training.loops.rl import run_rl_training
-from training.rl.algorithms import constant_schedule, ppo
+from training.rl.algorithms import ppo
 from training.rl.batch import collate_rl
 from training.rl.critic import make_critic
+from training.rl.objective import RLObjective
 from training.rl.reference import ema_update, kl_triggered_reset, make_reference
 from training.rl_config import RLLoopConfig
 
@@ -64,9 +65,9 @@ async def run_steps(model_dir, tmp_path, rule, *, resume: bool):
                                           current_version=lambda: backend.weight_version)  # fmt: skip
             history = await run_rl_training(
                 backend, buffer, manager, [engine], loop,
-                algorithm=constant_schedule(ppo(kl_coef=0.05)),
-                export_dir=tmp_path / "out" / "weights", reference=reference,
-                reference_update=rule, critic=critic,
+                objective=RLObjective(ppo(kl_coef=0.05), reference=reference,
+                                      reference_update=rule, critic=critic),
+                export_dir=tmp_path / "out" / "weights",
             )  # fmt: skip
         weights = {k: v.clone() for k, v in reference.model.state_dict().items()}
         weights |= {f"critic.{k}": v.clone() for k, v in critic.model.state_dict().items()}

@@ -11,6 +11,7 @@ from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_toke
 from training.config import OptimConfig, SFTLoopConfig
 from training.data.buffer import DataBuffer
 from training.data.tokenize import tokenize_conversation
+from training.loops.hooks import SFTHooks
 from training.loops.loggers import JsonlLogger
 from training.loops.sft import SFTData, run_sft_training
 
@@ -38,7 +39,7 @@ async def run(model_dir, out_dir, samples, *, max_steps, total_steps=20, max_wal
     data = SFTData(DataBuffer(samples[:100], seed=3), tuple(samples[100:108]))
     logger = JsonlLogger(out_dir / "metrics.jsonl")
     with make_backend(model_dir, out_dir, total_steps) as backend:
-        history = await run_sft_training(backend, data, config, logger=logger)
+        history = await run_sft_training(backend, data, config, hooks=SFTHooks(logger=logger))
         weights = {k: v.clone() for k, v in backend.model.state_dict().items()}
     logger.close()
     return history, weights

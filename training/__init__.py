@@ -1,7 +1,9 @@
 """Learning from data: the SFT and RL loops, their components, configs and recipes.
 
-The names a user needs are here, so `from training import run_rl_training, grpo, rl_backend`
-works without knowing the layout. Layers (each imports only those before it):
+The names a user needs are here, so `from training import run_rl_training, RLObjective, grpo,
+rl_backend` works without knowing the layout. Each loop takes its components, its config and a
+few named objects: `RLObjective` (what RL optimizes) and `RLHooks` / `SFTHooks` (who hears of
+each step). Layers (each imports only those before it):
 `training.data` (JSONL, tokenization, packing, DataBuffer) < `training.backend` (model +
 optimizer behind ordered futures, checkpoints) < `training.rl` (advantages, losses, KL,
 algorithm presets, one RL step) < `training.loops` (`run_sft_training`, `run_rl_training`,
@@ -31,13 +33,15 @@ from training.data.tokenize import TokenizedSample as TokenizedSample
 from training.data.tokenize import TokenizeStats as TokenizeStats
 from training.data.tokenize import tokenize_conversation as tokenize_conversation
 from training.data.tokenize import tokenize_records as tokenize_records
+from training.loops.hooks import CheckpointHook as CheckpointHook
+from training.loops.hooks import RLHooks as RLHooks
+from training.loops.hooks import SFTHooks as SFTHooks
+from training.loops.hooks import StopFn as StopFn
 from training.loops.loggers import ConsoleLogger as ConsoleLogger
 from training.loops.loggers import JsonlLogger as JsonlLogger
 from training.loops.loggers import Logger as Logger
 from training.loops.loggers import fan_out as fan_out
 from training.loops.loggers import setup_logging as setup_logging
-from training.loops.rl import CheckpointHook as CheckpointHook
-from training.loops.rl import StopFn as StopFn
 from training.loops.rl import run_rl_training as run_rl_training
 from training.loops.sft import SFTData as SFTData
 from training.loops.sft import run_sft_training as run_sft_training
@@ -45,8 +49,8 @@ from training.recipes.quick import quick_rl_config as quick_rl_config
 from training.recipes.quick import train_rl as train_rl
 from training.recipes.rl import RLExtensions as RLExtensions
 from training.recipes.rl import RLSummary as RLSummary
-from training.recipes.rl import rl_backend as rl_backend
 from training.recipes.rl import run_rl_recipe as run_rl_recipe
+from training.recipes.rl_models import rl_backend as rl_backend
 from training.recipes.sft import SFTSummary as SFTSummary
 from training.recipes.sft import run_sft_recipe as run_sft_recipe
 from training.rl.advantages import AdvantageFn as AdvantageFn
@@ -66,6 +70,7 @@ from training.rl.algorithms import reinforce_pp as reinforce_pp
 from training.rl.algorithms import rloo as rloo
 from training.rl.algorithms import switch_at as switch_at
 from training.rl.kl import KLFn as KLFn
+from training.rl.objective import RLObjective as RLObjective
 from training.rl.reference import ReferenceUpdateFn as ReferenceUpdateFn
 from training.rl.reference import ema_update as ema_update
 from training.rl.reference import frozen as frozen

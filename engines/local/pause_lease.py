@@ -9,7 +9,7 @@ weight sync) died or hung, and every other client's `/generate` would otherwise 
 
 Not covered: SGLang has no lease (it ignores the field), so an SGLang engine paused by a trainer
 that died stays paused until someone calls `/continue_generation`; the RL recipe does that at
-start for every engine it finds paused (training/recipes/rl.py).
+start for every engine it finds paused (training/recipes/rl_engines.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,16 @@
 """The loops: `run_sft_training` and `run_rl_training`, pure async functions over the stateful
-components, plus their loggers and held-out evaluation.
+components, plus their hooks (`RLHooks`, `SFTHooks`: logger, evaluation, stop, callbacks),
+loggers and held-out evaluation. What RL optimizes is `training.rl.objective.RLObjective`.
 
 Layer: above `training.rl` and `training.backend`; the recipes (config → wiring) call these.
 """
 
+from training.loops.hooks import CheckpointHook as CheckpointHook
+from training.loops.hooks import EvaluateFn as EvaluateFn
+from training.loops.hooks import RLHooks as RLHooks
+from training.loops.hooks import SFTEvaluateFn as SFTEvaluateFn
+from training.loops.hooks import SFTHooks as SFTHooks
+from training.loops.hooks import StopFn as StopFn
 from training.loops.loggers import ConsoleLogger as ConsoleLogger
 from training.loops.loggers import JsonlLogger as JsonlLogger
 from training.loops.loggers import Logger as Logger
@@ -11,8 +18,6 @@ from training.loops.loggers import TensorBoardLogger as TensorBoardLogger
 from training.loops.loggers import WandbLogger as WandbLogger
 from training.loops.loggers import fan_out as fan_out
 from training.loops.loggers import setup_logging as setup_logging
-from training.loops.rl import CheckpointHook as CheckpointHook
-from training.loops.rl import StopFn as StopFn
 from training.loops.rl import run_rl_training as run_rl_training
 from training.loops.sft import SFTData as SFTData
 from training.loops.sft import run_sft_training as run_sft_training

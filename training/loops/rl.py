@@ -1,12 +1,16 @@
 """run_rl_training: the RL loop, a pure async function over stateful components.
 
-One step reads top to bottom: batch of groups (AsyncRolloutManager) → algorithm for this step →
-`train_on_batch` (advantages, reference and old logprobs of the same tokens if needed, then one
-or more forward_backward + optim_step: training/rl/step.py) → every `sync_every` steps export weights and pause every engine; the engines load
-the weights in the background (requests sent meanwhile wait and run on the new weights) →
-maybe checkpoint → maybe eval → log (the checkpoint first: an evaluation that fails never
-costs trained steps). All state lives in the backend (weights, optimizer, versions),
-the DataBuffer (cursor + held groups) and the engines; resume loads them.
+It takes the components (backend, DataBuffer, rollout manager, engines), the loop's config, an
+`RLObjective` (what is optimized: training/rl/objective.py) and `RLHooks` (who hears of each
+step: training/loops/hooks.py). One step reads top to bottom: batch of groups
+(AsyncRolloutManager) → algorithm for this step → `train_on_batch` (advantages, reference and
+old logprobs of the same tokens if needed, then one or more forward_backward + optim_step:
+training/rl/step.py) → every `sync_every` steps export weights and pause every engine; the
+engines load the weights in the background (training/loops/weight_push.py; requests sent
+meanwhile wait and run on the new weights) → maybe checkpoint → maybe eval → log (the
+checkpoint first: an evaluation that fails never costs trained steps). All state lives in the
+backend (weights, optimizer, versions), the DataBuffer (cursor + held groups) and the engines;
+resume loads them.
 
 Cancellation (Ctrl-C, a host app's cancel scope) propagates out of whatever await is running:
 the rollout manager aborts its requests, the backend finishes the one queued op, and the last
@@ -16,22 +20,14 @@ complete checkpoint stays intact because checkpoints are renamed into place only
 from __future__ import annotations
 
 import logging
-import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import trio
 
-from engines.weight_sync import (
-    lora_version_name,
-    pause_engines,
-    sync_lora_to_engines,
-    sync_weights_to_engines,
-)
 from rollouts.errors import CheckpointError, ConfigError, RolloutsError
 from rollouts.generation import summarize_errors
 from rollouts.nursery import open_nursery
@@ -39,22 +35,13 @@ from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend
 from training.data.buffer import DataBuffer
-from training.loops.loggers import Logger
+from training.loops.hooks import RLHooks
 from training.loops.sft import maybe_resume
-from training.rl.advantages import AdvantageFn
-from training.rl.algorithms import (
-    AlgorithmConfig,
-    AlgorithmSchedule,
-    PolicyLossFn,
-    compute_policy_loss,
-    constant_schedule,
-)
-from training.rl.kl import KLFn
+from training.loops.weight_push import PendingPush, push_weights, start_push
+from training.rl.objective import RLObjective
 from training.rl.reference import (
-    BaseModelReference,
     ReferenceUpdateFn,
     check_reference_rule,
-    frozen,
     load_reference_state,
     reference_state,
 )
@@ -62,85 +49,6 @@ from training.rl.step import train_on_batch as train_on_batch
 from training.rl_config import RLLoopConfig
 
 log = logging.getLogger("rollouts.rl")
-
-EvaluateFn: TypeAlias = Callable[[], Awaitable[dict[str, float]]]
-StopFn: TypeAlias = Callable[[int, Mapping[str, Any]], bool]
-"""(step, that step's metrics) -> True to stop after this step (its checkpoint is written)."""
-CheckpointHook: TypeAlias = Callable[[int, Path, Mapping[str, Any]], None]
-"""(step, checkpoint directory, that step's metrics), called after each checkpoint is written."""
-
-
-async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
-                       *, pause_mode: str = "abort", keep: int = 2) -> float:  # fmt: skip
-    """Export the current weights (HF layout) and load them into every engine; with LoRA
-    (`backend.lora`) export only the adapter and load it as `<name>-v<version>` (see
-    `start_push`).
-
-    Returns:
-        Seconds for export + sync.
-    """
-    t0 = time.perf_counter()
-    async with open_nursery() as nursery:  # `start_push`, waiting for its background part
-        await start_push(backend, engines, export_root, nursery, pause_mode=pause_mode, keep=keep)
-    return time.perf_counter() - t0
-
-
-@dataclass
-class PendingPush:
-    """A weight push whose engines are paused and whose load finishes in the background."""
-
-    done: trio.Event = field(default_factory=trio.Event)
-    engines_s: float | None = None  # update + verify + resume, once done
-
-
-async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
-                     nursery: trio.Nursery, *, pause_mode: str = "abort",
-                     keep: int = 2) -> PendingPush:  # fmt: skip
-    """`push_weights` with the engines' part in `nursery`: returns once every engine is paused.
-
-    From then on any request sent to the engines (the next batch, an evaluation) waits in them
-    and runs on the new weights, so the order of the loop is kept, while the trainer goes on
-    with its next step instead of waiting for the engines to load (update, verify and resume:
-    ~10 ms a step over loopback for the tiny model, more for real ones). A failure raises
-    `WeightSyncError` in `nursery`.
-
-    With LoRA the export is the adapter alone (peft's layout) and each engine loads it with
-    `/load_lora_adapter` as `<lora.name>-v<version>`, makes it the adapter its generation
-    requests name, and unloads the versions beyond the newest `lora.keep`; the weight version
-    label moves as for full weights, so staleness accounting is the same.
-    """
-    version = backend.weight_version
-    path = await backend.export_weights(export_root / f"v{version:06d}")
-    lora = backend.lora
-    name = None if lora is None else lora_version_name(lora.name, version)
-    # With LoRA the paused engines name the new adapter at once: requests sent before the
-    # background sync loads it (the next batch) wait for it and run on it, as for full weights.
-    await pause_engines(engines, pause_mode, activate_lora=name)
-    pending = PendingPush()
-
-    async def finish() -> None:
-        t0 = time.perf_counter()
-        try:
-            if lora is None or name is None:
-                await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode,
-                                              paused=True)  # fmt: skip
-            else:
-                await sync_lora_to_engines(engines, path, name, str(version), keep=lora.keep,
-                                           pause_mode=pause_mode, paused=True)  # fmt: skip
-            # An adapter still loaded may be reloaded from its path (SGLang does so for a name
-            # unloaded and asked for again): keep the exports of every loaded version.
-            _prune_exports(export_root, keep if lora is None else max(keep, lora.keep + 1))
-        finally:
-            pending.engines_s = time.perf_counter() - t0
-            pending.done.set()
-
-    nursery.start_soon(finish)
-    return pending
-
-
-def _prune_exports(export_root: Path, keep: int) -> None:
-    for old in sorted(export_root.glob("v*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 async def run_rl_training(
@@ -150,30 +58,16 @@ async def run_rl_training(
     engines: Sequence[Any],
     config: RLLoopConfig,
     *,
-    algorithm: AlgorithmConfig | AlgorithmSchedule,
+    objective: RLObjective,
     export_dir: str | Path,
-    temperature: float = 1.0,
-    old_from_rollout: bool = False,
-    reference: PyTorchTrainingBackend | BaseModelReference | None = None,
-    reference_update: ReferenceUpdateFn = frozen,
-    critic: PyTorchTrainingBackend | None = None,
-    advantage_fn: AdvantageFn | None = None,
-    policy_loss_fn: PolicyLossFn = compute_policy_loss,
-    kl_fn: KLFn | None = None,
-    logger: Logger = lambda step, metrics: None,
-    stop_fn: StopFn | None = None,
-    checkpoint_hook: CheckpointHook | None = None,
-    evaluate_fn: EvaluateFn | None = None,
+    hooks: RLHooks = RLHooks(),
     pause_mode: str = "abort",
-    share_prompts: bool = True,
     resolved_config: dict[str, Any] | None = None,
-    on_batch: Callable[[int, RolloutBatch], None] | None = None,
-    on_algorithm_switch: Callable[[AlgorithmConfig], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Train with RL until `config.max_steps` optimizer steps are done (or `stop_fn` says stop).
+    """Train with RL until `config.max_steps` optimizer steps are done (or a stop hook says stop).
 
     The reward is the rollout manager's (`AsyncRolloutManager(reward_fn=..., transforms=...)`);
-    every other extension point is an argument here.
+    what is optimized is `objective`, who hears of it is `hooks`.
 
     Args:
         backend: the policy being trained; its checkpoint_dir is where resume looks.
@@ -184,47 +78,29 @@ async def run_rl_training(
             and whenever the algorithm changes (reward shaping and group filtering follow the
             algorithm: `dapo()` gets its overlong penalty and dynamic sampling).
         engines: every engine that serves the policy; all receive each weight update.
-        algorithm: a preset (`grpo()`, `dapo(...)`) for the whole run, or a schedule: (step,
-            the previous step's metrics) -> that step's algorithm
-            (`training.rl.algorithms.AlgorithmSchedule`, e.g. `switch_at(50, grpo(), dapo())`);
-            it is called once per step, right after the previous step is logged. In overlap
-            and async modes the rollout side follows a switch from the batch generated after it.
+        config: the loop's section of the run config (steps, sync/checkpoint/eval cadence,
+            mini-batches, epochs, `share_prompts`, resume).
+        objective: the algorithm (or schedule), reference, critic and replacement maths
+            (`training.rl.objective.RLObjective`).
         export_dir: where exported weights go for the engines to load (same filesystem).
-        old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
-        reference: frozen reference policy for KL / DPO (needed only if the algorithm says so);
-            `make_reference(backend)` builds the right one (a LoRA policy's is its base model).
-        reference_update: how the reference follows the policy (frozen, EMA, periodic or
-            KL-triggered reset); sees each step's metrics, its own are merged into them.
-        critic: PPO's value model (`training.rl.critic.make_critic`), trained beside the policy
-            and checkpointed with it (its checkpoint is written first, so a policy checkpoint
-            always has its critic's); needed only by algorithms with advantage="gae".
-        advantage_fn: rewards [G, N] → advantages [G, N]; None: the algorithm's estimator.
-        policy_loss_fn: replaces `compute_policy_loss` (same signature; may wrap it).
-        kl_fn: per-token KL (`training.rl.kl.KLFn`) for the KL loss term and the KL reward
-            penalty; None: the algorithm's `kl_kind` estimator.
-        logger: called with (step, metrics) after every step.
-        stop_fn: called with (step, metrics) after logging; True ends the run after this
-            step's checkpoint.
-        checkpoint_hook: called with (step, checkpoint path, metrics) after each checkpoint.
-        evaluate_fn: held-out evaluation through the engines, every `eval_every` steps.
-        share_prompts: score each group's samples against one shared copy of their prompt
-            (training/data/prefix_sharing.py: same logprobs and gradients, ~3x less compute on
-            short responses); False: one model row per sample. Needs sdpa or eager attention.
-        on_batch: called with each rollout batch (e.g. `training.rl.rollout_dump.RolloutDumpWriter`).
-        on_algorithm_switch: called with the next step's algorithm when it differs from this
-            step's (after the rollout manager's `use_algorithm`).
+        hooks: logger, evaluation, stop condition, checkpoint / batch / algorithm-switch
+            callbacks (`training.loops.hooks.RLHooks`); none by default.
+        pause_mode: how a weight sync pauses the engines (`engines.pause_mode` of the config:
+            abort, retract or in_place).
+        resolved_config: the full run config, saved with each checkpoint.
 
     Returns:
         The metrics of each step this call ran.
     """
-    algorithm = as_schedule(algorithm)
+    schedule = objective.schedule()
+    reference, critic = objective.reference, objective.critic
     check_rl_backend(backend)
-    check_reference_rule(reference, reference_update)
+    check_reference_rule(reference, objective.reference_update)
     export_root = Path(export_dir)
     start = await maybe_resume(backend, data_buffer, config)
-    stateful_reference = reference is not None and not isinstance(reference, BaseModelReference)
-    if start > 0 and stateful_reference:  # the reference continues where it was too
-        await _restore_reference(backend, reference, reference_update)
+    stateful_reference = objective.stateful_reference
+    if start > 0 and stateful_reference is not None:  # the reference continues where it was too
+        await _restore_reference(backend, stateful_reference, objective.reference_update)
     if start > 0 and critic is not None:
         await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
@@ -232,15 +108,14 @@ async def run_rl_training(
     history: list[dict[str, Any]] = []
     empty_total = 0
     use_algorithm = getattr(rollout_manager, "use_algorithm", None)
-    algo = algorithm(start + 1, {})
+    algo = schedule(start + 1, {})
     if use_algorithm is not None:
         use_algorithm(algo)
 
     async def save(step: int, metrics: dict[str, Any]) -> None:
         if critic is not None:  # first: `latest` of the policy implies its critic's
             await critic.save_checkpoint(step, metrics)
-        await _checkpoint(backend, step, metrics, data_buffer, resolved_config, checkpoint_hook,
-                          reference, reference_update)  # fmt: skip
+        await _checkpoint(backend, step, metrics, data_buffer, resolved_config, objective, hooks)
 
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
@@ -251,18 +126,22 @@ async def run_rl_training(
                                                       config.max_empty_batches)  # fmt: skip
             empty_total += skipped
             t_generated = time.perf_counter()
-            if on_batch is not None:
-                on_batch(step, batch)
+            if hooks.on_batch is not None:
+                hooks.on_batch(step, batch)
             metrics: dict[str, Any] = dict(batch.metrics)
-            metrics |= await train_on_batch(backend, batch, algo, temperature=temperature,
-                                            old_from_rollout=old_from_rollout,
-                                            reference=reference, advantage_fn=advantage_fn,
-                                            policy_loss_fn=policy_loss_fn, kl_fn=kl_fn,
-                                            share_prompts=share_prompts,
+            metrics |= await train_on_batch(backend, batch, algo,
+                                            temperature=objective.temperature,
+                                            old_from_rollout=objective.old_from_rollout,
+                                            reference=reference,
+                                            advantage_fn=objective.advantage_fn,
+                                            policy_loss_fn=objective.policy_loss_fn,
+                                            kl_fn=objective.kl_fn,
+                                            share_prompts=config.share_prompts,
                                             mini_batches=config.mini_batches,
                                             epochs=config.epochs, critic=critic)  # fmt: skip
             if reference is not None:
-                update = partial(reference_update, reference, backend, step, dict(metrics))
+                update = partial(objective.reference_update, reference, backend, step,
+                                 dict(metrics))  # fmt: skip
                 metrics |= await reference.call(update).result() or {}
             t_trained = time.perf_counter()
             sync_s = 0.0
@@ -293,26 +172,27 @@ async def run_rl_training(
             try:
                 if saved:
                     await save(step, metrics)
-                if evaluate_fn is not None and (
+                if hooks.evaluate_fn is not None and (
                     step % config.eval_every == 0 or step == config.max_steps
                 ):
-                    metrics |= {f"eval_{k}": v for k, v in (await evaluate_fn()).items()}
+                    metrics |= {f"eval_{k}": v for k, v in (await hooks.evaluate_fn()).items()}
             finally:
                 # Even when cancelled here (Ctrl-C during the evaluation, or just as the save
                 # ended): a step whose checkpoint exists must have its row, since a resume
                 # from it logs only later steps. A row without a checkpoint is harmless: the
                 # resume replaces rows after its own checkpoint.
-                logger(step, metrics)
+                if hooks.logger is not None:
+                    hooks.logger(step, metrics)
             history.append(metrics)
-            upcoming = algorithm(step + 1, metrics)
+            upcoming = schedule(step + 1, metrics)
             if upcoming != algo and step < config.max_steps:
                 log.info("algorithm from step %d: %s", step + 1, upcoming.name)
                 if use_algorithm is not None:
                     use_algorithm(upcoming)
-                if on_algorithm_switch is not None:
-                    on_algorithm_switch(upcoming)
+                if hooks.on_algorithm_switch is not None:
+                    hooks.on_algorithm_switch(upcoming)
             algo = upcoming
-            stop = stop_fn is not None and stop_fn(step, metrics)
+            stop = hooks.stop_fn is not None and hooks.stop_fn(step, metrics)
             if stop and not saved:
                 await save(step, metrics)
             if stop:
@@ -355,13 +235,6 @@ def _why_empty(batch: RolloutBatch) -> str:
     return counts
 
 
-def as_schedule(algorithm: AlgorithmConfig | AlgorithmSchedule) -> AlgorithmSchedule:
-    """A schedule: `algorithm` itself, or a preset used at every step."""
-    if isinstance(algorithm, AlgorithmConfig):
-        return constant_schedule(algorithm)
-    return algorithm
-
-
 def check_rl_backend(backend: PyTorchTrainingBackend) -> None:
     """Refuse a backend built for SFT (packed rows, SFT collate) before any rollout is made."""
     if backend.pack_length is not None or backend._collate == backend._collate_sft:
@@ -375,16 +248,16 @@ def check_rl_backend(backend: PyTorchTrainingBackend) -> None:
 
 async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
                       data_buffer: DataBuffer, resolved_config: dict[str, Any] | None,
-                      hook: CheckpointHook | None, reference: PyTorchTrainingBackend | None,
-                      reference_update: ReferenceUpdateFn) -> None:  # fmt: skip
+                      objective: RLObjective, hooks: RLHooks) -> None:  # fmt: skip
     extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
     tensors = {}
-    if reference is not None and not isinstance(reference, BaseModelReference):
-        state = partial(reference_state, reference, reference_update)
+    reference = objective.stateful_reference
+    if reference is not None:
+        state = partial(reference_state, reference, objective.reference_update)
         tensors["reference"] = await reference.call(state).result()
     path = await backend.save_checkpoint(step, metrics, extra_state=extra, extra_tensors=tensors)
-    if hook is not None:
-        hook(step, path, metrics)
+    if hooks.checkpoint_hook is not None:
+        hooks.checkpoint_hook(step, path, metrics)
 
 
 async def _restore_reference(backend: PyTorchTrainingBackend, reference: PyTorchTrainingBackend,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +18,11 @@ from training.backend.checkpoint import find_latest_checkpoint, reclaim_temp_dir
 from training.backend.pytorch import PyTorchTrainingBackend
 from training.config import SFTLoopConfig
 from training.data.buffer import DataBuffer
-from training.loops.loggers import Logger
+from training.loops.hooks import SFTEvaluateFn, SFTHooks
 
 log = logging.getLogger("rollouts.sft")
 # maybe_resume runs in the RL loop too: its lines are about checkpoints, not SFT
 checkpoint_log = logging.getLogger("rollouts.checkpoint")
-
-EvaluateFn = Callable[[PyTorchTrainingBackend], Awaitable[dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ async def maybe_resume(backend: PyTorchTrainingBackend, buffer: DataBuffer, conf
 
 
 async def evaluate(
-    backend: PyTorchTrainingBackend, data: SFTData, evaluate_fn: EvaluateFn | None
+    backend: PyTorchTrainingBackend, data: SFTData, evaluate_fn: SFTEvaluateFn | None
 ) -> dict[str, float]:
     """Held-out loss, plus whatever `evaluate_fn` measures (e.g. greedy accuracy)."""
     metrics: dict[str, float] = {}
@@ -73,8 +71,7 @@ async def run_sft_training(
     data: SFTData,
     config: SFTLoopConfig,
     *,
-    logger: Logger = lambda step, metrics: None,
-    evaluate_fn: EvaluateFn | None = None,
+    hooks: SFTHooks = SFTHooks(),
     resolved_config: dict[str, Any] | None = None,
     extra_state: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
@@ -84,8 +81,7 @@ async def run_sft_training(
         backend: owns the model and optimizer; its `checkpoint_dir` is where resume looks.
         data: training DataBuffer (of tokenized samples) and held-out samples.
         config: the loop section of the run config.
-        logger: called with (step, metrics) after every step.
-        evaluate_fn: extra evaluation run every `eval_every` steps and at the end.
+        hooks: logger and extra evaluation (`training.loops.hooks.SFTHooks`); none by default.
         resolved_config: the full run config, saved with each checkpoint.
         extra_state: more JSON-able state saved with each checkpoint (the recipe stores the
             fingerprint of the data it trains on).
@@ -111,8 +107,9 @@ async def run_sft_training(
             config.max_wall_s is not None and time.perf_counter() - began >= config.max_wall_s
         )
         if step % config.eval_every == 0 or last:
-            metrics.update(await evaluate(backend, data, evaluate_fn))
-        logger(step, metrics)
+            metrics.update(await evaluate(backend, data, hooks.evaluate_fn))
+        if hooks.logger is not None:
+            hooks.logger(step, metrics)
         history.append(metrics)
         if step % config.checkpoint_every == 0 or last:
             extra = {**(extra_state or {}), "data_buffer": data.train.state_dict(),

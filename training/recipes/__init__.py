@@ -7,7 +7,7 @@ from training.recipes.quick import quick_rl_config as quick_rl_config
 from training.recipes.quick import train_rl as train_rl
 from training.recipes.rl import RLExtensions as RLExtensions
 from training.recipes.rl import RLSummary as RLSummary
-from training.recipes.rl import rl_backend as rl_backend
 from training.recipes.rl import run_rl_recipe as run_rl_recipe
+from training.recipes.rl_models import rl_backend as rl_backend
 from training.recipes.sft import SFTSummary as SFTSummary
 from training.recipes.sft import run_sft_recipe as run_sft_recipe

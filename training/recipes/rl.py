@@ -1,9 +1,10 @@
-"""RL recipe glue: config → model, prompts, engines (launched or live), manager, loop, summary.
+"""RL recipe glue: config → algorithm, start model, prompts, manager, loop wiring, summary.
 
-`examples/run_rl.py` calls `run_rl_recipe`. With `engines.urls` empty it launches (and
-supervises) local engines on the starting checkpoint; with URLs it uses those live SGLang
-servers, with `engines.router_url` it generates through sgl-model-gateway; weights go to each
-worker by `/update_weights_from_disk`.
+`examples/run_rl.py` calls `run_rl_recipe`. The engines (launched local ones, live SGLang
+servers, or a gateway) are opened by training/recipes/rl_engines.py; the policy, reference and
+critic are built by training/recipes/rl_models.py. This module reads top to bottom as the
+run: check inputs → algorithm schedule → start model → prompts → models → engines →
+evaluate → `run_rl_training(objective=..., hooks=...)` → summary.
 """
 
 from __future__ import annotations
@@ -12,21 +13,15 @@ import contextlib
 import importlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from engines import EnginePool, LoraLaunch, SGLangEngine
-from engines.client import EngineTimeouts, probe_engines
-from engines.control_plane import GatewayControl, choose_control_plane, control_targets
-from engines.router import RouterEngine
-from engines.supervisor import supervise_engine
+from engines.client import probe_engines
 from rollouts.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
@@ -37,31 +32,23 @@ from rollouts.thinking import thinking_template_kwargs
 from training.backend.checkpoint import checkpoint_step, find_latest_checkpoint
 from training.backend.lora import loadable_model_dir
 from training.backend.model_io import check_model_path
-from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import (
-    LoraSettings,
-    OptimConfig,
-    SFTRunConfig,
-    config_to_yaml,
-    load_config,
-)
+from training.backend.pytorch import load_tokenizer
+from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
+from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
-from training.loops.rl import CheckpointHook, StopFn, push_weights, run_rl_training
+from training.loops.rl import run_rl_training
+from training.loops.weight_push import push_weights
+from training.recipes.rl_engines import open_engines
 from training.recipes.rl_env import build_episode_setup
+from training.recipes.rl_models import build_rl_models
 from training.recipes.sft import check_input_file, run_sft_recipe, sft_data_files
 from training.rl import algorithms
 from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import PolicyLossFn
-from training.rl.batch import collate_rl
-from training.rl.critic import make_critic
 from training.rl.kl import KLFn
-from training.rl.reference import (
-    ReferenceUpdateFn,
-    check_lora_reference_rule,
-    frozen,
-    make_reference,
-)
+from training.rl.objective import RLObjective
+from training.rl.reference import ReferenceUpdateFn, check_lora_reference_rule, frozen
 from training.rl.rollout_dump import RolloutDumpWriter
 from training.rl_config import AlgorithmSection, RLRunConfig
 
@@ -183,109 +170,6 @@ def load_prompts(config: RLRunConfig, tokenizer: Any):
     return train, held[: config.train.eval_samples]
 
 
-@contextlib.asynccontextmanager
-async def open_engines(config: RLRunConfig, model_path: str, out: Path):
-    """(generation engine, worker clients) for live URLs, a router, or local engines launched
-    here (relaunched when they die, up to `engines.max_relaunches`; stopped at the end).
-
-    Generation goes through an `EnginePool` of the workers, or through the gateway at
-    `engines.router_url` (`RouterEngine`); weight syncs go to each worker, or through smg's
-    `/v1/rl` control plane when the workers are out of reach (`engines.control_plane`). Every worker
-    must run SGLang >= 0.5.6 (`SGLangEngine.check_server`).
-    """
-    ec = config.engines
-    timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s)
-    # supervisors tell the pool at once when a local engine dies and when its relaunch is up
-    engine_events_send, engine_events_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
-    async with contextlib.AsyncExitStack() as stack:
-        urls = list(ec.urls)
-        router = None
-        if ec.router_url:
-            gateway = SGLangEngine(ec.router_url, api_key=ec.api_key, timeouts=timeouts)
-            router = await stack.enter_async_context(RouterEngine(gateway))
-            urls = control_targets(urls or await router.list_workers())  # url@rank: one each
-            if not urls:
-                raise ConfigError(f"the router at {ec.router_url} lists no workers (GET /workers)")
-            plane = await choose_control_plane(ec.control_plane, urls, api_key=ec.api_key)
-            if plane == "gateway":  # only the gateway is reachable: syncs fan out through it
-                control = GatewayControl(gateway)
-                router.workers = [control]
-                log.info("%s runs SGLang %s; weight syncs through its /v1/rl control plane",
-                         ec.router_url, await router.check_server())  # fmt: skip
-                yield router, [control]
-                return
-        elif not urls:
-            for i in range(ec.n_local):
-                args = ["--weight-version", "0", "--max-running-requests",
-                        str(ec.max_running_requests)]  # fmt: skip
-                if ec.local_threads:
-                    args += ["--num-threads", str(ec.local_threads)]
-                launched = await stack.enter_async_context(supervise_engine(
-                    kind="local", model_path=model_path, extra_args=args,
-                    log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
-                    max_relaunches=ec.max_relaunches, lora=lora_launch(config),
-                    events=engine_events_send.clone(),
-                ))  # fmt: skip
-                urls.append(launched.url)
-        clients = [
-            await stack.enter_async_context(SGLangEngine(
-                u, api_key=ec.api_key, admin_api_key=ec.admin_api_key, timeouts=timeouts,
-                retry_generate=router is not None))  # the pool retries (see SGLangEngine)
-            for u in urls
-        ]  # fmt: skip
-        for client in clients:
-            log.info("%s runs SGLang %s", client.url, await client.check_server())
-            await resume_if_paused(client)
-        pool = await stack.enter_async_context(
-            EnginePool(
-                clients,
-                unavailable_timeout_s=ec.unavailable_timeout_s,
-                stall_floor_s=ec.stall_floor_s,
-                stall_s_per_token=ec.stall_s_per_token,
-                engine_events=engine_events_recv,  # a relaunching engine gets no work
-            )
-        )
-        if router is not None:  # the pool only watches the workers and gives returning ones
-            router.workers = clients  # the current weights; generation goes via the gateway
-            yield router, clients
-        else:
-            yield pool, clients
-
-
-async def resume_if_paused(engine: SGLangEngine) -> bool:
-    """Resume an engine left paused (a trainer killed during a weight sync), logging it.
-
-    The local engine reports `paused` in `/server_info` (and ends a leased pause itself); SGLang
-    reports no such field and has no lease, so an engine that does not say is resumed too
-    (`/continue_generation` on a running SGLang engine changes nothing).
-
-    Returns:
-        Whether `/continue_generation` was sent.
-    """
-    states = (await engine.server_info()).get("internal_states") or [{}]
-    paused = [s.get("paused") for s in states if isinstance(s, dict)]
-    if paused and not any(p is None or p for p in paused):
-        return False
-    if any(paused):
-        log.warning("%s was left paused (a trainer stopped during a weight sync?): resuming it",
-                    engine.url)  # fmt: skip
-    await engine.resume()
-    return True
-
-
-def lora_launch(config: RLRunConfig) -> LoraLaunch | None:
-    """The engine flags that serve the policy's adapters (`model.lora`), or None.
-
-    Room for the `keep` versions left loaded plus the base model in one batch (SGLang counts
-    the base as one of `--max-loras-per-batch`).
-    """
-    lora = config.model.lora
-    if lora is None:
-        return None
-    return LoraLaunch(max_lora_rank=lora.rank, target_modules=lora.target_modules,
-                      max_loras_per_batch=lora.keep + 1)  # fmt: skip
-
-
 async def check_rl_inputs(config: RLRunConfig) -> None:
     """What can fail fast, before any model loads: input files, the model path, the engines.
 
@@ -306,67 +190,6 @@ async def check_rl_inputs(config: RLRunConfig) -> None:
         await probe_engines(ec.urls, api_key=ec.api_key)
     if ec.router_url:
         await probe_engines([ec.router_url], api_key=ec.api_key, flag="--router-url")
-
-
-def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps: int,
-               optim: OptimConfig | None = None, tokenizer: Any = None,
-               micro_batch_tokens: int = 8192, keep_last: int | None = 2,
-               num_threads: int | None = None, seed: int = 0, dtype: str = "float32",
-               device: str = "cpu", lora: LoraSettings | None = None
-               ) -> PyTorchTrainingBackend:  # fmt: skip
-    """A `PyTorchTrainingBackend` that trains on RL batches (what `run_rl_training` needs).
-
-    RL examples are one row per sample (or per group sharing a prompt), never packed SFT rows,
-    so the backend batches with `collate_rl` and `pack_length=None`. Blocking (loads the
-    model): from async code call it in a worker thread.
-
-    Args:
-        model_path: an HF model directory (or hub id); the tokenizer is loaded from it unless
-            given.
-        checkpoint_dir: where checkpoints go (and where resume looks).
-        max_steps: the run's length (the LR schedule's horizon).
-        optim: optimizer settings (default `OptimConfig()`).
-        lora: train LoRA adapters on the model instead of all its weights (`model.lora`).
-    """
-    tokenizer = load_tokenizer(model_path) if tokenizer is None else tokenizer
-    pad_id = tokenizer.pad_token_id
-    return PyTorchTrainingBackend(
-        partial(load_model, str(model_path), dtype=dtype, device=device), tokenizer,
-        optim=optim or OptimConfig(), max_steps=max_steps, checkpoint_dir=checkpoint_dir,
-        micro_batch_tokens=micro_batch_tokens, pack_length=None,
-        collate_fn=partial(collate_rl, pad_id=pad_id), keep_last=keep_last,
-        num_threads=num_threads, seed=seed, lora=lora,
-    )  # fmt: skip
-
-
-def build_rl_models(config: RLRunConfig, model_path: str, tokenizer: Any,
-                    schedule: algorithms.AlgorithmSchedule) -> tuple[Any, Any, Any]:  # fmt: skip
-    """(policy backend, reference or None, critic or None), as the schedule's algorithms need.
-
-    Blocking (loads model copies): call it in a worker thread from async code.
-    """
-    out = Path(config.output_dir)
-    backend = rl_backend(model_path, tokenizer=tokenizer, optim=config.optim,
-                         max_steps=config.train.max_steps, checkpoint_dir=out / "checkpoints",
-                         micro_batch_tokens=config.backend.micro_batch_tokens,
-                         keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
-                         seed=config.backend.seed, dtype=config.model.dtype,
-                         device=config.backend.device, lora=config.model.lora)  # fmt: skip
-    steps = range(1, config.train.max_steps + 1)
-    needs_ref = any(schedule(s, {}).needs_ref_logprobs for s in steps)
-    reference = make_reference(backend) if needs_ref else None
-    critic = None
-    if any(schedule(s, {}).needs_critic for s in steps):
-        critic_optim = config.critic_optim or config.optim.model_copy(
-            update={"lr": config.optim.lr * 10}
-        )
-        critic = make_critic(model_path, tokenizer, optim=critic_optim,
-                             max_steps=config.train.max_steps, checkpoint_dir=out / "critic",
-                             micro_batch_tokens=config.backend.micro_batch_tokens,
-                             keep_last=config.train.keep_last,
-                             num_threads=config.backend.num_threads, dtype=config.model.dtype,
-                             device=config.backend.device)  # fmt: skip
-    return backend, reference, critic
 
 
 def _closing(resource: Any) -> contextlib.AbstractContextManager:
@@ -412,7 +235,8 @@ class RLExtensions:
 
     `reward_fn` replaces `config.reward.fn`; `transforms` shape each scored sample (e.g.
     `rollouts.shaping.add_shaping("length", length_bonus(-0.01))`); the rest go to
-    `run_rl_training` as they are.
+    `run_rl_training` as they are: the maths and reference rule in its `RLObjective`
+    (`rl_objective`), `stop_fn` and `checkpoint_hook` in its `RLHooks`.
     """
 
     reward_fn: RewardFn | None = None
@@ -423,6 +247,19 @@ class RLExtensions:
     reference_update: ReferenceUpdateFn = frozen
     stop_fn: StopFn | None = None
     checkpoint_hook: CheckpointHook | None = None
+
+
+def rl_objective(config: RLRunConfig, schedule: algorithms.AlgorithmSchedule, reference: Any,
+                 critic: Any, extensions: RLExtensions) -> RLObjective:  # fmt: skip
+    """The objective `run_rl_training` optimizes: the configured algorithm and sampling, the
+    models built for it, and the program's replacements for its maths."""
+    return RLObjective(
+        schedule, temperature=config.rollout.sampling.temperature,
+        old_from_rollout=config.rollout.mode != "sync",  # overlap / async: engine logprobs
+        reference=reference, reference_update=extensions.reference_update, critic=critic,
+        advantage_fn=extensions.advantage_fn, policy_loss_fn=extensions.policy_loss_fn,
+        kl_fn=extensions.kl_fn,
+    )  # fmt: skip
 
 
 async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
@@ -489,19 +326,16 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
 
+            hooks = RLHooks(logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
+                            evaluate_fn=evaluate if held_out else None,
+                            stop_fn=extensions.stop_fn,
+                            checkpoint_hook=extensions.checkpoint_hook, on_batch=dump)  # fmt: skip
             async with manager:
                 history = await run_rl_training(
-                    backend, buffer, manager, clients, config.train, algorithm=schedule,
-                    export_dir=out / "weights", temperature=config.rollout.sampling.temperature,
-                    old_from_rollout=config.rollout.mode != "sync", reference=reference,
-                    reference_update=extensions.reference_update, critic=critic,
-                    advantage_fn=extensions.advantage_fn, policy_loss_fn=extensions.policy_loss_fn,
-                    kl_fn=extensions.kl_fn, stop_fn=extensions.stop_fn,
-                    checkpoint_hook=extensions.checkpoint_hook,
-                    share_prompts=config.train.share_prompts,
-                    logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
-                    evaluate_fn=evaluate if held_out else None,
-                    pause_mode=config.engines.pause_mode, on_batch=dump,
+                    backend, buffer, manager, clients, config.train,
+                    objective=rl_objective(config, schedule, reference, critic, extensions),
+                    export_dir=out / "weights", hooks=hooks,
+                    pause_mode=config.engines.pause_mode,
                     resolved_config=config.model_dump(mode="json"),
                 )  # fmt: skip
     last = history[-1] if history else {}

@@ -28,6 +28,7 @@ from training.data.buffer import DataBuffer
 from training.data.sft_data import load_sft_jsonl
 from training.data.tokenize import TokenizeStats, tokenize_records
 from training.loops.evaluate import EvalPrompt, greedy_accuracy
+from training.loops.hooks import SFTHooks
 from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.loops.sft import SFTData, run_sft_training
 
@@ -233,8 +234,10 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
                 backend,
                 prepared.data,
                 config.train,
-                logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
-                evaluate_fn=accuracy if prepared.accuracy_prompts else None,
+                hooks=SFTHooks(
+                    logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
+                    evaluate_fn=accuracy if prepared.accuracy_prompts else None,
+                ),
                 resolved_config=resolved,
                 extra_state={"data_sha256": prepared.fingerprint},
             )

@@ -1,0 +1,128 @@
+"""RL recipe: the engines a run generates with and pushes weights to, from `config.engines`.
+
+Live SGLang servers (`engines.urls`), a gateway (`engines.router_url`, sgl-model-gateway), or
+local engines launched and supervised here (relaunched when they die). `run_rl_recipe` opens
+them with `open_engines`; everything else about the run is wired in training/recipes/rl.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+
+import trio
+
+from engines import EnginePool, LoraLaunch, SGLangEngine
+from engines.client import EngineTimeouts
+from engines.control_plane import GatewayControl, choose_control_plane, control_targets
+from engines.router import RouterEngine
+from engines.supervisor import supervise_engine
+from rollouts.errors import ConfigError
+from training.rl_config import RLRunConfig
+
+log = logging.getLogger("rollouts.rl_recipe")
+
+
+@contextlib.asynccontextmanager
+async def open_engines(config: RLRunConfig, model_path: str, out: Path):
+    """(generation engine, worker clients) for live URLs, a router, or local engines launched
+    here (relaunched when they die, up to `engines.max_relaunches`; stopped at the end).
+
+    Generation goes through an `EnginePool` of the workers, or through the gateway at
+    `engines.router_url` (`RouterEngine`); weight syncs go to each worker, or through smg's
+    `/v1/rl` control plane when the workers are out of reach (`engines.control_plane`). Every worker
+    must run SGLang >= 0.5.6 (`SGLangEngine.check_server`).
+    """
+    ec = config.engines
+    timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s)
+    # supervisors tell the pool at once when a local engine dies and when its relaunch is up
+    engine_events_send, engine_events_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
+    async with contextlib.AsyncExitStack() as stack:
+        urls = list(ec.urls)
+        router = None
+        if ec.router_url:
+            gateway = SGLangEngine(ec.router_url, api_key=ec.api_key, timeouts=timeouts)
+            router = await stack.enter_async_context(RouterEngine(gateway))
+            urls = control_targets(urls or await router.list_workers())  # url@rank: one each
+            if not urls:
+                raise ConfigError(f"the router at {ec.router_url} lists no workers (GET /workers)")
+            plane = await choose_control_plane(ec.control_plane, urls, api_key=ec.api_key)
+            if plane == "gateway":  # only the gateway is reachable: syncs fan out through it
+                control = GatewayControl(gateway)
+                router.workers = [control]
+                log.info("%s runs SGLang %s; weight syncs through its /v1/rl control plane",
+                         ec.router_url, await router.check_server())  # fmt: skip
+                yield router, [control]
+                return
+        elif not urls:
+            for i in range(ec.n_local):
+                args = ["--weight-version", "0", "--max-running-requests",
+                        str(ec.max_running_requests)]  # fmt: skip
+                if ec.local_threads:
+                    args += ["--num-threads", str(ec.local_threads)]
+                launched = await stack.enter_async_context(supervise_engine(
+                    kind="local", model_path=model_path, extra_args=args,
+                    log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
+                    max_relaunches=ec.max_relaunches, lora=lora_launch(config),
+                    events=engine_events_send.clone(),
+                ))  # fmt: skip
+                urls.append(launched.url)
+        clients = [
+            await stack.enter_async_context(SGLangEngine(
+                u, api_key=ec.api_key, admin_api_key=ec.admin_api_key, timeouts=timeouts,
+                retry_generate=router is not None))  # the pool retries (see SGLangEngine)
+            for u in urls
+        ]  # fmt: skip
+        for client in clients:
+            log.info("%s runs SGLang %s", client.url, await client.check_server())
+            await resume_if_paused(client)
+        pool = await stack.enter_async_context(
+            EnginePool(
+                clients,
+                unavailable_timeout_s=ec.unavailable_timeout_s,
+                stall_floor_s=ec.stall_floor_s,
+                stall_s_per_token=ec.stall_s_per_token,
+                engine_events=engine_events_recv,  # a relaunching engine gets no work
+            )
+        )
+        if router is not None:  # the pool only watches the workers and gives returning ones
+            router.workers = clients  # the current weights; generation goes via the gateway
+            yield router, clients
+        else:
+            yield pool, clients
+
+
+async def resume_if_paused(engine: SGLangEngine) -> bool:
+    """Resume an engine left paused (a trainer killed during a weight sync), logging it.
+
+    The local engine reports `paused` in `/server_info` (and ends a leased pause itself); SGLang
+    reports no such field and has no lease, so an engine that does not say is resumed too
+    (`/continue_generation` on a running SGLang engine changes nothing).
+
+    Returns:
+        Whether `/continue_generation` was sent.
+    """
+    states = (await engine.server_info()).get("internal_states") or [{}]
+    paused = [s.get("paused") for s in states if isinstance(s, dict)]
+    if paused and not any(p is None or p for p in paused):
+        return False
+    if any(paused):
+        log.warning("%s was left paused (a trainer stopped during a weight sync?): resuming it",
+                    engine.url)  # fmt: skip
+    await engine.resume()
+    return True
+
+
+def lora_launch(config: RLRunConfig) -> LoraLaunch | None:
+    """The engine flags that serve the policy's adapters (`model.lora`), or None.
+
+    Room for the `keep` versions left loaded plus the base model in one batch (SGLang counts
+    the base as one of `--max-loras-per-batch`).
+    """
+    lora = config.model.lora
+    if lora is None:
+        return None
+    return LoraLaunch(max_lora_rank=lora.rank, target_modules=lora.target_modules,
+                      max_loras_per_batch=lora.keep + 1)  # fmt: skip
