@@ -49,6 +49,7 @@ SECTIONS = (
     "lora",
     "lora_small",
     "demo",
+    "demo_history",  # written by hand, not by a script: how the demo's settings were chosen
     "gpu_check",
 )
 

@@ -147,7 +147,8 @@ def build_tiny_model(output_dir: str | Path, *, seed: int = 0, size: Size = "tin
         rope_theta=10000.0,
         # Untied: with tied input/output embeddings, GRPO steps on this tiny model moved the
         # answer digits' input representations too and lowered held-out accuracy at every
-        # learning rate tried; untied, the same recipe gains 10+ points (see the README).
+        # learning rate tried; untied, the same recipe gains 10+ points (benchmarks/RESULTS.md,
+        # "How the demo's settings were chosen").
         tie_word_embeddings=False,
         bos_token_id=pad_id,
         eos_token_id=eos_id,
