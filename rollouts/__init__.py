@@ -2,7 +2,9 @@
 
 Import what you need from here: `from rollouts import AsyncRolloutManager, RolloutConfig,
 load_prompt_jsonl, Sample`. Layers: `types`/`errors` (records) < `prompts`, `rewards`,
-`shaping` < `generation`/`multiturn`/`envs` (episodes) < `manager` (batches of groups);
+`shaping`, `groups` (pure filters, transforms, metrics) < `generate_fn` (one group: the
+`GenerateFn` contract) < `multiturn`/`envs` (episodes) < `generation` (many groups, refill) <
+`manager` (batches of groups);
 `tasks/` holds the synthetic tasks, `tools/` the tool parsers and executors.
 
 This package imports neither torch nor httpx at top level, so orchestration code that only
@@ -19,11 +21,11 @@ from rollouts.errors import ModelLoadError as ModelLoadError
 from rollouts.errors import RewardError as RewardError
 from rollouts.errors import RolloutsError as RolloutsError
 from rollouts.evaluation import evaluate_greedy as evaluate_greedy
-from rollouts.generation import GenerateFn as GenerateFn
-from rollouts.generation import GroupFilter as GroupFilter
-from rollouts.generation import SampleTransform as SampleTransform
-from rollouts.generation import keep_all as keep_all
-from rollouts.generation import keep_if_reward_varies as keep_if_reward_varies
+from rollouts.generate_fn import GenerateFn as GenerateFn
+from rollouts.groups import GroupFilter as GroupFilter
+from rollouts.groups import SampleTransform as SampleTransform
+from rollouts.groups import keep_all as keep_all
+from rollouts.groups import keep_if_reward_varies as keep_if_reward_varies
 from rollouts.manager import AsyncRolloutManager as AsyncRolloutManager
 from rollouts.prompts import PromptItem as PromptItem
 from rollouts.prompts import load_prompt_jsonl as load_prompt_jsonl

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollouts.errors import ConfigError, DataError
-from rollouts.generation import SampleTransform
+from rollouts.groups import SampleTransform
 from rollouts.types import Sample
 
 ShapingTerm = Callable[[Sample], float]
