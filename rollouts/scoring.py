@@ -36,8 +36,8 @@ import trio
 
 from rollouts.errors import DropSample, RewardError
 from rollouts.nursery import open_nursery
+from rollouts.reward_calls import RewardFn, call_reward, is_async_reward, reward_name, split_reward
 from rollouts.reward_threads import RewardThreads, RewardThreadsExhausted
-from rollouts.rewards import RewardFn, call_reward, is_async_reward, reward_name, split_reward
 from rollouts.types import Sample
 
 _PENDING = object()
