@@ -125,8 +125,6 @@ def _release_workers_if_idle(ctx: DistContext, wait_s: float = 10.0) -> None:
 
 def serve_commands(ctx: DistContext) -> None:
     """Ranks ≥ 1: run rank 0's operations until it says `shutdown`."""
-    from training.backend.pytorch import PyTorchTrainingBackend
-
     log.info("rank %d serving rank 0's backend operations", ctx.rank)
     while True:
         header = wire.loads(wire.broadcast_bytes(None, ctx.commands), ctx.backends)
@@ -140,8 +138,8 @@ def serve_commands(ctx: DistContext) -> None:
             if header["rows"]
             else None
         )
-        if op == "create":
-            PyTorchTrainingBackend.build_on_worker(args, backend_id)
+        if op == "create":  # args["build"]: the backend class's builder, sent by import path
+            args["build"](args["spec"], backend_id)
             continue
         result = ctx.backends[backend_id].run_local(op, rows, args)
         if header["gather"]:
