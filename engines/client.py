@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 from .client_control import ControlRoutesMixin
 from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts, decode_json

@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 from .http import EngineHTTP, EngineTimeouts
 from .types import EngineUnavailableError, ModelInfo, PauseMode, check_version

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from rollouts.errors import EngineError, engine_failure_kind
+from plumbing.errors import EngineError, engine_failure_kind
 
 from .lora import lost_adapter
 from .pool_membership import EngineStats as EngineStats

@@ -33,7 +33,7 @@ from dataclasses import field as dataclass_field
 
 import trio
 
-from rollouts.errors import EngineError, engine_failure_kind
+from plumbing.errors import EngineError, engine_failure_kind
 
 from .types import EngineUnavailableError, InferenceEngine
 from .weight_sync import sync_lora_to_engines, sync_weights_to_engines

@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 from .client import SGLangEngine
 from .control_plane import GatewayControl

@@ -11,15 +11,15 @@ This package imports neither torch nor httpx at top level, so orchestration code
 needs records and errors stays cheap to import.
 """
 
+from plumbing.errors import CheckpointError as CheckpointError
+from plumbing.errors import ConfigError as ConfigError
+from plumbing.errors import DataError as DataError
+from plumbing.errors import EngineError as EngineError
+from plumbing.errors import ModelLoadError as ModelLoadError
+from plumbing.errors import RewardError as RewardError
+from plumbing.errors import RolloutsError as RolloutsError
 from rollouts.config import RolloutConfig as RolloutConfig
 from rollouts.config import SamplingConfig as SamplingConfig
-from rollouts.errors import CheckpointError as CheckpointError
-from rollouts.errors import ConfigError as ConfigError
-from rollouts.errors import DataError as DataError
-from rollouts.errors import EngineError as EngineError
-from rollouts.errors import ModelLoadError as ModelLoadError
-from rollouts.errors import RewardError as RewardError
-from rollouts.errors import RolloutsError as RolloutsError
 from rollouts.evaluation import evaluate_greedy as evaluate_greedy
 from rollouts.generate_fn import GenerateFn as GenerateFn
 from rollouts.groups import GroupFilter as GroupFilter

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 from rollouts.generate_fn import GenerateContext, GenerateFn, single_turn_generate
 from rollouts.groups import summarize_errors
 from rollouts.prompts import PromptItem

@@ -27,8 +27,8 @@ from typing import Any
 
 import trio
 
+from plumbing.errors import EngineError, RolloutsError, describe_engine_failure
 from rollouts.coalesce import CoalescingEngine
-from rollouts.errors import EngineError, RolloutsError, describe_engine_failure
 from rollouts.generate_fn import GenerateContext as GenerateContext
 from rollouts.generate_fn import GenerateEngine as GenerateEngine
 from rollouts.generate_fn import GenerateFn as GenerateFn

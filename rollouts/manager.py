@@ -36,8 +36,8 @@ from typing import Any
 
 import trio
 
+from plumbing.errors import RolloutsError
 from rollouts.config import RolloutConfig
-from rollouts.errors import RolloutsError
 from rollouts.generate_fn import GenerateFn, single_turn_generate
 from rollouts.generation import CollectResult, GroupSource, collect_groups
 from rollouts.groups import (

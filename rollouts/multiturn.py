@@ -34,9 +34,9 @@ from typing import Any, TypeAlias
 
 import trio
 
+from plumbing.errors import ConfigError
 from rollouts.chat_turns import ChatTurns
 from rollouts.envs import Env, EnvFactory, ModelTurn, StepResult
-from rollouts.errors import ConfigError
 from rollouts.generate_fn import GenerateContext, GenerateFn
 from rollouts.prompts import PromptItem, encode_prompt
 from rollouts.request_ids import oldest_version, request_rid

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from rollouts.errors import ConfigError, DataError
+from plumbing.errors import ConfigError, DataError
 from rollouts.reward_calls import TOTAL as TOTAL
 from rollouts.reward_calls import Aggregator as Aggregator
 from rollouts.reward_calls import RewardFn as RewardFn

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollouts.errors import ConfigError, DataError
+from plumbing.errors import ConfigError, DataError
 from rollouts.groups import SampleTransform
 from rollouts.types import Sample
 

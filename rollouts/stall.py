@@ -27,8 +27,8 @@ from types import CodeType, FrameType
 
 import trio
 
+from plumbing.nursery import open_nursery
 from rollouts import scoring
-from rollouts.nursery import open_nursery
 from rollouts.reward_calls import call_reward
 
 log = logging.getLogger("rollouts.stall")

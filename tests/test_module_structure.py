@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("rollouts", "training", "engines")
+PACKAGES = ("rollouts", "training", "engines", "plumbing")
 MAX_LINES = 400
 
 # Being split by another helper (issue 28, part 1) on a parallel branch; the lead removes this
@@ -127,6 +127,20 @@ def test_import_graph_sees_known_edges():
     graph = import_graph()
     assert "engines.types" in graph["engines.client"] or "engines.http" in graph["engines.client"]
     assert sum(len(edges) for edges in graph.values()) > 100
+
+
+def test_engines_and_plumbing_import_no_package_above_them():
+    # `plumbing` (errors, nursery, OpenMP set-up) is below everything; `engines` talks to
+    # servers and needs neither the rollout side nor the trainer (before, `import engines`
+    # loaded all of `rollouts` to get `EngineError`).
+    above = {"engines": ("rollouts", "training"), "plumbing": ("rollouts", "training", "engines")}
+    wrong = {
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if module.split(".")[0] in above and target.split(".")[0] in above[module.split(".")[0]]
+    }
+    assert not wrong, f"imports from a package above: {sorted(wrong)}"
 
 
 def test_every_library_module_is_under_400_lines():

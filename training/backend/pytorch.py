@@ -101,7 +101,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         model: the model, or a zero-argument callable that builds/loads it. A callable runs
             on the backend's worker thread, so that every torch op of the trainer runs on
             that one thread (a second thread running OpenMP-parallel ops slows both, see
-            rollouts/threads.py). The recipes pass `partial(load_model, path)`. Under
+            plumbing/threads.py). The recipes pass `partial(load_model, path)`. Under
             torchrun it must be a callable that every rank can rebuild (a module-level
             function or a partial of one). None with `weights_from`: a copy of that backend's
             model (the reference policy).
