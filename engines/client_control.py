@@ -28,7 +28,7 @@ from plumbing.errors import EngineError
 from .http import EngineHTTP, EngineTimeouts
 from .types import EngineUnavailableError, ModelInfo, PauseMode, check_version
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("engines.client")  # the client's one logger name, as before the split
 
 
 class ControlRoutesMixin:

@@ -38,7 +38,7 @@ from plumbing.errors import EngineError, engine_failure_kind
 from .types import EngineUnavailableError, InferenceEngine
 from .weight_sync import sync_lora_to_engines, sync_weights_to_engines
 
-logger = logging.getLogger("engines.pool")  # one logger name for the whole pool
+logger = logging.getLogger("engines.pool")  # the pool's one logger name, as before the split
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import trio
 
 from .sequence import Sequence
 
-logger = logging.getLogger("engines.local.scheduler")  # one logger name for the scheduler
+logger = logging.getLogger("engines.local.scheduler")  # the scheduler's one logger name, as before
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
