@@ -5,7 +5,8 @@ then, if it has rows, each rank's share sent point to point, then — for operat
 result — each rank's local result sent back to rank 0. Every rank then runs the operation's
 local part, which issues the same collectives in the same order everywhere.
 
-`serve_commands` is the whole life of ranks ≥ 1: build the backends rank 0 builds, run each
+`serve_commands` is the whole life of ranks ≥ 1: build the backends rank 0 builds (the
+"create" op carries the builder by import path, so this module imports no backend), run each
 operation, and return when rank 0 sends `shutdown` (or raise when it vanished: the gloo wait
 ends with an error after `fsdp.command_timeout_s`, or at once when its socket closes).
 """
