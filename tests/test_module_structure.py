@@ -151,3 +151,21 @@ def test_every_library_module_is_under_400_lines():
     }
     unexpected = {p: n for p, n in too_long.items() if p not in LONG_MODULES_ALLOWED}
     assert not unexpected, f"library modules of {MAX_LINES}+ lines: {unexpected}"
+
+
+def test_errors_users_catch_from_rollouts_are_the_plumbing_classes():
+    # The hierarchy lives in plumbing/ (engines must not import rollouts); users import it from
+    # `rollouts.errors` / `rollouts`, so those names must be the very same objects.
+    import plumbing.errors
+    import rollouts
+    import rollouts.errors
+
+    defined = [
+        name
+        for name, obj in vars(plumbing.errors).items()
+        if getattr(obj, "__module__", None) == "plumbing.errors" and not name.startswith("_")
+    ]
+    assert "EngineError" in defined and "DropSample" in defined
+    for name in defined:
+        assert getattr(rollouts.errors, name) is getattr(plumbing.errors, name), name
+    assert rollouts.EngineError is plumbing.errors.EngineError
