@@ -28,7 +28,7 @@ from pathlib import Path
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
 from sft_throughput import load_samples, write_data
 
-import rollouts.threads  # noqa: F401  (before torch: the project's OpenMP settings)
+import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
 
 ARMS = {"1x2": "1 process × 2 threads", "2x1": "2 processes × 1 thread (FSDP2, gloo)"}
 

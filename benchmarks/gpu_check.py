@@ -39,7 +39,7 @@ from pathlib import Path
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
 
-import rollouts.threads  # noqa: F401  (before torch: the project's OpenMP settings)
+import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
 
 # Dense bf16 peak (TFLOP/s, no sparsity) by device name, from NVIDIA's datasheets; the first
 # substring that matches wins.

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
 
-import rollouts.threads  # noqa: F401  (before torch: the project's OpenMP settings)
+import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
 
 ARMS = {
     "rollouts": "rollouts (sync)",

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
 
-import rollouts.threads  # noqa: F401  (before torch: the project's OpenMP settings)
+import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
 
 SWEEP = {"group": (4, 8, 16), "batch": (8, 32, 128), "length": (8, 32, 128)}
 

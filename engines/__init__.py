@@ -1,17 +1,18 @@
 """Talking to inference servers: the SGLang HTTP protocol, a pool, a launcher, weight sync.
 
 Layers: `types` (records, `InferenceEngine`, errors) → `http` (timeouts, retries) →
-`client.SGLangEngine` (the protocol) →
-`pool.EnginePool` (routing, failover, rejoin) and `weight_sync` (fan-out refit) →
+`client.SGLangEngine` (the protocol; its control routes in `client_control`) →
+`pool.EnginePool` (routing, failover; which engines serve, and rejoin, in
+`pool_membership`) and `weight_sync` (fan-out refit) →
 `router.RouterEngine` (sgl-model-gateway); `lora` holds the LoRA adapter calls, the
 `active_lora` default of generation and the server flags (`LoraLaunch`), and
 `weight_sync.sync_lora_to_engines` pushes adapters; `launch` runs server processes and `supervisor`
 relaunches them; `engines.local` is the CPU server itself (imports torch only when it runs);
 `engines.testing` holds stand-ins for tests (a gateway imitation, a fault proxy).
-Nothing here imports torch.
+Nothing here imports torch, nor `rollouts` or `training`: errors come from `plumbing`.
 """
 
-from rollouts.errors import EngineError as EngineError
+from plumbing.errors import EngineError as EngineError
 
 from .client import SGLangEngine as SGLangEngine
 from .client import probe_engines as probe_engines

@@ -12,7 +12,8 @@ Contract:
   `weight_version` appear there); `check_server()` reads `/server_info` and refuses older ones.
   Info routes are the 0.5.23 names (`/model_info`, `/server_info`) with a fallback to the
   deprecated `get_` forms on a 404.
-- Control routes (pause, continue, update, flush, abort) carry `admin_api_key` if given.
+- Control routes (pause, continue, update, flush, abort) carry `admin_api_key` if given; they
+  live in `client_control.py` (`ControlRoutesMixin`), generation and scoring here.
 - Weight paths are sent absolute (SGLang resolves relative ones in its own cwd);
   `no_stop_trim: true` unless the caller sets it, so `text` decodes all of `output_ids`.
 - While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
@@ -29,8 +30,6 @@ management API.
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -39,26 +38,22 @@ from typing import Any
 import httpx
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
+from .client_control import ControlRoutesMixin
 from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts, decode_json
 from .lora import ACTIVE, LoraClientMixin, resolve_lora_path
 from .types import (
     EngineTimeoutError,
     EngineUnavailableError,
     GenerateResult,
-    ModelInfo,
-    PauseMode,
     ScoreResult,
-    check_version,
     generate_body,
     parse_generate_response,
 )
 
-logger = logging.getLogger(__name__)
 
-
-class SGLangEngine(LoraClientMixin):
+class SGLangEngine(ControlRoutesMixin, LoraClientMixin):
     """An SGLang (or local engine) server at `url`. See the module docstring for guarantees."""
 
     def __init__(
@@ -267,212 +262,6 @@ class SGLangEngine(LoraClientMixin):
             weight_version=result.weight_version,
             latency_s=result.latency_s,
         )
-
-    # ----- control --------------------------------------------------------------------------
-
-    async def update_weights_from_disk(
-        self,
-        path: str | os.PathLike[str],
-        weight_version: str | None = None,
-        *,
-        abort_all_requests: bool = False,
-        flush_cache: bool = True,
-    ) -> str:
-        """Load weights from `path` (HF layout, sent absolute); returns the server's message.
-
-        SGLang 0.5.23 refuses `flush_cache=True` (400, version not set) while requests are
-        running (pause "in_place"); it accepts it while paused with only waiting (retracted)
-        requests (pause "retract"), and when idle.
-
-        Raises:
-            EngineError: the server refused (it then keeps its old weights); the message is
-                the server's.
-        """
-        body: dict[str, Any] = {
-            "model_path": os.path.abspath(path),
-            "abort_all_requests": abort_all_requests,
-            "flush_cache": flush_cache,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        result = await self._http.json(
-            "POST",
-            "/update_weights_from_disk",
-            body=body,
-            timeout=self.timeouts.weight_update_s,
-            admin=True,
-        )
-        if isinstance(result, Mapping) and result.get("success") is False:
-            raise EngineError(
-                f"update_weights_from_disk failed: {result.get('message')}",
-                url=self._url,
-                body=str(result),
-            )
-        return str(result.get("message", "")) if isinstance(result, Mapping) else ""
-
-    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True
-                                    ) -> None:  # fmt: skip
-        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
-        await self._http.json("POST", "/update_weight_version", body=body, admin=True)
-
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        """`/pause_generation`: new requests wait until `resume()`; see SGLang for the modes.
-
-        Requests sent from now on use a fresh `kv_namespace` (their `extra_key`): the weights
-        may change before they run, and none may reuse KV computed before the pause."""
-        self.paused = True  # before the call: it may reach the server even if it fails
-        self._pauses += 1
-        self.kv_namespace = f"rollouts-{self._kv_id}-{self._pauses}"
-        body: dict[str, Any] = {"mode": mode}
-        if self.pause_lease_s is not None:  # ends by itself unless renewed; SGLang ignores it
-            body["lease_s"] = self.pause_lease_s
-        try:
-            await self._http.json("POST", "/pause_generation", body=body, admin=True)
-        except EngineUnavailableError:
-            self.paused = False  # not reached, or the server is gone: nothing is paused
-            raise
-
-    async def renew_pause(self) -> None:
-        """Renew the lease of this client's pause: the same pause again, "in_place" so that
-        SGLang (which has no lease) aborts nothing held behind it."""
-        body = {"mode": "in_place", "lease_s": self.pause_lease_s}
-        async with self._lease_lock:  # a renewal arriving after the resume would pause again
-            if self.paused:
-                await self._http.json("POST", "/pause_generation", body=body, admin=True)
-
-    async def resume(self) -> None:
-        """`/continue_generation`, then the aborts sent during the pause, once more: SGLang
-        0.5.23 drops an abort of a request held behind a pause, which then runs."""
-        try:
-            async with self._lease_lock:
-                await self._http.json("POST", "/continue_generation", body={}, admin=True)
-                self.paused = False
-        except EngineUnavailableError:
-            self.paused = False  # gone: a restarted server is not paused
-            self._aborts_in_pause.clear()
-            raise
-        pending, self._aborts_in_pause = self._aborts_in_pause, []
-        for rid in dict.fromkeys(pending):
-            body = {"rid": rid} if rid else {"abort_all": True}
-            try:
-                await self._http.request("POST", "/abort_request", body=body, admin=True,
-                                         timeout=self.timeouts.control_s, retries=0)  # fmt: skip
-            except EngineError as exc:  # the request may be gone anyway; never fail a resume
-                logger.warning("%s: re-sending abort %r after the resume failed: %s",
-                               self._url, body, exc)  # fmt: skip
-
-    async def flush_cache(self) -> None:
-        """`/flush_cache`; SGLang 0.5.23 refuses (400) while requests are running, or queued
-        outside a pause (`is_fully_idle(ignore_waiting=paused)`)."""
-        await self._http.request(
-            "POST", "/flush_cache", timeout=self.timeouts.control_s, admin=True
-        )
-
-    async def abort(self, rid: str) -> None:
-        """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are
-        ignored. SGLang aborts every rid that starts with `rid`: use rids that are never
-        prefixes of each other. While this client has the engine paused, the abort is sent
-        again after `resume()` (SGLang loses aborts of requests held behind a pause)."""
-        if self.paused:
-            self._aborts_in_pause.append(rid)
-        await self._http.request(
-            "POST",
-            "/abort_request",
-            body={"rid": rid},
-            timeout=self.timeouts.control_s,
-            admin=True,
-        )
-
-    async def abort_all(self) -> None:
-        """Abort every request on the engine; one attempt: an engine that cannot be reached
-        (often one being stopped at the same shutdown) has nothing left to abort."""
-        body = {"abort_all": True}
-        if self.paused:
-            self._aborts_in_pause.append("")
-        timeout = self.timeouts.control_s
-        await self._http.request("POST", "/abort_request", body=body, timeout=timeout, admin=True,
-                                 retries=0)  # fmt: skip
-
-    async def _info(self, name: str) -> Any:
-        """GET `/{name}` (0.5.23), falling back to the deprecated `/get_{name}` on a 404."""
-        path = self._info_paths.get(name, f"/{name}")
-        try:
-            return await self._http.json("GET", path)
-        except EngineError as exc:
-            if exc.status != 404 or path != f"/{name}":
-                raise
-        self._info_paths[name] = f"/get_{name}"
-        return await self._http.json("GET", f"/get_{name}")
-
-    async def model_info(self) -> ModelInfo:
-        info = await self._info("model_info")
-        if not isinstance(info, Mapping):
-            raise EngineError("GET /model_info: expected an object", url=self._url, body=str(info))
-        version = info.get("weight_version")
-        return ModelInfo(
-            model_path=str(info.get("model_path", "")),
-            weight_version=None if version is None else str(version),
-            raw=dict(info),
-        )
-
-    async def server_info(self) -> dict[str, Any]:
-        info = await self._info("server_info")
-        if not isinstance(info, Mapping):
-            raise EngineError("GET /server_info: expected an object", url=self._url, body=str(info))
-        return dict(info)
-
-    async def check_server(self) -> str:
-        """Read `/server_info` and refuse servers older than `MIN_SGLANG_VERSION`.
-
-        Returns:
-            The server's version string.
-
-        Raises:
-            EngineError: the version is missing, unreadable or too old (the message says why
-                and what to install).
-        """
-        return check_version(await self.server_info(), self._url)
-
-    async def is_healthy(self) -> bool:
-        """One probe, no retries: True on 200.
-
-        `/health_generate` normally; `/model_info` while this client has the engine paused
-        (SGLang's generation probe waits behind the pause and answers 503 after 20 s).
-        """
-        try:
-            if self.paused:
-                await self._http.request(
-                    "GET", "/model_info", timeout=self.timeouts.health_s, retries=0
-                )
-            else:
-                await self._http.request(
-                    "GET", "/health_generate", timeout=self.timeouts.health_s, retries=0
-                )
-        except EngineError:
-            return False
-        return True
-
-    async def wait_healthy(self, timeout_s: float = 600.0, *, poll_interval_s: float = 1.0) -> None:
-        """Poll `/health_generate` until it answers 200.
-
-        Raises:
-            EngineUnavailableError: not healthy within `timeout_s` (names the last failure).
-        """
-        deadline = trio.current_time() + timeout_s
-        last = "no answer yet"
-        while True:
-            try:
-                await self._http.request(
-                    "GET", "/health_generate", timeout=self.timeouts.health_s, retries=0
-                )
-                return
-            except EngineError as exc:
-                last = str(exc)
-            if trio.current_time() + poll_interval_s > deadline:
-                raise EngineUnavailableError(
-                    f"not healthy after {timeout_s} s; last: {last}", url=self._url
-                )
-            await trio.sleep(poll_interval_s)
 
 
 async def probe_engines(urls: Sequence[str], *, api_key: str | None = None,

@@ -45,7 +45,7 @@ from typing import Any, Literal
 import httpx
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 from .client import SGLangEngine
 from .types import EngineUnavailableError, ModelInfo, PauseMode

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 from .types import EngineTimeoutError, EngineUnavailableError
 

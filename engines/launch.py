@@ -41,8 +41,8 @@ from typing import Literal
 import httpx
 import trio
 
-from rollouts.errors import EngineError
-from rollouts.nursery import open_nursery
+from plumbing.errors import EngineError
+from plumbing.nursery import open_nursery
 
 from .lora import LoraLaunch
 

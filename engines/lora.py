@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 
 class _Active:

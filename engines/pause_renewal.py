@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 logger = logging.getLogger(__name__)
 

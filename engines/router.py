@@ -32,13 +32,13 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
-from .client import SGLangEngine, check_version
+from .client import SGLangEngine
 from .control_plane import GatewayControl
 from .lora import ACTIVE
 from .pool import StaleWeightsError
-from .types import GenerateResult, ModelInfo, ScoreResult
+from .types import GenerateResult, ModelInfo, ScoreResult, check_version
 
 
 class RouterEngine:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 PauseMode = Literal["abort", "retract", "in_place"]
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 from .lora import LoraAdapterError
 from .pause_renewal import renewing_pauses

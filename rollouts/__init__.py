@@ -2,28 +2,30 @@
 
 Import what you need from here: `from rollouts import AsyncRolloutManager, RolloutConfig,
 load_prompt_jsonl, Sample`. Layers: `types`/`errors` (records) < `prompts`, `rewards`,
-`shaping` < `generation`/`multiturn`/`envs` (episodes) < `manager` (batches of groups);
+`shaping`, `groups` (pure filters, transforms, metrics) < `generate_fn` (one group: the
+`GenerateFn` contract) < `multiturn`/`envs` (episodes) < `generation` (many groups, refill) <
+`manager` (batches of groups);
 `tasks/` holds the synthetic tasks, `tools/` the tool parsers and executors.
 
 This package imports neither torch nor httpx at top level, so orchestration code that only
 needs records and errors stays cheap to import.
 """
 
+from plumbing.errors import CheckpointError as CheckpointError
+from plumbing.errors import ConfigError as ConfigError
+from plumbing.errors import DataError as DataError
+from plumbing.errors import EngineError as EngineError
+from plumbing.errors import ModelLoadError as ModelLoadError
+from plumbing.errors import RewardError as RewardError
+from plumbing.errors import RolloutsError as RolloutsError
 from rollouts.config import RolloutConfig as RolloutConfig
 from rollouts.config import SamplingConfig as SamplingConfig
-from rollouts.errors import CheckpointError as CheckpointError
-from rollouts.errors import ConfigError as ConfigError
-from rollouts.errors import DataError as DataError
-from rollouts.errors import EngineError as EngineError
-from rollouts.errors import ModelLoadError as ModelLoadError
-from rollouts.errors import RewardError as RewardError
-from rollouts.errors import RolloutsError as RolloutsError
 from rollouts.evaluation import evaluate_greedy as evaluate_greedy
-from rollouts.generation import GenerateFn as GenerateFn
-from rollouts.generation import GroupFilter as GroupFilter
-from rollouts.generation import SampleTransform as SampleTransform
-from rollouts.generation import keep_all as keep_all
-from rollouts.generation import keep_if_reward_varies as keep_if_reward_varies
+from rollouts.generate_fn import GenerateFn as GenerateFn
+from rollouts.groups import GroupFilter as GroupFilter
+from rollouts.groups import SampleTransform as SampleTransform
+from rollouts.groups import keep_all as keep_all
+from rollouts.groups import keep_if_reward_varies as keep_if_reward_varies
 from rollouts.manager import AsyncRolloutManager as AsyncRolloutManager
 from rollouts.prompts import PromptItem as PromptItem
 from rollouts.prompts import load_prompt_jsonl as load_prompt_jsonl

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 
 _MARK = "\u2063turn-mark\u2063"  # invisible separator: never produced by a real conversation
 _BASE = ({"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK})

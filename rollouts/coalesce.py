@@ -36,7 +36,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from rollouts.errors import EngineError
+from plumbing.errors import EngineError
 
 MAX_WAIT_S = 0.02  # the longest a call waits for others to join it (all block sooner, as a rule)
 
@@ -138,7 +138,7 @@ class CoalescingEngine:
 
 
 def _pool_gave_up(error: BaseException) -> bool:
-    # by name: `rollouts` sits below `engines` (as `rollouts.errors.engine_failure_kind` does)
+    # by name: `rollouts` does not import `engines` (as `plumbing.errors.engine_failure_kind`)
     return any(cls.__name__ == "NoEngineAvailableError" for cls in type(error).__mro__)
 
 

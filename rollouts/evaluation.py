@@ -17,13 +17,9 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import EngineError
-from rollouts.generation import (
-    GenerateContext,
-    GenerateFn,
-    single_turn_generate,
-    summarize_errors,
-)
+from plumbing.errors import EngineError
+from rollouts.generate_fn import GenerateContext, GenerateFn, single_turn_generate
+from rollouts.groups import summarize_errors
 from rollouts.prompts import PromptItem
 from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn

@@ -1,12 +1,13 @@
-"""Rollout generation as functions: one group, a batch of groups with filtering and refill.
+"""Rollout generation: a batch of groups with filtering and refill (`collect_groups`).
 
 `collect_groups` is the engine of every rollout mode: it runs one task per prompt group under a
 global concurrency limit, scores samples as they finish, keeps groups that pass the filter
 (default: reward std > 0, DAPO's dynamic sampling), launches replacement prompts for rejected
 ones (over-sampling) until `n_groups` are accepted, then aborts the surplus requests. Groups
 cut short are handed back (prompt + finished samples) so the caller can return them to the
-DataBuffer's holding area. Everything else here is pure: transforms, filters, conversion to a
-`RolloutBatch`, metrics.
+DataBuffer's holding area. One group's generation (the `GenerateFn` contract, the default
+single turn) is in `generate_fn.py`; the pure parts (filters, transforms, conversion to a
+`RolloutBatch`, metrics) in `groups.py`. Their names stay importable from here.
 
 A failed sample (an engine error the EnginePool could not fail over, a failed generation, a
 reward's `DropSample`) is generated again, alone, up to `sample_retries` times; only then is its
@@ -18,212 +19,37 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
+from plumbing.errors import EngineError, RolloutsError, describe_engine_failure
 from rollouts.coalesce import CoalescingEngine
-from rollouts.errors import EngineError, RolloutsError, describe_engine_failure
+from rollouts.generate_fn import GenerateContext as GenerateContext
+from rollouts.generate_fn import GenerateEngine as GenerateEngine
+from rollouts.generate_fn import GenerateFn as GenerateFn
+from rollouts.generate_fn import hold_slots as hold_slots
+from rollouts.generate_fn import single_turn_generate as single_turn_generate
+from rollouts.groups import Group as Group
+from rollouts.groups import GroupFilter as GroupFilter
+from rollouts.groups import SampleTransform as SampleTransform
+from rollouts.groups import apply_sample_transforms as apply_sample_transforms
+from rollouts.groups import convert_to_batch as convert_to_batch
+from rollouts.groups import keep_all as keep_all
+from rollouts.groups import keep_if_reward_varies as keep_if_reward_varies
+from rollouts.groups import rollout_metrics as rollout_metrics
+from rollouts.groups import summarize_errors as summarize_errors
 from rollouts.prompts import PromptItem
-from rollouts.request_ids import oldest_version, request_rid
 from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_samples
-from rollouts.tools.rewards import tool_metrics
-from rollouts.types import RolloutBatch, Sample
+from rollouts.types import Sample
 
 log = logging.getLogger("rollouts.generation")
-
-Group = tuple[Sample, ...]
-GroupFilter = Callable[[Group], bool]
-SampleTransform = Callable[[Sample], Sample]
-
-
-class GenerateEngine(Protocol):
-    """The part of an engine/EnginePool that rollouts use."""
-
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True,
-                       top_logprobs_num=0, logprob_start_len=None): ...  # fmt: skip
-
-    async def abort(self, rid: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class GenerateContext:
-    """What a generate function gets besides the prompt: where and how to sample."""
-
-    engine: GenerateEngine
-    sampling_params: Mapping[str, Any]
-    limiter: trio.CapacityLimiter
-    rid_prefix: str
-    group_id: int
-    tokenizer: Any = None
-    in_flight: set[str] = field(default_factory=set)  # rids currently at the engine
-    report: Callable[[Sample], None] = lambda sample: None  # early scoring; see GenerateFn
-    slot_lock: trio.Lock = field(default_factory=trio.Lock)  # shared by all groups; hold_slots
-
-
-GenerateFn = Callable[[PromptItem, int, GenerateContext], Awaitable[list[Sample]]]
-"""(prompt, n, ctx) -> n samples with distinct `index_in_group`. It may call `ctx.report(s)`
-as each sample finishes, so its reward is computed at once and the sample survives if the group
-is cut short; samples it returns without reporting are scored after it returns. Samples
-reported with no await in between are scored as one batch (`rollouts.scoring`)."""
-
-
-_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
-
-
-def _sample_from(prompt: PromptItem, r: Any, i: int, ctx: GenerateContext) -> Sample:
-    return Sample(
-        prompt_ids=prompt.prompt_ids,
-        response_ids=r.output_ids,
-        loss_mask=(1,) * len(r.output_ids),
-        rollout_logprobs=r.output_logprobs or (),
-        response_text=r.text,
-        status=_STATUS.get(r.finish_reason.type, "completed"),
-        group_id=ctx.group_id,
-        index_in_group=i,
-        weight_version=oldest_version(r),
-        metadata=prompt.metadata,
-        finish_reason=r.finish_reason.type,
-    )
-
-
-@asynccontextmanager
-async def hold_slots(limiter: trio.CapacityLimiter, k: int, lock: trio.Lock
-                     ) -> AsyncIterator[None]:  # fmt: skip
-    """Hold `k` tokens of `limiter` at once (one batched request counts as k requests).
-
-    Takers of several tokens queue on `lock` (shared by all of them) so that two half-served
-    takers can never wait on each other forever.
-    """
-    borrowers = [object() for _ in range(k)]
-    held: list[object] = []
-    try:
-        async with lock:  # a checkpoint: the free tokens below are taken without one
-            for borrower in borrowers:
-                try:
-                    limiter.acquire_on_behalf_of_nowait(borrower)  # fails while others queue
-                except trio.WouldBlock:
-                    await limiter.acquire_on_behalf_of(borrower)
-                held.append(borrower)
-        yield
-    finally:
-        for borrower in held:
-            limiter.release_on_behalf_of(borrower)
-
-
-async def single_turn_generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
-    """The default GenerateFn: `n` independent samples of one assistant turn, token in/out.
-
-    On an engine with `generate_batch` (SGLangEngine, EnginePool) the group goes out as one
-    batched `/generate` call with a rid per sample (aborts still work per sample), chunked to the
-    concurrency limit; this is several times faster than one HTTP request per sample.
-    """
-    out: list[Sample | None] = [None] * n
-    batch = getattr(ctx.engine, "generate_batch", None)
-
-    async def chunk(start: int, stop: int) -> None:
-        rids = [request_rid(ctx.rid_prefix, i) for i in range(start, stop)]
-        async with hold_slots(ctx.limiter, len(rids), ctx.slot_lock):
-            ctx.in_flight.update(rids)
-            try:
-                if batch is not None:
-                    results = await batch([prompt.prompt_ids] * len(rids), ctx.sampling_params,
-                                          rids=rids)  # fmt: skip
-                else:
-                    results = [await ctx.engine.generate(prompt.prompt_ids, ctx.sampling_params,
-                                                         rid=rids[0])]  # fmt: skip
-            finally:
-                ctx.in_flight.difference_update(rids)
-        for i, r in zip(range(start, stop), results, strict=True):
-            out[i] = _sample_from(prompt, r, i, ctx)
-            ctx.report(out[i])
-
-    size = max(1, int(ctx.limiter.total_tokens)) if batch is not None else 1
-    starts = range(0, n, size)
-    if len(starts) == 1:  # the common case: one request, no nursery needed
-        await chunk(0, n)
-    else:
-        async with trio.open_nursery() as nursery:
-            for start in starts:
-                nursery.start_soon(chunk, start, min(n, start + size))
-    return [s for s in out if s is not None]
-
-
-def keep_if_reward_varies(group: Group, *, eps: float = 1e-6) -> bool:
-    """DAPO dynamic sampling: keep a group only if its rewards are not all equal (std > eps).
-
-    Works for binary and continuous rewards; a group of one sample has no spread.
-    """
-    rewards = [s.reward for s in group]
-    return len(rewards) > 1 and statistics.pstdev(rewards) > eps
-
-
-def keep_all(group: Group) -> bool:
-    return True
-
-
-def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[SampleTransform]
-                            ) -> list[Sample]:  # fmt: skip
-    """Apply reward shaping / bookkeeping transforms in order (pure)."""
-    out = list(samples)
-    for transform in transforms:
-        out = [transform(s) for s in out]
-    return out
-
-
-def convert_to_batch(groups: Sequence[Group], epoch_id: int, step_id: int,
-                     metrics: Mapping[str, float] | None = None,
-                     failures: Mapping[str, int] | None = None) -> RolloutBatch:  # fmt: skip
-    """Freeze accepted groups into a RolloutBatch with their metrics (pure)."""
-    merged = {**rollout_metrics(groups), **(metrics or {})}
-    return RolloutBatch(tuple(tuple(g) for g in groups), step_id, epoch_id, merged,
-                        dict(failures or {}))  # fmt: skip
-
-
-def summarize_errors(errors: Mapping[str, int], *, limit: int = 5) -> str:
-    """`errors` (text → count) as one line, most frequent first: "12x reward f raised ...; ..."."""
-    ranked = sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))
-    parts = [f"{n}x {_clip(text)}" for text, n in ranked[:limit]]
-    if len(ranked) > limit:
-        parts.append(f"and {len(ranked) - limit} other errors")
-    return "; ".join(parts)
-
-
-def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """Reward, accuracy, length and truncation statistics of accepted groups (pure).
-
-    Each named reward component gets its mean as `reward/<name>` (over the samples that have
-    it); "accuracy" is the mean of the "correct" component when there is one. Tool use
-    (`tool_calls_per_sample`, `tool_success_rate`, `turns_per_sample`, ...) is always included,
-    so a policy that stops calling tools shows up as zeros rather than as missing points.
-    """
-    samples = [s for g in groups for s in g]
-    if not samples:
-        return {}
-    rewards = [s.reward for s in samples]
-    lengths = [len(s.response_ids) for s in samples]
-    out = {
-        "reward_mean": statistics.fmean(rewards),
-        "reward_std": statistics.pstdev(rewards),
-        "response_len_mean": statistics.fmean(lengths),
-        "response_len_max": float(max(lengths)),
-        "truncation_rate": sum(s.status == "truncated" for s in samples) / len(samples),
-        "n_samples": float(len(samples)),
-    }
-    for name in sorted({k for s in samples for k in s.reward_components}):
-        values = [s.reward_components[name] for s in samples if name in s.reward_components]
-        out[f"reward/{name}"] = statistics.fmean(values)
-    if "reward/correct" in out:
-        out["accuracy"] = out["reward/correct"]
-    return out | tool_metrics(samples)
 
 
 @dataclass
@@ -466,10 +292,6 @@ def _missing_indices(done: Sequence[Sample], n_samples: int) -> list[int]:
 def _transient(exc: EngineError) -> bool:
     """Worth generating again: no answer, a timeout or a 5xx (a 4xx would fail again)."""
     return exc.status is None or exc.status >= 500
-
-
-def _clip(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _finished(samples: Sequence[Sample]) -> list[Sample]:

@@ -36,20 +36,17 @@ from typing import Any
 
 import trio
 
+from plumbing.errors import RolloutsError
 from rollouts.config import RolloutConfig
-from rollouts.errors import RolloutsError
-from rollouts.generation import (
-    CollectResult,
-    GenerateFn,
+from rollouts.generate_fn import GenerateFn, single_turn_generate
+from rollouts.generation import CollectResult, GroupSource, collect_groups
+from rollouts.groups import (
     GroupFilter,
-    GroupSource,
     SampleTransform,
     apply_sample_transforms,
-    collect_groups,
     convert_to_batch,
     keep_all,
     keep_if_reward_varies,
-    single_turn_generate,
     summarize_errors,
 )
 from rollouts.prompts import PromptItem

@@ -34,10 +34,10 @@ from typing import Any, TypeAlias
 
 import trio
 
+from plumbing.errors import ConfigError
 from rollouts.chat_turns import ChatTurns
 from rollouts.envs import Env, EnvFactory, ModelTurn, StepResult
-from rollouts.errors import ConfigError
-from rollouts.generation import GenerateContext, GenerateFn
+from rollouts.generate_fn import GenerateContext, GenerateFn
 from rollouts.prompts import PromptItem, encode_prompt
 from rollouts.request_ids import oldest_version, request_rid
 from rollouts.types import Sample, Status, ToolCallRecord

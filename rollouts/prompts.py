@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollouts.errors import DataError
+from plumbing.errors import DataError
 from rollouts.jsonl import format_errors, iter_jsonl
 
 ROLES = ("system", "user", "assistant", "tool")

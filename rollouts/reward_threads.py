@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import RewardError
+from plumbing.errors import RewardError
 
 
 class RewardThreadsExhausted(RewardError):

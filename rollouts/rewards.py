@@ -1,4 +1,4 @@
-"""Reward functions: pure builders, and `call_reward`, which runs one (sync or async).
+"""Reward functions: pure builders (exact match, format, length, vector rewards, aggregators).
 
 A reward is a plain callable `(sample) -> float`, or `(sample) -> Mapping[str, float]` for a
 vector reward, and may be `async def`. Convention for vector rewards: the mapping holds the
@@ -6,35 +6,30 @@ named components plus the aggregated scalar under the key "total" (`TOTAL`);
 `rollouts.scoring.score_sample` turns it into `sample.with_reward(total, components)`. A
 mapping without "total" is an error, so an aggregate is never guessed.
 
-The builders are pure: they only read the sample. `call_reward` is the only function here that
-touches trio: sync rewards run in a worker thread so a slow verifier never blocks the event
-loop; async rewards are awaited. Scoring a sample under a timeout (`score_sample`) and the
-samples of one finished request together (`score_samples`) live in `rollouts.scoring`.
-
-What is not covered: a sync reward that hangs cannot be killed. On timeout its thread is
-abandoned: the sample is marked failed at once and the thread runs on until it returns,
-counted by the `RewardThreads` pool it ran in (rollouts/reward_threads.py), which bounds both
-the reward threads running and the hung ones, apart from trio's shared thread pool.
+The builders are pure: they only read the sample. Running one (`call_reward`: sync rewards in
+a worker thread so a slow verifier never blocks the event loop, async rewards awaited) and
+checking its value are in `rollouts.reward_calls`, with the reward types; all of those names
+stay importable from here. Scoring a sample under a timeout (`score_sample`) and the samples
+of one finished request together (`score_samples`) live in `rollouts.scoring`.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeAlias
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-from rollouts.errors import ConfigError, DataError
-from rollouts.reward_threads import RewardThreads
+from plumbing.errors import ConfigError, DataError
+from rollouts.reward_calls import TOTAL as TOTAL
+from rollouts.reward_calls import Aggregator as Aggregator
+from rollouts.reward_calls import RewardFn as RewardFn
+from rollouts.reward_calls import RewardValue as RewardValue
+from rollouts.reward_calls import call_reward as call_reward
+from rollouts.reward_calls import is_async_reward as is_async_reward
+from rollouts.reward_calls import reward_name as reward_name
+from rollouts.reward_calls import scalar_reward as scalar_reward
+from rollouts.reward_calls import split_reward as split_reward
 from rollouts.types import Sample
-
-RewardValue: TypeAlias = float | Mapping[str, float]
-RewardFn: TypeAlias = Callable[[Sample], RewardValue | Awaitable[RewardValue]]
-Aggregator: TypeAlias = Callable[[Mapping[str, float]], float]
-
-TOTAL = "total"
-"""Key of the aggregated scalar in a vector reward's mapping."""
 
 _INT_RE = re.compile(r"[-+]?\d+")
 
@@ -369,70 +364,4 @@ def shape_reward(algorithm: RolloutAlgorithm, reward_fn: RewardFn) -> RewardFn:
         max_response_len=algorithm.overlong.max_response_len,
         cache_len=algorithm.overlong.cache_len,
         penalty_factor=algorithm.overlong.penalty_factor,
-    )
-
-
-# ----- running a reward ------------------------------------------------------------------------
-
-
-def scalar_reward(value: object, name: str = "reward") -> float:
-    """`value` as a finite float (bools allowed).
-
-    Raises:
-        TypeError: not a real number. ValueError: NaN or infinite.
-    """
-    if isinstance(value, list | tuple):
-        raise TypeError(
-            f"{name} returned a {type(value).__name__} of {len(value)} values, expected a float; "
-            "for several values wrap the reward: list_reward(fn, mean_aggregate), or return a "
-            f"mapping with {TOTAL!r}"
-        )
-    if not isinstance(value, int | float):
-        raise TypeError(f"{name} returned {type(value).__name__}, expected a float")
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"{name} returned {out}, expected a finite number")
-    return out
-
-
-def split_reward(value: object) -> tuple[float, dict[str, float] | None]:
-    """(total, components or None) from a reward's return value, checking the convention."""
-    if isinstance(value, Mapping):
-        if TOTAL not in value:
-            raise ValueError(
-                f"a vector reward must return its aggregate under {TOTAL!r}; got keys "
-                f"{sorted(value)} (build it with vector_reward)"
-            )
-        parts = {k: scalar_reward(v, k) for k, v in value.items() if k != TOTAL}
-        return scalar_reward(value[TOTAL], TOTAL), parts
-    return scalar_reward(value), None
-
-
-async def call_reward(
-    reward_fn: RewardFn, sample: Sample, *, threads: RewardThreads | None = None
-) -> RewardValue:
-    """Run `reward_fn` on `sample`: awaited if async, else in an abandonable worker thread.
-
-    Sync rewards run in `threads` (default: a pool of their own for this call), never in
-    trio's shared thread pool. A sync callable that returns an awaitable (e.g. a lambda
-    wrapping an async function) has that awaitable awaited in the event loop.
-    """
-    if is_async_reward(reward_fn):
-        return await reward_fn(sample)  # type: ignore[misc]
-    threads = threads or RewardThreads(1)
-    value = await threads.run_sync(reward_fn, sample, name=reward_name(reward_fn))
-    if inspect.isawaitable(value):
-        value = await value
-    return value  # type: ignore[return-value]
-
-
-def reward_name(fn: object) -> str:
-    """The name a reward goes by in errors and logs."""
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def is_async_reward(fn: object) -> bool:
-    """True for `async def` functions, partials of them and objects with an async __call__."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - checking the method, not callability
     )

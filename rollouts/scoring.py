@@ -34,10 +34,10 @@ from typing import TypeAlias
 
 import trio
 
-from rollouts.errors import DropSample, RewardError
-from rollouts.nursery import open_nursery
+from plumbing.errors import DropSample, RewardError
+from plumbing.nursery import open_nursery
+from rollouts.reward_calls import RewardFn, call_reward, is_async_reward, reward_name, split_reward
 from rollouts.reward_threads import RewardThreads, RewardThreadsExhausted
-from rollouts.rewards import RewardFn, call_reward, is_async_reward, reward_name, split_reward
 from rollouts.types import Sample
 
 _PENDING = object()

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollouts.errors import ConfigError, DataError
-from rollouts.generation import SampleTransform
+from plumbing.errors import ConfigError, DataError
+from rollouts.groups import SampleTransform
 from rollouts.types import Sample
 
 ShapingTerm = Callable[[Sample], float]

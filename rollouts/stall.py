@@ -7,7 +7,7 @@ run freezes with no log line.
 `watch_event_loop(stall_s)` runs a heartbeat task in the loop and a watcher thread beside it.
 When the heartbeat is `stall_s` late, the watcher reads the loop thread's stack and logs one
 warning per stall: the async reward that has not yielded when the stack holds one (found as
-the callee of the reward-calling frames in rollouts/rewards.py and rollouts/scoring.py), else
+the callee of the reward-calling frames in rollouts/reward_calls.py and rollouts/scoring.py), else
 the innermost function, with file and line. It only reports: the loop is still blocked.
 
 The watcher thread owns no event loop and touches none; it stops within `stall_s / 4` of the
@@ -27,9 +27,9 @@ from types import CodeType, FrameType
 
 import trio
 
+from plumbing.nursery import open_nursery
 from rollouts import scoring
-from rollouts.nursery import open_nursery
-from rollouts.rewards import call_reward
+from rollouts.reward_calls import call_reward
 
 log = logging.getLogger("rollouts.stall")
 

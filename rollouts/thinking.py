@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from rollouts.errors import ConfigError
-from rollouts.rewards import RewardFn, RewardValue, is_async_reward, reward_name
+from plumbing.errors import ConfigError
+from rollouts.reward_calls import RewardFn, RewardValue, is_async_reward, reward_name
 from rollouts.types import Sample
 
 

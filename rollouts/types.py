@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from rollouts.errors import DataError
+from plumbing.errors import DataError
 
 Status = Literal["completed", "truncated", "aborted", "failed"]
 STATUSES: tuple[Status, ...] = ("completed", "truncated", "aborted", "failed")

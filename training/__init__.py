@@ -11,7 +11,7 @@ loggers) < `training.recipes` (config -> components -> loop; the CLI; `train_rl`
 Anything not exported here may change freely.
 """
 
-import rollouts.threads  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)
+import plumbing.threads  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)
 from training.backend import BackendError as BackendError
 from training.backend import PyTorchTrainingBackend as PyTorchTrainingBackend
 from training.backend import TrainFuture as TrainFuture

@@ -13,8 +13,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from plumbing.errors import ConfigError
 from rollouts.config import Strict
-from rollouts.errors import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
 

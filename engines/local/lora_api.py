@@ -9,12 +9,11 @@ adapter from `model` (`OpenAIServingBase._parse_model_parameter` / `_resolve_lor
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-from .asgi import SSE_DONE, App, Request, Response, json_response, object_error, sse_event
-from .native_api import not_ready, read_json
-from .sampling_params import BadRequestError, RequestValidationError
+from .asgi import App, Request, Response, json_response, object_error
+from .route_helpers import not_ready, read_json
+from .sampling_params import RequestValidationError
 from .state import EngineState
 
 
@@ -83,20 +82,3 @@ def adapter_cards(state: EngineState, base: dict[str, Any]) -> list[dict[str, An
         {**base, "id": name, "root": path, "parent": base["id"], "max_model_len": None}
         for name, path in state.lora.loaded_adapters().items()
     ]
-
-
-async def bad_adapter_in_band(
-    events: AsyncIterator[bytes], *, openai: bool
-) -> AsyncIterator[bytes]:
-    """A stream whose adapter turned out unknown once a pause ended (names are resolved then,
-    see `Scheduler.submit`): the 400 goes in-band, as SGLang streams its errors."""
-    try:
-        async for event in events:
-            yield event
-    except BadRequestError as exc:
-        error: dict[str, Any] = {"message": str(exc)}
-        if openai:
-            error = {"object": "error", "message": str(exc), "type": "BadRequestError",
-                     "param": None, "code": 400}  # fmt: skip
-        yield sse_event({"error": error})
-        yield SSE_DONE

@@ -24,9 +24,17 @@ from .asgi import (
 )
 from .params import GenerateItem
 from .pause_lease import MAX_LEASE_S
+from .route_helpers import (
+    as_bool,
+    bad_adapter_in_band,
+    not_ready,
+    read_body,
+    read_json,
+    stream_sequences,
+    wait_finished,
+)
 from .sampling_params import BadRequestError, RequestValidationError, SamplingParams
 from .scheduler import PauseMode
-from .sequence import Sequence
 from .state import VERSION, EngineState
 
 logger = logging.getLogger(__name__)
@@ -41,70 +49,6 @@ _FLUSH_NOTE = (
     "Please check backend logs for more details. (When there are running or waiting requests, "
     "the operation will not be performed.)\n"
 )
-
-
-_MISSING_BODY = "[{'type': 'missing', 'loc': ('body',), 'msg': 'Field required', 'input': None}]"
-_PYDANTIC_TRUE = {"1", "on", "t", "true", "y", "yes"}
-_PYDANTIC_FALSE = {"0", "off", "f", "false", "n", "no"}
-
-
-def read_body(request: Request) -> dict[str, Any]:
-    """A route whose SGLang handler takes a request object: no body is FastAPI's 400."""
-    if not request.body.strip():
-        raise RequestValidationError(_MISSING_BODY)
-    body = read_json(request)
-    if not isinstance(body, dict):
-        raise RequestValidationError("Input should be a valid dictionary or object")
-    return body
-
-
-def as_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    """Pydantic's lax bool (SGLang validates the update body with it): true/false, 0/1 and
-    their usual strings; anything else is a 400."""
-    value = body.get(name, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in _PYDANTIC_TRUE | _PYDANTIC_FALSE:
-        return value.lower() in _PYDANTIC_TRUE
-    raise RequestValidationError(f"{name}: Input should be a valid boolean, got {value!r}")
-
-
-def not_ready() -> Response:
-    return object_error("The server is starting up (loading the model).", 503)
-
-
-def read_json(request: Request) -> Any:
-    try:
-        return request.json()
-    except (ValueError, RecursionError) as exc:  # bad JSON, a 5000-digit int, deep nesting
-        raise RequestValidationError(f"JSON decode error: {exc}") from None
-
-
-async def wait_finished(seqs: list[Sequence]) -> None:
-    for seq in seqs:
-        while not seq.finished:
-            await seq.changed.wait()
-
-
-async def stream_sequences(seqs: list[Sequence]) -> AsyncIterator[tuple[int, Sequence, bool]]:
-    """Yield (index, seq, final) whenever a sequence has new tokens or finished."""
-    sent = [0] * len(seqs)
-    pending = list(range(len(seqs)))
-    while pending:
-        head = seqs[pending[0]]
-        event = head.changed
-        if not head.finished and len(head.output_ids) == sent[pending[0]]:
-            await event.wait()
-        for i in list(pending):
-            seq = seqs[i]
-            if seq.finished:
-                pending.remove(i)
-                yield i, seq, True
-            elif len(seq.output_ids) > sent[i]:
-                sent[i] = len(seq.output_ids)
-                yield i, seq, False
 
 
 def register_native_routes(app: App, state: EngineState) -> None:
@@ -209,8 +153,6 @@ def register_native_routes(app: App, state: EngineState) -> None:
         except BadRequestError as exc:
             return error_response(str(exc))
         if parsed.stream:
-            from .lora_api import bad_adapter_in_band
-
             events = _stream_generate(state, parsed.items, parsed.is_batch)
             return StreamingResponse(bad_adapter_in_band(events, openai=False))
         try:

@@ -9,24 +9,11 @@ Contract:
 - All mutation of sequences happens here, on the trio thread, between steps.
 - Abort is immediate for the caller (the sequence finishes with `finish_reason.type ==
   "abort"`; "Abort in waiting queue" if it had not started); its row is dropped at the next step.
-- `pause(mode)`: "abort" aborts everything, "retract" moves running requests back to the queue
-  (recomputed on resume, `num_retractions` grows), "in_place" freezes them with their KV cache.
-  Each returns once no step is running. New requests wait in front of the scheduler until
-  `resume()` (SGLang holds them in its tokenizer manager), out of reach of `/abort_request`
-  (by rid or all: SGLang loses those aborts too); a client disconnect still drops them.
-- Prefix-cache flush (`flush_cache`, and an update with `flush_cache: true`), SGLang 0.5.23's
-  rule (`is_fully_idle(ignore_waiting=self._engine_paused)`): refused while a request is
-  running (an "in_place" pause keeps them running) or, unless paused, waiting; so it succeeds
-  during an "abort" or a "retract" pause. It runs on the model thread, between steps.
-- Weight updates hold a writer lock against every in-flight `/generate` (reader), like SGLang:
-  the update waits for in-flight requests (or aborts them with `abort_all_requests`) and new
-  requests queue behind it; when paused, the update runs at once. The load runs on the model
-  thread, so it never overlaps a step. On failure the old weights, `model_path` and
-  `weight_version` stay.
-
 - LoRA (lora_registry.py): a sequence joins the batch only if the distinct adapters running
   (the base model counts as one) stay within `max_loras_per_batch`, else it waits, as in
   SGLang; `submit` counts the requests using each adapter, and an unload waits for them.
+
+Pause, cache flush and weight updates (their contract too): scheduler_control.py.
 
 Not covered: priorities, preemption under memory pressure.
 """
@@ -38,65 +25,24 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
 from .params import GenerateItem
 from .sampling_params import BadRequestError
+from .scheduler_control import PauseMode as PauseMode
+from .scheduler_control import ReadWriteLock, SchedulerControl
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-PauseMode = Literal["abort", "retract", "in_place"]
 
 
 def abort_reason(message: str) -> dict[str, Any]:
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
-class _ReadWriteLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
-
-    def __init__(self) -> None:
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-        self._changed = trio.Event()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    @asynccontextmanager
-    async def read(self) -> AsyncIterator[None]:
-        while self._writer or self._writers_waiting:
-            await self._changed.wait()
-        self._readers += 1
-        try:
-            yield
-        finally:
-            self._readers -= 1
-            self._notify()
-
-    @asynccontextmanager
-    async def write(self) -> AsyncIterator[None]:
-        self._writers_waiting += 1
-        try:
-            while self._writer or self._readers:
-                await self._changed.wait()
-        finally:
-            self._writers_waiting -= 1
-            self._notify()
-        self._writer = True
-        try:
-            yield
-        finally:
-            self._writer = False
-            self._notify()
-
-
-class Scheduler:
+class Scheduler(SchedulerControl):
     def __init__(
         self,
         runner: Any,
@@ -123,7 +69,7 @@ class Scheduler:
         self._limiter = trio.CapacityLimiter(1)  # the single model thread
         self._step_done = trio.Event()
         self._stepping = False
-        self._update_lock = _ReadWriteLock()
+        self._update_lock = ReadWriteLock()
         self.generated_tokens = 0
         self.last_gen_throughput = 0.0
         # LoRA: the registry (set by the server when --enable-lora), distinct adapters per
@@ -315,94 +261,6 @@ class Scheduler:
             return 0
         live = [*self.waiting, *self.running]
         return self.abort_sequences(s for s in live if abort_all or s.rid.startswith(rid or ""))
-
-    async def wait_idle(self) -> None:
-        """Return once no model step is running."""
-        while self._stepping:
-            await self._step_done.wait()
-
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        if not self.paused:
-            self.paused, self._resumed = True, trio.Event()
-        if mode == "abort":
-            self.abort(abort_all=True)
-        await self.wait_idle()
-        if mode == "retract":
-            retracted = [s for s in self.running if not s.finished]
-            for seq in retracted:
-                seq.num_retractions += 1
-            self.running = []
-            self.waiting.extendleft(reversed(retracted))
-
-    def resume(self) -> None:
-        self.paused = False
-        self._resumed.set()
-        self._wake()
-
-    @property
-    def busy(self) -> bool:
-        return any(not s.finished for s in [*self.running, *self.waiting])
-
-    @property
-    def can_flush(self) -> bool:
-        """SGLang's `is_fully_idle(ignore_waiting=paused)`: waiting requests count only when
-        the engine is not paused (retracted ones are recomputed on resume)."""
-        if any(not s.finished for s in self.running):
-            return False
-        return self.paused or not any(not s.finished for s in self.waiting)
-
-    async def flush_cache(self) -> bool:
-        """Drop the prefix cache if `can_flush`; False (nothing done) otherwise."""
-        if not self.can_flush:
-            return False
-        await self.wait_idle()
-        await self.run_on_model_thread(self.runner.flush_prefix_cache)
-        return True
-
-    # ----- weights --------------------------------------------------------------------------
-
-    async def update_weights(
-        self,
-        path: str,
-        weight_version: str | None,
-        *,
-        abort_all_requests: bool = False,
-        flush_cache: bool = True,
-    ) -> tuple[bool, str]:
-        if abort_all_requests:
-            self.abort(abort_all=True)
-        if self.paused:
-            return await self._load(path, weight_version, flush_cache)
-        async with self._update_lock.write():
-            return await self._load(path, weight_version, flush_cache)
-
-    async def _load(self, path: str, weight_version: str | None, flush_cache: bool
-                    ) -> tuple[bool, str]:  # fmt: skip
-        from .runner import WeightLoadError  # torch-side module, imported lazily
-
-        started = time.perf_counter()
-        try:
-            await trio.to_thread.run_sync(self.runner.load_weights, path, limiter=self._limiter)
-        except WeightLoadError as exc:
-            logger.warning("weight update from %s failed: %s", path, exc)
-            return False, str(exc)
-        self.model_path = path
-        if flush_cache and not await self.flush_cache():
-            # SGLang 0.5.23: the new weights are in, but the cache flush that follows is refused
-            # while requests are running (a pause "in_place") or queued outside a pause, so the
-            # call fails and the weight version is not set.
-            message = (
-                "Weights were updated, but the cache was not flushed because requests are still "
-                "running or queued. Retract or finish them, then call /flush_cache."
-            )
-            logger.warning("weight update from %s: %s", path, message)
-            return False, message
-        message = "Succeeded to update model weights."
-        if weight_version is not None:
-            self.weight_version = weight_version
-            message += f" Weight version updated to {weight_version}."
-        logger.info("updated weights from %s in %.3f s", path, time.perf_counter() - started)
-        return True, message
 
 
 def notify(seq: Sequence) -> None:

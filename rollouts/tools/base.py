@@ -20,7 +20,7 @@ from typing import Any, TypeAlias
 
 import trio
 
-from rollouts.errors import RolloutsError
+from plumbing.errors import RolloutsError
 from rollouts.types import ToolCallRecord
 
 log = logging.getLogger("rollouts.tools")

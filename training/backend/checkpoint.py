@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from rollouts.errors import CheckpointError
+from plumbing.errors import CheckpointError
 
 LATEST = "latest"
 STATE_JSON = "trainer_state.json"

@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 
 import trio
 
-from rollouts.errors import RolloutsError
+from plumbing.errors import RolloutsError
 from training.config import OptimConfig
 
 R = TypeVar("R")

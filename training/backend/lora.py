@@ -129,7 +129,7 @@ def loadable_model_dir(checkpoint: Path) -> Path:
     Raises:
         ModelLoadError: a LoRA checkpoint written without `merged_export` (names the fix).
     """
-    from rollouts.errors import ModelLoadError
+    from plumbing.errors import ModelLoadError
 
     if not (checkpoint / "adapter_config.json").is_file():
         return checkpoint

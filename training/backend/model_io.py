@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rollouts.errors import ModelLoadError
+from plumbing.errors import ModelLoadError
 
 
 def check_model_path(path: str | Path) -> None:

@@ -16,7 +16,8 @@ Contract:
 Any world size, one code path. Under torchrun (training/distributed) every rank builds the
 same backend with its model sharded by FSDP2; each operation is a named op that rank 0 sends
 to the other ranks with their token-balanced share of the rows (`_dispatch`), every rank runs
-its part (`run_local`), and rank 0 combines the results. At world size 1 `_dispatch` runs the
+its part (`run_local`), and rank 0 combines the results (both, and the passes each op runs, in
+training/backend/rank_ops.py; checkpoint I/O in training/backend/persistence.py). At world size 1 `_dispatch` runs the
 op on all the rows and combines the one result: the same functions either way. What must be
 the same on every rank is: the loss normaliser (all-reduced before backward), the number of
 forward passes (agreed before the first one, in the same all-reduce; ranks with fewer
@@ -46,17 +47,11 @@ from training.backend.persistence import StateOps
 from training.backend.rank_ops import RankOps
 from training.backend.state import merge_metrics as merge_metrics
 from training.config import LoraSettings, OptimConfig
-from training.data.packing import (
-    pack_balanced,
-    prepare_sft_batch,
-    sft_loss,
-    temper_logits,
-    token_logprobs,
-)
-from training.data.prefix_sharing import split_rows_by_budget
+from training.data.packing import sft_loss, temper_logits, token_logprobs
 from training.distributed import context as dctx
-from training.distributed.split import even_shares, rank_shares
-from training.distributed.worker import gather_results, issue
+from training.distributed.split import even_shares
+from training.distributed.wire import SentById
+from training.distributed.worker import issue
 
 R = TypeVar("R")
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -78,7 +73,7 @@ def first_output(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     return logits[..., 0]
 
 
-class PyTorchTrainingBackend(RankOps, StateOps):
+class PyTorchTrainingBackend(RankOps, StateOps, SentById):
     """Training state of one model; see the module docstring for the contract."""
 
     def __init__(
@@ -106,7 +101,7 @@ class PyTorchTrainingBackend(RankOps, StateOps):
         model: the model, or a zero-argument callable that builds/loads it. A callable runs
             on the backend's worker thread, so that every torch op of the trainer runs on
             that one thread (a second thread running OpenMP-parallel ops slows both, see
-            rollouts/threads.py). The recipes pass `partial(load_model, path)`. Under
+            plumbing/threads.py). The recipes pass `partial(load_model, path)`. Under
             torchrun it must be a callable that every rank can rebuild (a module-level
             function or a partial of one). None with `weights_from`: a copy of that backend's
             model (the reference policy).
@@ -154,7 +149,8 @@ class PyTorchTrainingBackend(RankOps, StateOps):
                 if isinstance(model, torch.nn.Module):
                     raise TypeError("under torchrun pass the model as a builder (e.g. "
                                     "partial(load_model, path)), not a built module")  # fmt: skip
-                issue(self._dist, "create", self.backend_id, spec)
+                build = type(self).build_on_worker  # by import path: worker.py imports no backend
+                issue(self._dist, "create", self.backend_id, {"build": build, "spec": spec})
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
             torch.manual_seed(seed)
@@ -262,61 +258,6 @@ class PyTorchTrainingBackend(RankOps, StateOps):
         `load_weights_from_checkpoint`), which are safe to call from inside `fn`.
         """
         return self._submit(fn)
-
-    # -- dispatch: one op on every rank -----------------------------------------------------------
-
-    def _dispatch(self, op: str, rows: list[Any] | None, args: dict[str, Any], *,
-                  gather: bool = False, shares: list[list[int]] | None = None,
-                  ) -> tuple[list[Any], list[list[int]] | None]:  # fmt: skip
-        """Run `op` on every rank (rank 0: on the trainer thread); (results by rank, shares).
-
-        Rows are split token-balanced across ranks unless `shares` (indices into `rows` for
-        each rank) says how; `results` holds every rank's local result when `gather`, else
-        rank 0's only.
-        """
-        ctx = self._dist
-        if ctx is None:
-            shares = None if rows is None else [list(range(len(rows)))]
-            return [self.run_local(op, rows, args)], shares
-        if rows is not None and shares is None:
-            shares = rank_shares(rows, ctx.world, packed=self.pack_length is not None)
-        per_rank = None if shares is None else [[rows[i] for i in share] for share in shares]
-        with self._watching(op):  # the sends and the gather too: a silent rank blocks them
-            self._phase("sending the op to the other ranks")
-            issue(ctx, op, self.backend_id, args, per_rank, gather=gather)
-            local = self.run_local(op, None if per_rank is None else per_rank[0], args)
-            self._phase("gathering the other ranks' results")
-            return (gather_results(ctx, local) if gather else [local]), shares
-
-    def run_local(self, op: str, rows: list[Any] | None, args: dict[str, Any]) -> Any:
-        """This rank's part of `op` (every rank runs it, in the same order)."""
-        fn = getattr(self, f"_local_{op}")
-        with self._watching(op):
-            return fn(rows, **args) if rows is not None else fn(**args)
-
-    # -- batching -------------------------------------------------------------------------------
-
-    def _collate_sft(self, samples: Sequence[Any]) -> Any:
-        packing = self.pack_length is not None
-        return prepare_sft_batch(
-            samples, pad_id=self.pad_id, packing=packing, max_tokens_per_row=self.pack_length
-        )
-
-    def split_microbatches(self, samples: Sequence[Any]) -> list[list[Any]]:
-        """Group samples into micro-batches of at most `micro_batch_tokens` padded slots."""
-        if not samples:
-            return []
-        if self.pack_length is not None:
-            rows = pack_balanced(samples, self.pack_length)
-            rows_per_mb = max(1, self.micro_batch_tokens // self.pack_length)
-            return [
-                [samples[i] for row in rows[k : k + rows_per_mb] for i in row]
-                for k in range(0, len(rows), rows_per_mb)
-            ]
-        # One row per sample, or per run of samples sharing a prompt (RL examples with
-        # `shared_prefix_len`); samples sharing a `unit` (e.g. a DPO pair) stay together.
-        # Micro-batches are consecutive whole rows, so collating one re-plans the same rows.
-        return split_rows_by_budget(samples, self.micro_batch_tokens)
 
     # -- queued operations ------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""What every rank runs of a backend operation: the `_local_*` parts, and the one rule that keeps
-FSDP's collectives matched across ranks.
+"""How a backend operation runs on every rank: dispatch, micro-batching, the `_local_*` parts,
+and the one rule that keeps FSDP's collectives matched across ranks.
 
-A mixin of `PyTorchTrainingBackend` (training/backend/pytorch.py), split off to keep each file
-readable. `_dispatch` there sends an op with each rank's rows; `run_local` calls the method
-here named `_local_<op>` on every rank, in the same order everywhere.
+A mixin of `PyTorchTrainingBackend` (training/backend/pytorch.py), which keeps construction,
+the ordered queue and the public operations; the passes they execute are here. `_dispatch`
+sends an op with each rank's rows; `run_local` calls the method named `_local_<op>` on every
+rank, in the same order everywhere.
 
 The rule for every op that runs forward passes (loss, forward-backward, logprobs, values,
 greedy decoding, anything added later): FSDP all-gathers the parameters in each forward (and
@@ -33,8 +34,11 @@ from training.backend import model_io
 from training.backend import state as st
 from training.backend.futures import BackendError
 from training.backend.state import merge_metrics
-from training.data.packing import forward_logits
+from training.data.packing import forward_logits, pack_balanced, prepare_sft_batch
+from training.data.prefix_sharing import split_rows_by_budget
 from training.distributed import watchdog
+from training.distributed.split import rank_shares
+from training.distributed.worker import gather_results, issue
 
 if TYPE_CHECKING:
     from training.backend.pytorch import LossFn
@@ -43,6 +47,63 @@ T = TypeVar("T")
 
 
 class RankOps:
+    """`_dispatch`, `run_local`, micro-batching and the `_local_*` parts of each operation."""
+
+    # -- dispatch: one op on every rank -----------------------------------------------------------
+
+    def _dispatch(self, op: str, rows: list[Any] | None, args: dict[str, Any], *,
+                  gather: bool = False, shares: list[list[int]] | None = None,
+                  ) -> tuple[list[Any], list[list[int]] | None]:  # fmt: skip
+        """Run `op` on every rank (rank 0: on the trainer thread); (results by rank, shares).
+
+        Rows are split token-balanced across ranks unless `shares` (indices into `rows` for
+        each rank) says how; `results` holds every rank's local result when `gather`, else
+        rank 0's only.
+        """
+        ctx = self._dist
+        if ctx is None:
+            shares = None if rows is None else [list(range(len(rows)))]
+            return [self.run_local(op, rows, args)], shares
+        if rows is not None and shares is None:
+            shares = rank_shares(rows, ctx.world, packed=self.pack_length is not None)
+        per_rank = None if shares is None else [[rows[i] for i in share] for share in shares]
+        with self._watching(op):  # the sends and the gather too: a silent rank blocks them
+            self._phase("sending the op to the other ranks")
+            issue(ctx, op, self.backend_id, args, per_rank, gather=gather)
+            local = self.run_local(op, None if per_rank is None else per_rank[0], args)
+            self._phase("gathering the other ranks' results")
+            return (gather_results(ctx, local) if gather else [local]), shares
+
+    def run_local(self, op: str, rows: list[Any] | None, args: dict[str, Any]) -> Any:
+        """This rank's part of `op` (every rank runs it, in the same order)."""
+        fn = getattr(self, f"_local_{op}")
+        with self._watching(op):
+            return fn(rows, **args) if rows is not None else fn(**args)
+
+    # -- batching -------------------------------------------------------------------------------
+
+    def _collate_sft(self, samples: Sequence[Any]) -> Any:
+        packing = self.pack_length is not None
+        return prepare_sft_batch(
+            samples, pad_id=self.pad_id, packing=packing, max_tokens_per_row=self.pack_length
+        )
+
+    def split_microbatches(self, samples: Sequence[Any]) -> list[list[Any]]:
+        """Group samples into micro-batches of at most `micro_batch_tokens` padded slots."""
+        if not samples:
+            return []
+        if self.pack_length is not None:
+            rows = pack_balanced(samples, self.pack_length)
+            rows_per_mb = max(1, self.micro_batch_tokens // self.pack_length)
+            return [
+                [samples[i] for row in rows[k : k + rows_per_mb] for i in row]
+                for k in range(0, len(rows), rows_per_mb)
+            ]
+        # One row per sample, or per run of samples sharing a prompt (RL examples with
+        # `shared_prefix_len`); samples sharing a `unit` (e.g. a DPO pair) stay together.
+        # Micro-batches are consecutive whole rows, so collating one re-plans the same rows.
+        return split_rows_by_budget(samples, self.micro_batch_tokens)
+
     # -- the pass-count rule (see the module docstring) --------------------------------------------
 
     def _agree_passes(self, n_local: int, weight: float = 0.0) -> tuple[int, float]:

@@ -184,7 +184,7 @@ def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor] | No
     Raises:
         CheckpointError: the names in `full` are not the model's (names `source`).
     """
-    from rollouts.errors import CheckpointError
+    from plumbing.errors import CheckpointError
 
     if full is not None:
         for name, twin in tied_names(model).items():

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from training.data.tokenize import TokenizedSample
 
 IGNORE_INDEX = -100

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollouts.errors import ConfigError, DataError
+from plumbing.errors import ConfigError, DataError
 from rollouts.jsonl import format_errors
 from training.data.sft_data import SFTRecord
 

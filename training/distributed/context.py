@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from training.distributed import liveness, watchdog
 from training.distributed.teardown import (
     end_process_groups,

@@ -17,7 +17,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from rollouts.errors import RolloutsError
+from plumbing.errors import RolloutsError
 
 if TYPE_CHECKING:
     from training.distributed.context import DistContext

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from rollouts.errors import RolloutsError
+from plumbing.errors import RolloutsError
 
 if TYPE_CHECKING:
     from training.distributed.context import DistContext

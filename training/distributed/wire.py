@@ -30,6 +30,16 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 
+class SentById:
+    """Base of objects every rank builds under the same id (the backends): sent as that id.
+
+    Why a base class here rather than a check for the backend's class: the backend sits above
+    this module (it sends its ops through it), so the codec must not import it.
+    """
+
+    backend_id: int
+
+
 def _qualified(obj: Any) -> str:
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
     if not module or "<" in qualname or module == "__main__":
@@ -51,8 +61,6 @@ def _resolve(path: str) -> Any:
 
 def encode(obj: Any) -> Any:
     """`obj` as a JSON-able structure (see the module docstring for what is supported)."""
-    from training.backend.pytorch import PyTorchTrainingBackend
-
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
     if isinstance(obj, list):
@@ -68,7 +76,7 @@ def encode(obj: Any) -> Any:
                 "shape": list(t.shape)}  # fmt: skip
     if isinstance(obj, Path):
         return {"__path__": str(obj)}
-    if isinstance(obj, PyTorchTrainingBackend):
+    if isinstance(obj, SentById):
         return {"__backend__": obj.backend_id}
     if isinstance(obj, BaseModel):
         return {"__pydantic__": _qualified(type(obj)), "data": obj.model_dump(mode="json")}

@@ -5,7 +5,8 @@ then, if it has rows, each rank's share sent point to point, then — for operat
 result — each rank's local result sent back to rank 0. Every rank then runs the operation's
 local part, which issues the same collectives in the same order everywhere.
 
-`serve_commands` is the whole life of ranks ≥ 1: build the backends rank 0 builds, run each
+`serve_commands` is the whole life of ranks ≥ 1: build the backends rank 0 builds (the
+"create" op carries the builder by import path, so this module imports no backend), run each
 operation, and return when rank 0 sends `shutdown` (or raise when it vanished: the gloo wait
 ends with an error after `fsdp.command_timeout_s`, or at once when its socket closes).
 """
@@ -125,8 +126,6 @@ def _release_workers_if_idle(ctx: DistContext, wait_s: float = 10.0) -> None:
 
 def serve_commands(ctx: DistContext) -> None:
     """Ranks ≥ 1: run rank 0's operations until it says `shutdown`."""
-    from training.backend.pytorch import PyTorchTrainingBackend
-
     log.info("rank %d serving rank 0's backend operations", ctx.rank)
     while True:
         header = wire.loads(wire.broadcast_bytes(None, ctx.commands), ctx.backends)
@@ -140,8 +139,8 @@ def serve_commands(ctx: DistContext) -> None:
             if header["rows"]
             else None
         )
-        if op == "create":
-            PyTorchTrainingBackend.build_on_worker(args, backend_id)
+        if op == "create":  # args["build"]: the backend class's builder, sent by import path
+            args["build"](args["spec"], backend_id)
             continue
         result = ctx.backends[backend_id].run_local(op, rows, args)
         if header["gather"]:

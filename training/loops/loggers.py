@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollouts.errors import import_extra
+from plumbing.errors import import_extra
 
 Logger = Callable[[int, dict[str, Any]], None]
 

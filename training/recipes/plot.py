@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollouts.errors import DataError, RolloutsError, import_extra
+from plumbing.errors import DataError, RolloutsError, import_extra
 
 _BARS = " ▁▂▃▄▅▆▇█"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rollouts.envs import env_reward, tool_env_factory
-from rollouts.generation import GenerateFn, single_turn_generate
+from rollouts.generate_fn import GenerateFn, single_turn_generate
 from rollouts.multiturn import MultiTurnConfig, multiturn_generate
 from rollouts.rewards import RewardFn
 from rollouts.tools import Tool, calculator_tool, parse_hermes_tool_calls, parse_xml_tool_calls

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from rollouts.tasks.arithmetic import is_correct
 from rollouts.thinking import thinking_template_kwargs
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer

@@ -21,7 +21,7 @@ from typing import TypeAlias
 
 import torch
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 
 AdvantageFn: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
 

@@ -18,8 +18,8 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import Field, model_validator
 
+from plumbing.errors import ConfigError
 from rollouts.config import Strict
-from rollouts.errors import ConfigError
 from training.rl.kl import KLKind
 from training.rl.losses import Aggregation
 

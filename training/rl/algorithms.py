@@ -26,7 +26,7 @@ from typing import TypeAlias
 
 import torch
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from rollouts.rewards import shape_reward as shape_reward
 from training.rl import advantages as adv
 from training.rl.algorithm_config import (

@@ -1,4 +1,4 @@
-"""From rollout groups to training tensors and the per-micro-batch RL loss (pure functions).
+"""From rollout groups to training tensors (pure functions).
 
 Token ids and engine logprobs travel untouched from the engine: an `RLExample` is the sample's
 prompt + response ids with the loss mask extended by zeros over the prompt. RL batches are not
@@ -10,30 +10,35 @@ prompt (training/data/prefix_sharing.py), and the logits come back one sample pe
 Logprob alignment: position t of a row predicts token t+1, so a response token's logprob, its
 engine logprob and its advantage all sit at the position just before it (where
 `target_ids != -100`).
+
+The per-micro-batch RL loss that consumes these tensors is in microbatch_loss.py; its names
+stay importable from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from itertools import pairwise
 
 import torch
 
 from rollouts.shaping import add_reward_component
 from rollouts.types import RolloutBatch, Sample
-from training.data.packing import IGNORE_INDEX, SFTBatch, temper_logits, token_logprobs
+from training.data.packing import IGNORE_INDEX, SFTBatch
 from training.data.prefix_sharing import prepare_prefix_shared_batch
 from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import (
     AlgorithmConfig,
-    PolicyLossFn,
     apply_kl_reward_penalty,
     compute_advantages,
-    compute_policy_loss,
 )
-from training.rl.kl import KLFn, logprob_mismatch_metrics, token_entropy
+from training.rl.kl import KLFn
+from training.rl.microbatch_loss import loss_weight_fn as loss_weight_fn
+from training.rl.microbatch_loss import n_sequences as n_sequences
+from training.rl.microbatch_loss import rl_loss_fn as rl_loss_fn
+from training.rl.microbatch_loss import rl_microbatch_loss as rl_microbatch_loss
+from training.rl.microbatch_loss import trained_tokens as trained_tokens
 
 
 @dataclass(frozen=True)
@@ -335,78 +340,3 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
         returns_BT=per_token("returns"),
         old_values_BT=per_token("old_values"),
     )
-
-
-def rl_loss_fn(
-    algorithm: AlgorithmConfig,
-    *,
-    temperature: float = 1.0,
-    old_from_rollout: bool = False,
-    policy_loss_fn: PolicyLossFn = compute_policy_loss,
-    kl_fn: KLFn | None = None,
-):
-    """The backend loss for one RL micro-batch: logits → temperature-scaled logprobs → loss.
-
-    Engine logprobs are those of the temperature-scaled distribution, so the trainer scales its
-    logits the same way before comparing or training. The behaviour policy ("old" in the
-    ratio) is, in this order: the engine's logprobs with `old_from_rollout` (off-policy samples
-    in overlap/async modes); the trainer's logprobs before the step's first update when the
-    examples carry them (several updates per batch, `RLExample.old_logprobs`); otherwise the
-    current logprobs, detached (one update on on-policy samples: the same values).
-    `policy_loss_fn` (default `compute_policy_loss`) turns those tensors into the loss;
-    `kl_fn` is passed to it for the KL term.
-    """
-
-    return partial(rl_microbatch_loss, algorithm=algorithm, temperature=temperature,
-                   old_from_rollout=old_from_rollout, policy_loss_fn=policy_loss_fn,
-                   kl_fn=kl_fn)  # fmt: skip
-
-
-def rl_microbatch_loss(
-    logits: torch.Tensor,
-    batch: RLBatch,
-    *,
-    algorithm: AlgorithmConfig,
-    temperature: float,
-    old_from_rollout: bool,
-    policy_loss_fn: PolicyLossFn,
-    kl_fn: KLFn | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """`rl_loss_fn`'s loss (module-level, so that torchrun ranks can rebuild it by name)."""
-    logits = temper_logits(logits, temperature)
-    logprobs_BT = token_logprobs(logits, batch.target_ids)
-    mask_BT = (batch.target_ids != IGNORE_INDEX).float()
-    common = {"ref_logprobs_BT": batch.ref_logprobs_BT, "rewards_GN": batch.rewards_GN,
-              "kl_fn": kl_fn}  # fmt: skip
-    if algorithm.entropy_coef > 0:
-        common["entropy_BT"] = token_entropy(logits)
-    advantages = (batch.token_advantages_BT if batch.token_advantages_BT is not None
-                  else batch.advantages_B)  # fmt: skip
-    if old_from_rollout and batch.rollout_logprobs_BT is not None:
-        # the engine's logprobs are the behaviour policy; mismatch is measured against the
-        # trainer's current logprobs (before this update) instead.
-        loss_value, metrics = policy_loss_fn(
-            algorithm, logprobs_BT, batch.rollout_logprobs_BT, advantages, mask_BT, **common
-        )  # fmt: skip
-        mismatch = logprob_mismatch_metrics(
-            logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
-        )
-        return loss_value, {**metrics, **mismatch}
-    old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
-    return policy_loss_fn(
-        algorithm, logprobs_BT, old_BT, advantages, mask_BT,
-        rollout_logprobs_BT=batch.rollout_logprobs_BT, **common,
-    )  # fmt: skip
-
-
-def loss_weight_fn(algorithm: AlgorithmConfig):
-    """How micro-batch losses are weighted into the step loss: by tokens or by sequences."""
-    return trained_tokens if algorithm.aggregation == "token-mean" else n_sequences
-
-
-def trained_tokens(batch: RLBatch) -> float:
-    return batch.n_trained_tokens
-
-
-def n_sequences(batch: RLBatch) -> float:
-    return batch.n_samples

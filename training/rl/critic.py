@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rollouts.errors import ModelLoadError
+from plumbing.errors import ModelLoadError
 from training.backend.pytorch import PyTorchTrainingBackend
 from training.config import OptimConfig
 from training.data.packing import IGNORE_INDEX

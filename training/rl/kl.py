@@ -26,7 +26,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 
 KLKind = Literal["k1", "k2", "k3"]
 KLFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

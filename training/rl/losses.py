@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from training.rl.kl import KLFn, KLKind, bool_mask, kl_estimate, kl_estimator, masked_mean
 from training.rl.preference_loss import pairwise_preference_loss as pairwise_preference_loss
 

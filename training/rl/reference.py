@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from training.backend.pytorch import PyTorchTrainingBackend
 
 ReferenceUpdateFn: TypeAlias = Callable[

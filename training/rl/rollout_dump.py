@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rollouts.errors import DataError
+from plumbing.errors import DataError
 from rollouts.jsonl import format_errors, iter_jsonl
 from rollouts.types import RolloutBatch
 from training.backend.pytorch import PyTorchTrainingBackend

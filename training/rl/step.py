@@ -38,17 +38,15 @@ from training.rl.batch import (
     RLExample,
     build_examples,
     kl_penalised_batch,
-    loss_weight_fn,
-    rl_loss_fn,
     sample_to_example,
     split_mini_batches,
-    trained_tokens,
     with_old_logprobs,
     with_ref_logprobs,
 )
 from training.rl.critic import value_loss_fn
 from training.rl.gae import explained_variance, gae, whiten
 from training.rl.kl import KLFn
+from training.rl.microbatch_loss import loss_weight_fn, rl_loss_fn, trained_tokens
 
 
 async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,

@@ -1,0 +1,209 @@
+"""Which engines of an `EnginePool` serve: per-engine records, health probes, mark down, rejoin.
+
+Why a module of its own: membership is the pool's state machine (up → down → given the current
+weights → up), driven by probes and supervisor events in the background; `pool.py` keeps the
+dispatch of requests (pick, retry, fail over), which only reads `_Slot.healthy` and waits on
+`_changed`. `PoolMembershipMixin` uses the attributes `EnginePool.__init__` sets.
+
+Contract (the membership half of `EnginePool`'s):
+- An engine that fails with `EngineUnavailableError` (connection refused or dropped, 503 after
+  its own retries) is marked down. A background task (in the nursery of `async with pool:`)
+  probes every engine each `probe_interval_s`: a healthy one must still answer `/model_info`
+  with the weight version the last sync gave it (`expected_weights`), else it is marked down (it
+  died, or restarted on its initial weights); a down one that answers again is first given
+  the current weights by a full sync (pause → flush → update → version check → continue), and
+  the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
+  marked up. Engines this client has paused (a weight sync in progress) are never
+  marked down by a probe. A down engine's `known_down` is set: weight syncs skip it without
+  trying (its retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
+- `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
+  ("down", url) marks that engine down at once, so no request is sent to a dead engine while
+  it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
+  that finds it answering would), without waiting for the next probe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+
+import trio
+
+from plumbing.errors import EngineError, engine_failure_kind
+
+from .types import EngineUnavailableError, InferenceEngine
+from .weight_sync import sync_lora_to_engines, sync_weights_to_engines
+
+logger = logging.getLogger("engines.pool")  # the pool's one logger name, as before the split
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    url: str
+    healthy: bool
+    in_flight: int
+    done: int
+    failed: int
+    failures: Mapping[str, int] = dataclass_field(default_factory=dict)  # kind -> count
+    rejoined: int = 0  # times it came back and was given the current weights
+    samples_sent: int = 0  # items of the requests sent to it (a batch counts its items)
+    samples_received: int = 0  # items of the answers it returned
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    engines: tuple[EngineStats, ...]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(e.in_flight for e in self.engines)
+
+    @property
+    def done(self) -> int:
+        return sum(e.done for e in self.engines)
+
+    @property
+    def failed(self) -> int:
+        return sum(e.failed for e in self.engines)
+
+
+class _Slot:
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self.healthy = True
+        self.in_flight = 0
+        self.done = 0
+        self.failed = 0
+        self.failures: Counter[str] = Counter()
+        self.rejoined = 0
+        self.rejoining = False
+        self.samples_sent = 0
+        self.samples_received = 0
+        self.last_pick = 0
+
+    def fail(self, exc: EngineError) -> None:
+        self.failed += 1
+        self.failures[engine_failure_kind(exc)] += 1
+
+
+class StaleWeightsError(EngineUnavailableError):
+    """The engine answered from other weights than the last sync gave it (it restarted)."""
+
+
+class NoEngineAvailableError(EngineUnavailableError):
+    """The pool waited `unavailable_timeout_s` (or spent `max_attempts`) and no engine served
+    the request: sending it again at once would not help. `last_kind`: the last failure's kind."""
+
+    def __init__(self, message: str, *, last: EngineError | None = None) -> None:
+        super().__init__(message, url=getattr(last, "url", "") or "")
+        self.last_kind = engine_failure_kind(last) if last is not None else None
+
+
+class PoolMembershipMixin:
+    """Health probes, engine events and rejoin for `EnginePool` (uses the state it sets)."""
+
+    _slots: list[_Slot]
+    _changed: trio.Event
+    _nursery: trio.Nursery | None
+    probe_interval_s: float
+    rejoin_timeout_s: float
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _mark_down(self, slot: _Slot, reason: BaseException) -> None:
+        if slot.healthy:
+            logger.warning("engine %s marked down: %s", slot.engine.url, reason)
+            slot.healthy = False
+            _set_known_down(slot.engine, True)
+            self._notify()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            with trio.move_on_after(self.probe_interval_s):
+                async with trio.open_nursery() as nursery:
+                    for slot in self._slots:
+                        nursery.start_soon(self._probe_one, slot)
+            await trio.sleep(self.probe_interval_s)
+
+    async def _probe_one(self, slot: _Slot) -> None:
+        engine = slot.engine
+        if getattr(engine, "paused", False):
+            return  # a weight sync is in progress: its own steps say whether it failed
+        if not slot.healthy:
+            if await _probe(engine, self.probe_interval_s):
+                self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
+            return
+        expected = getattr(engine, "expected_weights", None)
+        if expected is None:
+            return
+        try:  # a probe still unanswered when its round ends is cancelled, not counted
+            version = (await engine.model_info()).weight_version
+        except EngineError as exc:
+            if not getattr(engine, "paused", False):
+                self._mark_down(slot, EngineUnavailableError(f"probe failed: {exc}"))
+            return
+        if version != expected[1] and not getattr(engine, "paused", False):
+            self._mark_down(slot, StaleWeightsError(
+                f"serves weight_version {version!r}, the last sync gave it {expected[1]!r}"))  # fmt: skip
+
+    async def _follow_engine_events(self, events: trio.MemoryReceiveChannel[tuple[str, str]]
+                                    ) -> None:  # fmt: skip
+        """A supervisor saw an engine die ("down") or its relaunch answer ("up")."""
+        async for what, url in events:
+            for slot in (s for s in self._slots if s.engine.url == url):
+                if what == "down":
+                    self._mark_down(slot, EngineUnavailableError("its supervisor saw it exit",
+                                                                 url=url))  # fmt: skip
+                elif not slot.healthy:
+                    self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
+
+    async def _rejoin(self, slot: _Slot) -> None:
+        """A down engine answers again: give it the current weights, then let it serve."""
+        if slot.rejoining:
+            return
+        slot.rejoining = True
+        engine = slot.engine
+        _set_known_down(engine, False)  # it answers: the sync below must not skip it
+        try:
+            expected = getattr(engine, "expected_weights", None)
+            lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
+            with trio.fail_after(self.rejoin_timeout_s):
+                if expected is not None and expected[0] is not None:
+                    await sync_weights_to_engines([engine], expected[0], expected[1])
+                if expected is not None and lora is not None:
+                    await sync_lora_to_engines([engine], lora[1], lora[0], expected[1])
+            logger.info("engine %s is back%s", engine.url,
+                        f" and serves weights {expected[1]}" if expected else "")  # fmt: skip
+            slot.healthy = True
+            slot.rejoined += 1
+            self._notify()
+        except (EngineError, trio.TooSlowError) as exc:
+            logger.warning("engine %s answers but could not be given the weights: %s",
+                           engine.url, exc)  # fmt: skip
+        finally:
+            slot.rejoining = False
+
+
+def _set_known_down(engine: InferenceEngine, down: bool) -> None:
+    """`engine.known_down`: weight syncs skip it at once instead of paying its retries."""
+    with contextlib.suppress(AttributeError):
+        engine.known_down = down  # type: ignore[attr-defined]
+
+
+async def _probe(engine: InferenceEngine, timeout_s: float) -> bool:
+    is_healthy = getattr(engine, "is_healthy", None)
+    with trio.move_on_after(max(timeout_s, 1.0)):
+        if is_healthy is not None:
+            return bool(await is_healthy())
+        try:
+            await engine.wait_healthy(timeout_s)
+            return True
+        except EngineError:
+            return False
+    return False

@@ -1,0 +1,13 @@
+"""Plumbing every package uses: the error hierarchy, a nursery helper, the OpenMP set-up.
+
+Why a package of its own, beside `rollouts`, `training` and `engines` rather than inside one of
+them: all three need these, and a shared piece kept in a feature package makes every other
+package import that one (before, `import engines` loaded all of `rollouts`, its rollout manager
+and tools included, to get `EngineError`). This package imports none of the three, nor torch
+or httpx; keep it small: only what every package needs goes here.
+
+- `errors`: one base error, a few precise subclasses that also inherit the stdlib type they
+  replace; users catch them from `rollouts.errors` / `rollouts`, which re-export them.
+- `nursery`: `open_nursery()`, a trio nursery that raises a lone error as itself.
+- `threads`: OpenMP spin settings applied on import, before torch loads.
+"""

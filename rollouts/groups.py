@@ -1,0 +1,92 @@
+"""Pure functions over finished groups: filters, sample transforms, a `RolloutBatch`, metrics.
+
+Why a module of its own: these are the parts of rollout generation a user replaces or tests
+with toy samples (a `GroupFilter`, a `SampleTransform`), and they need no engine, no trio and
+no thread: `generation.collect_groups` calls them, `rollouts.manager` and the evaluation call
+them too.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+
+from rollouts.tools.rewards import tool_metrics
+from rollouts.types import RolloutBatch, Sample
+
+Group = tuple[Sample, ...]
+GroupFilter = Callable[[Group], bool]
+SampleTransform = Callable[[Sample], Sample]
+
+
+def keep_if_reward_varies(group: Group, *, eps: float = 1e-6) -> bool:
+    """DAPO dynamic sampling: keep a group only if its rewards are not all equal (std > eps).
+
+    Works for binary and continuous rewards; a group of one sample has no spread.
+    """
+    rewards = [s.reward for s in group]
+    return len(rewards) > 1 and statistics.pstdev(rewards) > eps
+
+
+def keep_all(group: Group) -> bool:
+    return True
+
+
+def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[SampleTransform]
+                            ) -> list[Sample]:  # fmt: skip
+    """Apply reward shaping / bookkeeping transforms in order (pure)."""
+    out = list(samples)
+    for transform in transforms:
+        out = [transform(s) for s in out]
+    return out
+
+
+def convert_to_batch(groups: Sequence[Group], epoch_id: int, step_id: int,
+                     metrics: Mapping[str, float] | None = None,
+                     failures: Mapping[str, int] | None = None) -> RolloutBatch:  # fmt: skip
+    """Freeze accepted groups into a RolloutBatch with their metrics (pure)."""
+    merged = {**rollout_metrics(groups), **(metrics or {})}
+    return RolloutBatch(tuple(tuple(g) for g in groups), step_id, epoch_id, merged,
+                        dict(failures or {}))  # fmt: skip
+
+
+def summarize_errors(errors: Mapping[str, int], *, limit: int = 5) -> str:
+    """`errors` (text → count) as one line, most frequent first: "12x reward f raised ...; ..."."""
+    ranked = sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{n}x {_clip(text)}" for text, n in ranked[:limit]]
+    if len(ranked) > limit:
+        parts.append(f"and {len(ranked) - limit} other errors")
+    return "; ".join(parts)
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Reward, accuracy, length and truncation statistics of accepted groups (pure).
+
+    Each named reward component gets its mean as `reward/<name>` (over the samples that have
+    it); "accuracy" is the mean of the "correct" component when there is one. Tool use
+    (`tool_calls_per_sample`, `tool_success_rate`, `turns_per_sample`, ...) is always included,
+    so a policy that stops calling tools shows up as zeros rather than as missing points.
+    """
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {}
+    rewards = [s.reward for s in samples]
+    lengths = [len(s.response_ids) for s in samples]
+    out = {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "response_len_mean": statistics.fmean(lengths),
+        "response_len_max": float(max(lengths)),
+        "truncation_rate": sum(s.status == "truncated" for s in samples) / len(samples),
+        "n_samples": float(len(samples)),
+    }
+    for name in sorted({k for s in samples for k in s.reward_components}):
+        values = [s.reward_components[name] for s in samples if name in s.reward_components]
+        out[f"reward/{name}"] = statistics.fmean(values)
+    if "reward/correct" in out:
+        out["accuracy"] = out["reward/correct"]
+    return out | tool_metrics(samples)
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,97 @@
+"""The per-micro-batch RL loss the backend runs, and how micro-batch losses are weighted.
+
+Why a module of its own: `batch.py` turns rollout groups into tensors (data), this is what
+the backend calls on each micro-batch's logits (the loss), on every rank: the functions are
+module-level so that torchrun ranks rebuild them by import path (training/distributed/wire.py).
+
+Logprob alignment as in batch.py: position t of a row predicts token t+1.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from training.data.packing import IGNORE_INDEX, temper_logits, token_logprobs
+from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
+from training.rl.kl import KLFn, logprob_mismatch_metrics, token_entropy
+
+if TYPE_CHECKING:  # annotations only: batch.py re-exports this module's names
+    from training.rl.batch import RLBatch
+
+
+def rl_loss_fn(
+    algorithm: AlgorithmConfig,
+    *,
+    temperature: float = 1.0,
+    old_from_rollout: bool = False,
+    policy_loss_fn: PolicyLossFn = compute_policy_loss,
+    kl_fn: KLFn | None = None,
+):
+    """The backend loss for one RL micro-batch: logits → temperature-scaled logprobs → loss.
+
+    Engine logprobs are those of the temperature-scaled distribution, so the trainer scales its
+    logits the same way before comparing or training. The behaviour policy ("old" in the
+    ratio) is, in this order: the engine's logprobs with `old_from_rollout` (off-policy samples
+    in overlap/async modes); the trainer's logprobs before the step's first update when the
+    examples carry them (several updates per batch, `RLExample.old_logprobs`); otherwise the
+    current logprobs, detached (one update on on-policy samples: the same values).
+    `policy_loss_fn` (default `compute_policy_loss`) turns those tensors into the loss;
+    `kl_fn` is passed to it for the KL term.
+    """
+
+    return partial(rl_microbatch_loss, algorithm=algorithm, temperature=temperature,
+                   old_from_rollout=old_from_rollout, policy_loss_fn=policy_loss_fn,
+                   kl_fn=kl_fn)  # fmt: skip
+
+
+def rl_microbatch_loss(
+    logits: torch.Tensor,
+    batch: RLBatch,
+    *,
+    algorithm: AlgorithmConfig,
+    temperature: float,
+    old_from_rollout: bool,
+    policy_loss_fn: PolicyLossFn,
+    kl_fn: KLFn | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`rl_loss_fn`'s loss (module-level, so that torchrun ranks can rebuild it by name)."""
+    logits = temper_logits(logits, temperature)
+    logprobs_BT = token_logprobs(logits, batch.target_ids)
+    mask_BT = (batch.target_ids != IGNORE_INDEX).float()
+    common = {"ref_logprobs_BT": batch.ref_logprobs_BT, "rewards_GN": batch.rewards_GN,
+              "kl_fn": kl_fn}  # fmt: skip
+    if algorithm.entropy_coef > 0:
+        common["entropy_BT"] = token_entropy(logits)
+    advantages = (batch.token_advantages_BT if batch.token_advantages_BT is not None
+                  else batch.advantages_B)  # fmt: skip
+    if old_from_rollout and batch.rollout_logprobs_BT is not None:
+        # the engine's logprobs are the behaviour policy; mismatch is measured against the
+        # trainer's current logprobs (before this update) instead.
+        loss_value, metrics = policy_loss_fn(
+            algorithm, logprobs_BT, batch.rollout_logprobs_BT, advantages, mask_BT, **common
+        )  # fmt: skip
+        mismatch = logprob_mismatch_metrics(
+            logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
+        )
+        return loss_value, {**metrics, **mismatch}
+    old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
+    return policy_loss_fn(
+        algorithm, logprobs_BT, old_BT, advantages, mask_BT,
+        rollout_logprobs_BT=batch.rollout_logprobs_BT, **common,
+    )  # fmt: skip
+
+
+def loss_weight_fn(algorithm: AlgorithmConfig):
+    """How micro-batch losses are weighted into the step loss: by tokens or by sequences."""
+    return trained_tokens if algorithm.aggregation == "token-mean" else n_sequences
+
+
+def trained_tokens(batch: RLBatch) -> float:
+    return batch.n_trained_tokens
+
+
+def n_sequences(batch: RLBatch) -> float:
+    return batch.n_samples
