@@ -19,14 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("rollouts", "training", "engines", "plumbing")
 MAX_LINES = 400
 
-# Being split by another helper (issue 28, part 1) on a parallel branch; the lead removes this
-# allow-list once both branches are merged. Nothing else may be added here.
-LONG_MODULES_ALLOWED = {
-    "training/loops/rl.py",
-    "training/recipes/rl.py",
-    "training/recipes/cli.py",
-}
-
 
 def _library_files() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
@@ -149,8 +141,7 @@ def test_every_library_module_is_under_400_lines():
         for p in _library_files()
         if (n := len(p.read_text().splitlines())) >= MAX_LINES
     }
-    unexpected = {p: n for p, n in too_long.items() if p not in LONG_MODULES_ALLOWED}
-    assert not unexpected, f"library modules of {MAX_LINES}+ lines: {unexpected}"
+    assert not too_long, f"library modules of {MAX_LINES}+ lines: {too_long}"
 
 
 def test_errors_users_catch_from_rollouts_are_the_plumbing_classes():

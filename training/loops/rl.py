@@ -28,9 +28,9 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import CheckpointError, ConfigError, RolloutsError
+from plumbing.errors import CheckpointError, ConfigError, RolloutsError
+from plumbing.nursery import open_nursery
 from rollouts.generation import summarize_errors
-from rollouts.nursery import open_nursery
 from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend

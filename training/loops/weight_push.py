@@ -22,7 +22,7 @@ from engines.weight_sync import (
     sync_lora_to_engines,
     sync_weights_to_engines,
 )
-from rollouts.nursery import open_nursery
+from plumbing.nursery import open_nursery
 from training.backend.pytorch import PyTorchTrainingBackend
 
 

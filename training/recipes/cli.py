@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import RolloutsError
+from plumbing.errors import RolloutsError
 from training.recipes.cli_run import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,

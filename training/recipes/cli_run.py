@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import ConfigError, RolloutsError
+from plumbing.errors import ConfigError, RolloutsError
 
 log = logging.getLogger("rollouts.cli")
 

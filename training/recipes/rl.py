@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from engines.client import probe_engines
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager

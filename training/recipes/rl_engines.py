@@ -19,7 +19,7 @@ from engines.client import EngineTimeouts
 from engines.control_plane import GatewayControl, choose_control_plane, control_targets
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
-from rollouts.errors import ConfigError
+from plumbing.errors import ConfigError
 from training.rl_config import RLRunConfig
 
 log = logging.getLogger("rollouts.rl_recipe")
