@@ -44,14 +44,16 @@ def test_no_signal_warning_comes_once_per_stretch_after_patience_steps(caplog):
     assert "never succeeds" in warnings[0]
 
 
-def test_eta_is_the_mean_step_time_so_far_counted_from_the_first_step_seen():
+def test_eta_is_the_mean_step_time_since_the_first_step_seen():
     now = [100.0]
     eta = Eta(800, clock=lambda: now[0])
-    now[0] += 20.0  # a resumed run: its first step is 401
-    assert eta.describe(401) == "elapsed 0:20, ~2:13:00 left"  # 399 steps x 20 s
+    now[0] += 30.0  # set-up, then the first step of a run resumed at 400
+    assert eta.describe(401) == "elapsed 0:30, ~3:19:30 left"  # 399 steps x 30 s, a guess
     now[0] += 20.0
-    assert eta.describe(402) == "elapsed 0:40, ~2:12:40 left"
-    assert eta.describe(800) == "elapsed 0:40"
+    assert eta.describe(402) == "elapsed 0:50, ~2:12:40 left"  # 398 steps x 20 s
+    now[0] += 40.0
+    assert eta.describe(404) == "elapsed 1:30, ~2:12:00 left"  # 396 x (60 s / 3 steps)
+    assert eta.describe(800) == "elapsed 1:30"
     assert format_duration(3725) == "1:02:05"
 
 

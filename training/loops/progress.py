@@ -29,27 +29,29 @@ def format_duration(seconds: float) -> str:
 class Eta:
     """Elapsed time and remaining-time estimate of a phase of `total` steps.
 
-    The clock starts when it is made (just before the phase's first step); the rate counts the
-    steps from the first one described, so a resumed phase (first step 401 of 800) is not
-    credited with the steps an earlier run did.
+    Elapsed counts from when it is made (just before the phase: set-up included). The rate
+    counts from the first step described: set-up (engine launch, a first evaluation) is not a
+    step's time, and a resumed phase (first step 401 of 800) is not credited with the steps an
+    earlier run did. Until a second step ends, the first step's time stands for the rate.
     """
 
     def __init__(self, total: int, *, clock: Callable[[], float] = time.monotonic):
         self.total = total
         self._clock = clock
         self._t0 = clock()
-        self._first: int | None = None
+        self._first: tuple[int, float] | None = None  # (step, when it was described)
 
     def describe(self, step: int) -> str:
         """`elapsed 1:02, ~10:40 left` after `step` of `total`."""
-        elapsed = self._clock() - self._t0
+        now = self._clock()
+        elapsed = f"elapsed {format_duration(now - self._t0)}"
         if self._first is None:
-            self._first = step
-        done = step - self._first + 1
+            self._first = (step, now)
         if step >= self.total:
-            return f"elapsed {format_duration(elapsed)}"
-        left = elapsed / done * (self.total - step)
-        return f"elapsed {format_duration(elapsed)}, ~{format_duration(left)} left"
+            return elapsed
+        first, at = self._first
+        per_step = (now - at) / (step - first) if step > first else now - self._t0
+        return f"{elapsed}, ~{format_duration(per_step * (self.total - step))} left"
 
 
 def signal_note(metrics: Mapping[str, Any]) -> str:
