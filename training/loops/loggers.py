@@ -2,8 +2,9 @@
 
 A logger is an extension point (one signature: `Logger`). Shipped: JSONL (one JSON object per
 step, appended, so a resumed run continues the same file), console (a tqdm bar on a TTY, one
-plain `logging` line per step with elapsed time and ETA otherwise), wandb and TensorBoard (their packages are optional extras, imported
-when the logger is created), and `fan_out` to combine them.
+plain `logging` line per step with elapsed time and ETA otherwise), wandb and TensorBoard
+(their packages are optional extras, imported when the logger is created), and `fan_out` to
+combine them.
 """
 
 from __future__ import annotations
