@@ -48,8 +48,10 @@ def why_no_signal(rewards: Sequence[float]) -> str:
                 "groups): raise rollout.n_samples_per_prompt or rollout.sampling.temperature, "
                 "or use a reward with partial credit")  # fmt: skip
     if low == 0.0:
-        return ("every sample got reward 0: the model never succeeds at this task; start from "
-                "an SFT checkpoint or use an easier task (or a reward with partial credit)")  # fmt: skip
+        return (
+            "every sample got reward 0: the model never succeeds at this task; start from "
+            "an SFT checkpoint or use an easier task (or a reward with partial credit)"
+        )
     return (f"every sample got the same reward {low:g}: the task is too easy for the model or "
             "the reward does not depend on the response; check the reward function")  # fmt: skip
 
