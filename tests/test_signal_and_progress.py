@@ -48,7 +48,7 @@ def test_eta_is_the_mean_step_time_since_the_first_step_seen():
     now = [100.0]
     eta = Eta(800, clock=lambda: now[0])
     now[0] += 30.0  # set-up, then the first step of a run resumed at 400
-    assert eta.describe(401) == "elapsed 0:30, ~3:19:30 left"  # 399 steps x 30 s, a guess
+    assert eta.describe(401) == "elapsed 0:30"  # set-up and one step: no rate yet
     now[0] += 20.0
     assert eta.describe(402) == "elapsed 0:50, ~2:12:40 left"  # 398 steps x 20 s
     now[0] += 40.0
@@ -137,6 +137,6 @@ def test_sft_piped_prints_one_line_per_step_with_eta_and_no_save_bars(tiny_model
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert step_lines(proc.stderr) == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    first = next(line for line in proc.stderr.splitlines() if STEP_LINE.search(line))
-    assert re.search(r"\[elapsed \d+:\d\d, ~\d+:\d\d left\]$", first), first
+    second = [line for line in proc.stderr.splitlines() if STEP_LINE.search(line)][1]
+    assert re.search(r"\[elapsed \d+:\d\d, ~\d+:\d\d left\]$", second), second
     assert "Writing model shards" not in proc.stdout + proc.stderr

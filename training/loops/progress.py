@@ -32,7 +32,7 @@ class Eta:
     Elapsed counts from when it is made (just before the phase: set-up included). The rate
     counts from the first step described: set-up (engine launch, a first evaluation) is not a
     step's time, and a resumed phase (first step 401 of 800) is not credited with the steps an
-    earlier run did. Until a second step ends, the first step's time stands for the rate.
+    earlier run did. The first step's line has no estimate (its time includes the set-up).
     """
 
     def __init__(self, total: int, *, clock: Callable[[], float] = time.monotonic):
@@ -47,10 +47,10 @@ class Eta:
         elapsed = f"elapsed {format_duration(now - self._t0)}"
         if self._first is None:
             self._first = (step, now)
-        if step >= self.total:
-            return elapsed
         first, at = self._first
-        per_step = (now - at) / (step - first) if step > first else now - self._t0
+        if step >= self.total or step <= first:
+            return elapsed
+        per_step = (now - at) / (step - first)
         return f"{elapsed}, ~{format_duration(per_step * (self.total - step))} left"
 
 
