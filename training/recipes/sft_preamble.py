@@ -3,7 +3,7 @@
 `make rl` and the demo configs start RL from the SFT recipe's checkpoint and run that recipe
 first when the checkpoint is missing. That preamble is long (800 steps of the tiny recipe, and
 its time grows with the machine's load), so a stop during it must not cost it: here it writes
-a checkpoint at least every sixteenth of its steps, a stop logs which checkpoint was kept, and
+a checkpoint at least every 1/32 of its steps (25 of the tiny recipe's 800), a stop logs which checkpoint was kept, and
 the next run resumes from that checkpoint when it was made by the same recipe on the same data.
 Fields that only say how a run is watched or stored (`RUN_ONLY`) do not make a checkpoint
 "another recipe's".
@@ -44,8 +44,8 @@ def same_recipe(saved: SFTRunConfig | None, sft: SFTRunConfig) -> bool:
 
 
 def preamble_config(sft: SFTRunConfig, *, resume: bool) -> SFTRunConfig:
-    """`sft` with checkpoints at least every 1/16 of its steps, resuming if `resume`."""
-    every = min(sft.train.checkpoint_every, max(1, sft.train.max_steps // 16))
+    """`sft` with checkpoints at least every 1/32 of its steps, resuming if `resume`."""
+    every = min(sft.train.checkpoint_every, max(1, sft.train.max_steps // 32))
     train = sft.train.model_copy(update={"checkpoint_every": every,
                                          "resume": "auto" if resume else "never"})  # fmt: skip
     return sft.model_copy(update={"train": train})
@@ -77,16 +77,19 @@ async def run_sft_preamble(sft: SFTRunConfig) -> SFTSummary:
     if resume:
         log.info("resuming the SFT run from %s", latest)
     progress = Progress()
+    config = preamble_config(sft, resume=resume)
     try:
-        return await run_sft_recipe(preamble_config(sft, resume=resume), on_step=progress)
+        return await run_sft_recipe(config, on_step=progress)
     except trio.Cancelled:
         kept = find_latest_checkpoint(checkpoints)
         at = "before its first step" if progress.step is None else f"after step {progress.step}"
         if kept is None or (not resume and kept == latest):
-            log.warning("the SFT run in %s stopped %s, before its first checkpoint: running the "
-                        "same command again starts it afresh", sft.output_dir, at)  # fmt: skip
+            log.warning("the SFT run RL starts from (%s) stopped %s of %d, before its first "
+                        "checkpoint (every %d steps): running the same command again starts it "
+                        "afresh", sft.output_dir, at, sft.train.max_steps,
+                        config.train.checkpoint_every)  # fmt: skip
         else:
-            log.warning("the SFT run in %s stopped %s of %d; its checkpoint %s is kept: running "
-                        "the same command again resumes the SFT from it (RL starts after it)",
-                        sft.output_dir, at, sft.train.max_steps, kept)  # fmt: skip
+            log.warning("the SFT run RL starts from (%s) stopped %s of %d; its checkpoint %s is "
+                        "kept: running the same command again resumes the SFT from it, then "
+                        "runs RL", sft.output_dir, at, sft.train.max_steps, kept)  # fmt: skip
         raise
