@@ -54,8 +54,10 @@ def plan(sft_steps: int | None, rl_steps: int, *, load: float | None = None,
          cores: int | None = None) -> str:  # fmt: skip
     """What the demo is about to do and how long that took here before, scaled by the load now.
 
-    CPU training shares the cores: at load L on C cores each phase runs about L/C times slower
-    (the SFT phase most: it keeps every core busy), so the quiet-machine figure is a floor.
+    CPU training shares the cores: at load L on C cores each phase runs at least L/C times
+    slower, and SFT more (its threads wait on each other: at load 4-6 a whole demo took
+    45 min 40 s, and at load 4.4 SFT steps took 1 s against 0.11 s quiet), so this is a floor;
+    each step's line gives the time left at the pace actually measured.
     """
     sft_s = 0.0 if sft_steps is None else sft_steps * SFT_S_PER_STEP
     quiet_s = sft_s + 2 * rl_steps * RL_S_PER_STEP
@@ -69,8 +71,8 @@ def plan(sft_steps: int | None, rl_steps: int, *, load: float | None = None,
         f"(~{rl_steps * RL_S_PER_STEP / 60:.0f} min), 3) continued SFT for RL's wall time, then "
         f"a table and a verdict. On a quiet {MEASURED_CORES}-core machine that is "
         f"~{quiet_s / 60:.0f} min (benchmarks/RESULTS.md); SFT's time grows with the machine's "
-        f"load, which is {load:.1f} on {cores} cores now: expect ~{quiet_s * slow / 60:.0f} min. "
-        "Every step prints a line with the time left."
+        f"load, which is {load:.1f} on {cores} cores now: expect at least ~{quiet_s * slow / 60:.0f} "
+        "min (45 min 40 s was measured at load 4-6). Every step prints a line with the time left."
     )
 
 
