@@ -203,7 +203,8 @@ def interrupted_message(stop: Interrupted, progress: Progress, output_dir: str |
     else:
         why = ""
     if latest is None:
-        kept = f"no checkpoint was written{why}; the resume command starts from step 1"
+        kept = (f"no checkpoint was written in {Path(output_dir) / 'checkpoints'}{why}; the "
+                "resume command starts from step 1")  # fmt: skip
     else:
         kept = f"last checkpoint: {latest}"
     return f"stopped by {stop.signal_name} {at}; {kept}\nresume with: {resume_command(argv, prog)}"
