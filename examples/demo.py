@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -44,6 +45,35 @@ from training.rl_config import RLRunConfig
 FLAT_EVALS = 5  # the plateau: the last this many SFT evals
 FLAT_POINTS = 2.0  # ... whose least-squares line moves at most this many points across them
 RL_TARGET_POINTS = 15.0  # what RL should add to the plateau's mean
+# `make demo` on a quiet 2-core machine (benchmarks/RESULTS.md, section "demo", row native):
+# seconds per step of SFT (338 s / 3000) and of RL (158 s / 200); continued SFT runs RL's time.
+SFT_S_PER_STEP, RL_S_PER_STEP, MEASURED_CORES = 338 / 3000, 158 / 200, 2
+
+
+def plan(sft_steps: int | None, rl_steps: int, *, load: float | None = None,
+         cores: int | None = None) -> str:  # fmt: skip
+    """What the demo is about to do and how long that took here before, scaled by the load now.
+
+    CPU training shares the cores: at load L on C cores each phase runs at least L/C times
+    slower, and SFT more (its threads wait on each other: at load 4-6 a whole demo took
+    45 min 40 s, and at load 4.4 SFT steps took 1 s against 0.11 s quiet), so this is a floor;
+    each step's line gives the time left at the pace actually measured.
+    """
+    sft_s = 0.0 if sft_steps is None else sft_steps * SFT_S_PER_STEP
+    quiet_s = sft_s + 2 * rl_steps * RL_S_PER_STEP
+    load = os.getloadavg()[0] if load is None else load
+    cores = cores or os.cpu_count() or 1
+    slow = max(1.0, load / cores) * MEASURED_CORES / min(cores, MEASURED_CORES)
+    sft = ("skipped (--start)" if sft_steps is None else
+           f"on an imperfect teacher, {sft_steps} steps (~{sft_s / 60:.0f} min)")  # fmt: skip
+    return (
+        f"demo: 1) SFT {sft}, 2) RL, {rl_steps} steps "
+        f"(~{rl_steps * RL_S_PER_STEP / 60:.0f} min), 3) continued SFT for RL's wall time, then "
+        f"a table and a verdict. On a quiet {MEASURED_CORES}-core machine that is "
+        f"~{quiet_s / 60:.0f} min (benchmarks/RESULTS.md); SFT's time grows with the machine's "
+        f"load, which is {load:.1f} on {cores} cores now: expect at least ~{quiet_s * slow / 60:.0f} "
+        "min (45 min 40 s was measured at load 4-6). Every step prints a line with the time left."
+    )
 
 
 @dataclass(frozen=True)
@@ -239,6 +269,9 @@ def main() -> int:
     setup_logging()
     out = Path(args.out)
     try:
+        sft_steps = load_config(SFTRunConfig, args.sft_config, args.sft).train.max_steps
+        rl_steps = load_config(RLRunConfig, args.rl_config, args.rl).train.max_steps
+        print(plan(None if args.start else sft_steps, rl_steps), flush=True)
         result = trio.run(run_demo, out, args.continued_steps, args.sft, args.rl,
                           args.sft_config, args.rl_config, args.start)  # fmt: skip
     except RolloutsError as err:

@@ -14,7 +14,7 @@ import pytest
 from engines import find_free_port
 from rollouts.errors import DataError, EngineError
 from tests.test_embed_example import engine_processes_for
-from training.recipes.cli_run import print_errors
+from training.recipes.cli_run import EXIT_INTERRUPTED, print_errors, run_command
 
 ROOT = Path(__file__).parent.parent
 ROLLOUTS = Path(sys.executable).with_name("rollouts")
@@ -56,6 +56,25 @@ def test_nested_exception_groups_print_each_cause_once(capsys):
     assert print_errors(group)
     assert capsys.readouterr().err.splitlines() == ["error: a.jsonl:3: bad", "error: down"]
     assert not print_errors(ExceptionGroup("bug", [KeyError("x")]))  # a bug keeps its traceback
+
+
+def test_a_second_ctrl_c_inside_a_nursery_is_still_a_clean_stop(tmp_path, capsys):
+    # The second SIGINT raises KeyboardInterrupt wherever the first one's cleanup is running,
+    # often inside a nursery: it reaches run_command wrapped in an exception group.
+    from training.config import SFTRunConfig, load_config
+
+    config = load_config(SFTRunConfig, str(ROOT / "configs/sft_tiny.yaml"),
+                         [f"output_dir={tmp_path / 'run'}"])  # fmt: skip
+
+    async def recipe(progress):
+        raise BaseExceptionGroup("cleanup", [KeyboardInterrupt()])
+
+    code, result = run_command(["--config", "x.yaml"], config, recipe, overwrite=False,
+                               prog="rollouts sft")  # fmt: skip
+    assert (code, result) == (EXIT_INTERRUPTED, None)
+    err = capsys.readouterr().err
+    assert "stopped by SIGINT" in err and "rollouts sft --config x.yaml --resume" in err
+    assert "Traceback" not in err
 
 
 def test_missing_data_file_is_named_before_the_model_loads(tmp_path, tiny_model_dir):

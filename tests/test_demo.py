@@ -75,3 +75,14 @@ def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
     assert lines[-1].startswith("RL beat continued SFT") or "did NOT beat" in lines[-1]
     assert lines[-2].startswith("RL gain over the plateau mean")
     assert lines[-3].startswith("SFT plateau: last")
+
+
+def test_demo_says_up_front_what_it_runs_and_how_long_at_this_load():
+    from demo import plan
+
+    quiet = plan(3000, 200, load=0.5, cores=2)
+    assert "SFT on an imperfect teacher, 3000 steps (~6 min)" in quiet
+    assert "RL, 200 steps (~3 min)" in quiet and "that is ~11 min" in quiet
+    assert "grows with the machine's load" in quiet and "expect at least ~11 min" in quiet
+    assert "expect at least ~33 min" in plan(3000, 200, load=6.0, cores=2)  # load 6 on 2 cores: 3x
+    assert "SFT skipped (--start)" in plan(None, 200, load=0.0, cores=2)

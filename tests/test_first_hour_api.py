@@ -4,6 +4,7 @@ named before any rollout, set-up that leaves the host's event loop free, readabl
 import io
 import itertools
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -109,6 +110,8 @@ def test_console_off_a_terminal_prints_one_line_per_step(caplog):
         console(step, {"reward_mean": step / 10, "samples_failed": float(step == 3),
                        **({"eval_accuracy": 0.5} if step == 2 else {})})  # fmt: skip
     lines = [r.getMessage() for r in caplog.records]
+    assert all(re.search(r" \[elapsed \d+:\d\d(, ~\d+:\d\d left)?\]$", line) for line in lines)
+    lines = [line.rsplit(" [elapsed", 1)[0] for line in lines]
     assert lines == ["step 1/3 reward_mean=0.1", "step 2/3 reward_mean=0.2 eval_accuracy=0.5",
                      "step 3/3 reward_mean=0.3 samples_failed=1"]  # fmt: skip
 

@@ -51,3 +51,38 @@ def test_unknown_algorithm_preset_is_named(tmp_path):
     proc = run_cli("--config", str(ROOT / "configs" / "rl_tiny.yaml"), "algorithm.preset=ppo2",
                    cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "algorithm.preset" in proc.stderr
+
+
+def no_model_run(tmp_path: Path, url: str) -> subprocess.CompletedProcess:
+    """One step of the tiny recipe against `url`, with no --model (rl_tiny.yaml's model.path
+    is null and its sft_config names the SFT recipe)."""
+    tmp_path.mkdir()
+    return run_cli(
+        "--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--engine-url", url,
+        "--output-dir", str(tmp_path / "out"), "--max-steps", "1", "rollout.batch_size=2",
+        "rollout.n_samples_per_prompt=2", "train.eval_samples=4", "backend.num_threads=1",
+        f"data.task_dir={tmp_path / 'data'}", f"sft_config={ROOT / 'configs' / 'sft_tiny.yaml'}",
+        cwd=tmp_path,
+    )  # fmt: skip
+
+
+async def test_engine_url_without_model_trains_the_engines_model_or_exits_2_naming_model(
+    tiny_model_dir, tmp_path
+):
+    import shutil
+
+    served = tmp_path / "served_model"
+    shutil.copytree(tiny_model_dir, served)
+    async with launch_engine(kind="local", model_path=served,
+                             extra_args=["--num-threads", "1"], startup_timeout_s=120) as server:  # fmt: skip
+        shutil.rmtree(served)  # the engine keeps serving it; this machine has no copy now
+        gone = await trio.to_thread.run_sync(no_model_run, tmp_path / "gone", server.url)
+        shutil.copytree(tiny_model_dir, served)
+        here = await trio.to_thread.run_sync(no_model_run, tmp_path / "here", server.url)
+    assert gone.returncode == 2, gone.stderr[-3000:]
+    assert "--model" in gone.stderr and str(served) in gone.stderr
+    assert "SFT" not in gone.stderr and not (tmp_path / "gone" / "runs").exists()
+    assert here.returncode == 0, here.stderr[-3000:]
+    assert f"no --model: training the model {server.url} serves, {served}" in here.stderr
+    assert "SFT" not in here.stderr and not (tmp_path / "here" / "runs" / "sft_tiny").exists()
+    assert here.stdout.strip().splitlines()[-1].startswith("RL done: heldout_accuracy before=")

@@ -214,7 +214,7 @@ class SFTLoopConfig(Strict):
         description="also stop after the first step ending this many seconds into "
         "this call's training (a time-matched baseline); evaluated and saved like the last step",
     )
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(1, ge=1, description="a console line every this many steps")
     eval_every: int = Field(100, ge=1)
     eval_samples: int = Field(256, ge=0, description="held-out samples for eval loss")
     greedy_eval_samples: int = Field(500, ge=0, description="held-out prompts for accuracy")

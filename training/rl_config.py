@@ -152,6 +152,11 @@ class RLLoopConfig(Strict):
         1, ge=1, description="optimizer steps per pass over a rollout batch (whole groups each)"
     )
     epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    no_signal_steps: int = Field(
+        10, ge=1,
+        description="steps in a row whose groups all had equal rewards (no learning signal) "
+        "before one WARNING says why (training/rl/signal.py)",
+    )  # fmt: skip
     max_empty_batches: int = Field(
         3, ge=1,
         description="rollout batches in a row with no accepted group (every sample failed or "

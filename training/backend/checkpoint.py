@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from plumbing.errors import CheckpointError
+from training.backend.hf_progress import hf_progress_bars_off
 
 LATEST = "latest"
 STATE_JSON = "trainer_state.json"
@@ -281,7 +282,8 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: Path,
         tied = tied_names(model)
         state_dict = {k: v for k, v in state_dict.items() if k not in tied}
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, state_dict=state_dict)
+    with hf_progress_bars_off():  # a bar per weight sync drowned the training log
+        model.save_pretrained(out_dir, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from training.backend.hf_progress import hf_progress_bars_off
+
 if TYPE_CHECKING:
     from training.config import LoraSettings
 
@@ -94,7 +96,8 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(model: torch.nn.Module, out: Path, state: dict[str, torch.Tensor]) -> Path:
     """Write the adapter (`state`, from `adapter_state`) in peft's layout into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), state_dict=state)
+    with hf_progress_bars_off():  # one per weight sync: see training/backend/hf_progress.py
+        model.save_pretrained(str(out), state_dict=state)
     missing = [name for name in ADAPTER_FILES if not (out / name).is_file()]
     if missing:
         raise RuntimeError(f"peft wrote no {missing} in {out}")
@@ -116,7 +119,8 @@ def save_merged(model: torch.nn.Module, out: Path, full_state: dict[str, torch.T
         twin.load_state_dict(full_state)
     merged = twin.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(str(out))
+    with hf_progress_bars_off():
+        merged.save_pretrained(str(out))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out

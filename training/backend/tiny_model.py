@@ -17,6 +17,8 @@ import string
 from pathlib import Path
 from typing import Literal
 
+from training.backend.hf_progress import hf_progress_bars_off
+
 Size = Literal["tiny", "small"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
@@ -161,7 +163,8 @@ def build_tiny_model(output_dir: str | Path, *, seed: int = 0, size: Size = "tin
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id
     )
-    model.save_pretrained(out)
+    with hf_progress_bars_off():
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

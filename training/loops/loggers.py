@@ -1,9 +1,10 @@
 """Metric loggers: plain callables `(step, metrics) -> None`, composed by the caller.
 
 A logger is an extension point (one signature: `Logger`). Shipped: JSONL (one JSON object per
-step, appended, so a resumed run continues the same file), console (a tqdm bar on a TTY, plain
-`logging` lines otherwise), wandb and TensorBoard (their packages are optional extras, imported
-when the logger is created), and `fan_out` to combine them.
+step, appended, so a resumed run continues the same file), console (a tqdm bar on a TTY, one
+plain `logging` line per step with elapsed time and ETA otherwise), wandb and TensorBoard
+(their packages are optional extras, imported when the logger is created), and `fan_out` to
+combine them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from plumbing.errors import import_extra
+from training.loops.progress import Eta, signal_note
 
 Logger = Callable[[int, dict[str, Any]], None]
 
@@ -89,7 +91,9 @@ class ConsoleLogger:
     On a terminal (`stream.isatty()`): a tqdm bar whose postfix shows the latest step's `keys`;
     a step with evaluation results (`eval_*` metrics) also prints them as a line above the bar,
     so they stay visible. Off a terminal (a log file, CI): a `logging` line every `every`
-    steps and at every evaluation, with the step, the total and the `keys`.
+    steps (default: each step) and at every evaluation, with the step, the total, the `keys`,
+    the time elapsed and the time left at the mean step time so far. A step whose groups all
+    had equal rewards says so on its line or bar (`training/rl/signal.py`).
     """
 
     KEYS = (
@@ -102,13 +106,14 @@ class ConsoleLogger:
         "padding_efficiency",
     )
 
-    def __init__(self, total_steps: int, *, every: int = 10, initial: int = 0, keys=KEYS,
+    def __init__(self, total_steps: int, *, every: int = 1, initial: int = 0, keys=KEYS,
                  stream: Any = None, tty: bool | None = None):  # fmt: skip
         self.every = every
         self.keys = keys
         self.total = total_steps
         self._stream = sys.stderr if stream is None else stream
         self._bar = None
+        self._eta = Eta(total_steps)
         if self._stream.isatty() if tty is None else tty:
             from tqdm import tqdm
 
@@ -122,16 +127,18 @@ class ConsoleLogger:
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
         evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
         failed = tuple(k for k in self.WHEN_NONZERO if metrics.get(k))
+        note = signal_note(metrics)
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix_str(format_metrics(metrics, (*self.keys, *failed)),
-                                      refresh=True)  # fmt: skip
+            shown = format_metrics(metrics, (*self.keys, *failed))
+            self._bar.set_postfix_str(f"{shown} {note}".rstrip(), refresh=True)
             if evals:
                 self._bar.write(f"step {step}: {format_metrics(evals, tuple(evals))}",
                                 file=self._stream)  # fmt: skip
         elif step % self.every == 0 or evals:
             keys = (*self.keys, *(k for k in evals if k not in self.keys), *failed)
-            log.info("step %d/%d %s", step, self.total, format_metrics(metrics, keys))
+            shown = " ".join(p for p in (format_metrics(metrics, keys), note) if p)
+            log.info("step %d/%d %s [%s]", step, self.total, shown, self._eta.describe(step))
 
     def close(self) -> None:
         if self._bar is not None:

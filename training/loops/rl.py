@@ -45,6 +45,7 @@ from training.rl.reference import (
     load_reference_state,
     reference_state,
 )
+from training.rl.signal import NoSignalWatch
 from training.rl.step import train_on_batch as train_on_batch
 from training.rl_config import RLLoopConfig
 
@@ -107,6 +108,7 @@ async def run_rl_training(
         await push_weights(backend, engines, export_root, pause_mode=pause_mode)
     history: list[dict[str, Any]] = []
     empty_total = 0
+    signal = NoSignalWatch(config.no_signal_steps)  # one warning when groups stop differing
     use_algorithm = getattr(rollout_manager, "use_algorithm", None)
     algo = schedule(start + 1, {})
     if use_algorithm is not None:
@@ -128,7 +130,7 @@ async def run_rl_training(
             t_generated = time.perf_counter()
             if hooks.on_batch is not None:
                 hooks.on_batch(step, batch)
-            metrics: dict[str, Any] = dict(batch.metrics)
+            metrics: dict[str, Any] = dict(batch.metrics) | signal.observe(step, batch)
             metrics |= await train_on_batch(backend, batch, algo,
                                             temperature=objective.temperature,
                                             old_from_rollout=objective.old_from_rollout,

@@ -174,7 +174,8 @@ def interrupted_message(stop: Interrupted, progress: Progress, output_dir: str |
     else:
         why = ""
     if latest is None:
-        kept = f"no checkpoint was written{why}; the resume command starts from step 1"
+        kept = (f"no checkpoint was written in {Path(output_dir) / 'checkpoints'}{why}; the "
+                "resume command starts from step 1")  # fmt: skip
     else:
         kept = f"last checkpoint: {latest}"
     return f"stopped by {stop.signal_name} {at}; {kept}\nresume with: {resume_command(argv, prog)}"
@@ -199,12 +200,16 @@ def run_command(argv: Sequence[str], config: Any, recipe: Callable[[Progress], A
 
     try:  # under torchrun ranks ≥ 1 serve rank 0's backend operations and get None
         return 0, run_rank0(config.backend, main)
-    except (Interrupted, KeyboardInterrupt) as err:
-        stop = err if isinstance(err, Interrupted) else Interrupted("SIGINT")
-        message = interrupted_message(stop, progress, config.output_dir, argv, prog)
-        print(message, file=sys.stderr)
-        return EXIT_INTERRUPTED, None
     except BaseException as err:
+        # A second Ctrl-C lands wherever the first one's cleanup is, often inside a nursery:
+        # it arrives wrapped in an exception group, and is still a stop, not a crash.
+        leaves = leaf_errors(err)
+        stops = [e for e in leaves if isinstance(e, Interrupted | KeyboardInterrupt)]
+        if stops:
+            stop = stops[0] if isinstance(stops[0], Interrupted) else Interrupted("SIGINT")
+            message = interrupted_message(stop, progress, config.output_dir, argv, prog)
+            print(message, file=sys.stderr)
+            return EXIT_INTERRUPTED, None
         if print_errors(err):
             return EXIT_ERROR, None
         raise

@@ -39,10 +39,12 @@ from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import push_weights
+from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines
 from training.recipes.rl_env import build_episode_setup
 from training.recipes.rl_models import build_rl_models
-from training.recipes.sft import check_input_file, run_sft_recipe, sft_data_files
+from training.recipes.sft import check_input_file, sft_data_files
+from training.recipes.sft_preamble import run_sft_preamble, same_recipe
 from training.rl import algorithms
 from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import PolicyLossFn
@@ -108,9 +110,12 @@ def algorithm_schedule(section: AlgorithmSection, budget: int) -> algorithms.Alg
 
 
 async def resolve_start_model(config: RLRunConfig) -> str:
-    """`model.path`, or the SFT recipe's latest checkpoint (running the SFT recipe if missing)."""
+    """`model.path`, the model live engines serve, or the SFT recipe's latest checkpoint
+    (running the SFT recipe if missing: only for engines launched here)."""
     if config.model.path is not None:
         return config.model.path
+    if config.engines.urls or config.engines.router_url:  # never an SFT run nobody asked for
+        return await model_served_by(config.engines)
     if config.sft_config is None:
         raise ConfigError("model.path is null and sft_config is null: no model to start from")
     sft = load_config(SFTRunConfig, config.sft_config)
@@ -118,7 +123,7 @@ async def resolve_start_model(config: RLRunConfig) -> str:
     why = "is missing" if latest is None else sft_checkpoint_mismatch(latest, sft)
     if why is not None:
         log.info("the SFT checkpoint in %s %s: running the SFT recipe first", sft.output_dir, why)
-        summary = await run_sft_recipe(sft)
+        summary = await run_sft_preamble(sft)  # resumable: see sft_preamble.py
         log.info("%s", summary.line())
         latest = summary.checkpoint
     return str(loadable_model_dir(latest))
@@ -132,7 +137,7 @@ def sft_checkpoint_mismatch(checkpoint: Path, sft: SFTRunConfig) -> str | None:
     """
     if checkpoint_step(checkpoint) < sft.train.max_steps:
         return "is unfinished"
-    if _saved_config(checkpoint) != sft:
+    if not same_recipe(_saved_config(checkpoint), sft):  # train.log_every etc. aside
         return "was made with another config"
     if _saved_extra(checkpoint).get("data_sha256") != sft_data_files(sft).fingerprint():
         return "was trained on other data"
