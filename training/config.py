@@ -243,6 +243,43 @@ class SFTLoopConfig(Strict):
     resume: Literal["auto", "never"] = "auto"
 
 
+class WandbSettings(Strict):
+    """A Weights & Biases run for the metrics (`pip install 'rollouts[wandb]'`).
+
+    ```yaml
+    logging:
+      wandb: {project: my-project}   # or: logging.wandb.project=my-project
+    ```
+    """
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    name: str | None = Field(None, description="run name; None: wandb picks one")
+    group: str | None = None
+    tags: list[str] = []
+    mode: Literal["online", "offline", "disabled"] = "online"
+    dir: str | None = Field(None, description="where wandb writes its files; None: output_dir")
+
+
+class TensorBoardSettings(Strict):
+    """TensorBoard scalars for the metrics (`pip install 'rollouts[tensorboard]'`)."""
+
+    dir: str | None = Field(None, description="event files; None: <output_dir>/tensorboard")
+
+
+class LoggingConfig(Strict):
+    """Where a run's metrics go besides metrics.jsonl and the console; a section turns one on.
+
+    ```yaml
+    logging:
+      tensorboard: {}                # or on the command line: logging.tensorboard={}
+    ```
+    """
+
+    wandb: WandbSettings | None = None
+    tensorboard: TensorBoardSettings | None = None
+
+
 class SFTRunConfig(Strict):
     output_dir: str = "runs/sft"
     model: ModelConfig = ModelConfig()
@@ -250,6 +287,7 @@ class SFTRunConfig(Strict):
     optim: OptimConfig = OptimConfig()
     backend: BackendConfig = BackendConfig()
     train: SFTLoopConfig = SFTLoopConfig()
+    logging: LoggingConfig = LoggingConfig()
 
 
 def _parse_value(raw: str) -> Any:

@@ -30,7 +30,14 @@ from training.data.sft_data import load_sft_jsonl
 from training.data.tokenize import TokenizeStats, tokenize_records
 from training.loops.evaluate import EvalPrompt, greedy_accuracy
 from training.loops.hooks import SFTHooks
-from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
+from training.loops.loggers import (
+    ConsoleLogger,
+    JsonlLogger,
+    Logger,
+    check_logger_extras,
+    config_loggers,
+    fan_out,
+)
 from training.loops.sft import SFTData, run_sft_training
 
 log = logging.getLogger("rollouts.recipes")
@@ -269,6 +276,7 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
     """
     t0 = time.perf_counter()
     await trio.to_thread.run_sync(sft_data_files, config)  # missing files fail here, at once
+    check_logger_extras(config.logging)  # and a logger without its package
     model_path = await trio.to_thread.run_sync(resolve_model_path, config.model)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_path)
     context = await trio.to_thread.run_sync(model_context, model_path)
@@ -297,21 +305,22 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
             (out / "metrics.jsonl").unlink(missing_ok=True)
         jsonl = JsonlLogger(out / "metrics.jsonl")
         console = ConsoleLogger(config.train.max_steps, every=config.train.log_every)
+        loggers = [jsonl, console, *config_loggers(config.logging, out, resolved)]
         try:
             history = await run_sft_training(
                 backend,
                 prepared.data,
                 config.train,
                 hooks=SFTHooks(
-                    logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
+                    logger=fan_out(*loggers, *([on_step] if on_step else [])),
                     evaluate_fn=accuracy if prepared.accuracy_prompts else None,
                 ),
                 resolved_config=resolved,
                 extra_state={"data_sha256": prepared.fingerprint},
             )
         finally:
-            jsonl.close()
-            console.close()
+            for logger in loggers:
+                logger.close()
         last = history[-1] if history else {}
         if not history:  # resumed a finished run: measure the final state again
             last = {**(await backend.forward(prepared.data.eval_samples).result())}
