@@ -199,7 +199,7 @@ def serve_main(argv: Sequence[str] | None = None, *, prog: str | None = None) ->
     """`rollouts serve`: the local engine (`python -m engines.local`)."""
     from engines.local.__main__ import main
 
-    return main(None if argv is None else list(argv))
+    return main(None if argv is None else list(argv), prog=prog or "rollouts serve")
 
 
 def plot_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:

@@ -29,23 +29,28 @@ def quick_rl_config(model: str | Path, prompts: Sequence[str | Mapping[str, Any]
                     overrides: Sequence[str] = ()) -> RLRunConfig:  # fmt: skip
     """The run config `train_rl` uses (for `run_rl_recipe` from async code).
 
-    `prompts` as a list is written to `<output_dir>/prompts.jsonl` (a string becomes
-    `{"prompt": ...}`; a mapping is written as it is, so it may carry an `answer` the reward
-    reads as `sample.metadata["answer"]`).
+    `prompts` as a list is written to `prompts.jsonl` in the run's output directory (the
+    `output_dir` argument, or an `output_dir=` override): a string becomes `{"prompt": ...}`,
+    a mapping is written as it is, so it may carry an `answer` the reward reads as
+    `sample.metadata["answer"]`.
     """
-    out = Path(output_dir)
+    flags = [f"model.path={model}", f"output_dir={output_dir}", f"train.max_steps={max_steps}",
+             f"algorithm.preset={algorithm}"]  # fmt: skip
     if isinstance(prompts, str | Path):
-        path = Path(prompts)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "prompts.jsonl"
-        lines = [json.dumps({"prompt": p} if isinstance(p, str) else dict(p)) for p in prompts]
-        path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
-    flags = [f"model.path={model}", f"output_dir={out}", f"train.max_steps={max_steps}",
-             f"data.train_path={path}", f"algorithm.preset={algorithm}"]  # fmt: skip
+        flags.append(f"data.train_path={prompts}")
     if engine_url is not None:
         flags.append(f"engines.urls={json.dumps([engine_url])}")
-    return load_config(RLRunConfig, None, [*flags, *overrides])
+    config = load_config(RLRunConfig, None, [*flags, *overrides])
+    if isinstance(prompts, str | Path) or config.data.train_path is not None:
+        return config
+    # written where the run writes, so an `output_dir=` override takes the prompts along
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "prompts.jsonl"
+    lines = [json.dumps({"prompt": p} if isinstance(p, str) else dict(p)) for p in prompts]
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    data = config.data.model_copy(update={"train_path": str(path)})
+    return config.model_copy(update={"data": data})
 
 
 def train_rl(model: str | Path, prompts: Sequence[str | Mapping[str, Any]] | str | Path,
