@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from demo import DemoResult  # noqa: E402
+from demo import DemoResult, arm_curve  # noqa: E402
 
 
 def result(rl: float, continued: float, last=(0.58, 0.585, 0.58, 0.59, 0.58), **kw):
@@ -75,3 +75,13 @@ def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
     assert lines[-1].startswith("RL beat continued SFT") or "did NOT beat" in lines[-1]
     assert lines[-2].startswith("RL gain over the plateau mean")
     assert lines[-3].startswith("SFT plateau: last")
+    for arm in ("rl", "continued"):  # the plotted arm ends where the table's wall time does
+        (*_, (last_step, last_s)) = summary[f"{arm}_clock"]
+        assert last_step == summary[f"{arm}_steps"]
+        assert summary[f"{arm}_wall_s"] - 5 < last_s <= summary[f"{arm}_wall_s"], summary
+
+
+def test_an_arm_is_plotted_in_percent_from_zero_seconds_to_its_last_logged_eval():
+    rows = [{"step": 1}, {"step": 2, "accuracy": 0.6}, {"step": 3}, {"step": 4, "accuracy": 0.7}]
+    clock = [(1, 12.0), (2, 15.5), (3, 16.0), (4, 21.25)]
+    assert arm_curve(rows, "accuracy", clock, start=0.5) == ([0.0, 15.5, 21.25], [50.0, 60.0, 70.0])
