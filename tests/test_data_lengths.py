@@ -8,9 +8,10 @@ import yaml
 from transformers import AutoTokenizer
 
 from tests.test_cli import ROOT, rollouts, sft_args
-from training.config import SFTRunConfig
+from training.config import SFTRunConfig, load_config
 from training.data.sft_data import load_sft_jsonl
 from training.data.tokenize import tokenize_records
+from training.recipes.rl import sft_checkpoint_mismatch
 from training.recipes.sft import resolve_lengths
 
 
@@ -52,8 +53,14 @@ def test_without_max_seq_len_no_record_is_cut_and_the_longest_sets_the_length(
     assert f"data.max_seq_len={longest} (the longest record), data.pack_length={longest}" in (
         proc.stderr
     )
-    saved = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["data"]
-    assert (saved["max_seq_len"], saved["pack_length"]) == (longest, longest)
+    state = json.loads((tmp_path / "out" / "checkpoints" / "step_000001" / "trainer_state.json")
+                       .read_text())["extra"]  # fmt: skip
+    assert state["config"]["data"]["max_seq_len"] is None  # as given: the same config resumes
+    assert state["data_lengths"]["max_seq_len"] == state["data_lengths"]["pack_length"] == longest
+    same = load_config(SFTRunConfig, ROOT / "configs" / "sft_tiny.yaml", [
+        f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'out'}", "train.max_steps=1",
+        f"data.train_path={data}", "train.batch_size=4"])  # fmt: skip
+    assert sft_checkpoint_mismatch(tmp_path / "out" / "checkpoints" / "step_000001", same) is None
 
 
 def test_lengths_are_capped_by_the_context_and_an_explicit_max_seq_len_wins():

@@ -283,10 +283,6 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
     prepared = await trio.to_thread.run_sync(
         partial(prepare_sft_data, config, tokenizer, context=context)
     )
-    # the lengths the data gave replace the nulls, in config.yaml and in every checkpoint
-    config = config.model_copy(update={"data": config.data.model_copy(update={
-        "max_seq_len": prepared.lengths.max_seq_len,
-        "pack_length": prepared.lengths.pack_length})})  # fmt: skip
     out = Path(config.output_dir)  # created only once the config and the data are valid
     out.mkdir(parents=True, exist_ok=True)
     resolved = config.model_dump(mode="json")
@@ -316,7 +312,12 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
                     evaluate_fn=accuracy if prepared.accuracy_prompts else None,
                 ),
                 resolved_config=resolved,
-                extra_state={"data_sha256": prepared.fingerprint},
+                # the config is saved as given (a null length stays null, so the same config
+                # matches this checkpoint again, see recipes/rl.py); the lengths it got beside it
+                extra_state={
+                    "data_sha256": prepared.fingerprint,
+                    "data_lengths": prepared.lengths._asdict(),
+                },
             )
         finally:
             for logger in loggers:
