@@ -155,7 +155,7 @@ def generate_main(argv: Sequence[str] | None = None, *, prog: str | None = None)
     Returns the exit code: 0, 2 after printing the errors, 130 after an interrupt.
     """
     from training.loops.loggers import setup_logging
-    from training.recipes.cli import (
+    from training.recipes.cli_run import (
         EXIT_ERROR,
         EXIT_INTERRUPTED,
         Interrupted,
