@@ -144,7 +144,8 @@ async def launch_engine(
         model_path: model directory (or HF id for SGLang).
         port: None picks a free port.
         extra_args: more server flags, e.g. `["--weight-version", "v0"]`.
-        log_path: where the server's output goes (default: a new temp file).
+        log_path: where the server's output goes (default: a temp file, removed when the
+            engine stops without an error; a failed start names it in the error).
         api_key: passed as `--api-key` and used for the health check.
         admin_api_key: passed as `--admin-api-key` (the key of the control routes).
         cwd: the server's working directory (default: ours); relative paths sent to it are
@@ -167,7 +168,8 @@ async def launch_engine(
     guarded = kind == "sglang"  # a server without our parent watchdog: kill its group with us
     if guarded:
         argv = [sys.executable, "-m", "engines.orphan_guard", str(os.getpid()), "--", *argv]
-    if log_path is None:
+    temp_log = log_path is None
+    if temp_log:
         fd, name = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
         os.close(fd)
         log_path = name
@@ -217,6 +219,8 @@ async def launch_engine(
             finally:
                 nursery.cancel_scope.cancel()
     logger.info("engine %s stopped (exit code %s)", url, process.returncode)
+    if temp_log:  # nobody asked for it and all went well; after an error it stays, named there
+        log.unlink(missing_ok=True)
 
 
 async def _wait_until_healthy(

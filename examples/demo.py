@@ -27,6 +27,8 @@ import json
 import os
 import shutil
 import sys
+import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,6 +93,9 @@ class DemoResult:
     continued_steps: int
     continued_wall_s: float
     rl_algorithm: str = "grpo"  # the RL phase's algorithm preset, for the table
+    # seconds from each arm's start (as its wall time above counts) to each logged step
+    rl_clock: tuple[tuple[int, float], ...] = ()
+    continued_clock: tuple[tuple[int, float], ...] = ()
 
     @property
     def plateau_spread(self) -> float:
@@ -147,6 +152,31 @@ class DemoResult:
                 f"+{RL_TARGET_POINTS:.0f})\n{beat}{time_note}")  # fmt: skip
 
 
+class StepClock:
+    """A logger recording when each step was logged, in seconds since it was created (just
+    before its arm started), so the plot's time axis is the table's wall time."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.seconds: list[tuple[int, float]] = []
+
+    def __call__(self, step: int, metrics: dict) -> None:
+        self.seconds.append((step, time.perf_counter() - self.t0))
+
+
+def arm_curve(rows: list[dict], key: str, clock: Sequence[tuple[int, float]],
+              start: float) -> tuple[list[float], list[float]]:  # fmt: skip
+    """(seconds, accuracy in %) of one arm: its start value at 0 s, then each eval at the
+    second its step was logged (evaluation and set-up included, as in the table)."""
+    at = dict(clock)
+    xs, ys = [0.0], [100 * start]
+    for r in rows:
+        if key in r and r["step"] in at:
+            xs.append(at[r["step"]])
+            ys.append(100 * r[key])
+    return xs, ys
+
+
 def sft_evals(checkpoint: Path, rows: list[dict]) -> list[tuple[int, float]]:
     """(step, held-out accuracy) of every eval up to `checkpoint` in its SFT run's `rows`."""
     step = checkpoint_step(checkpoint)
@@ -169,7 +199,8 @@ async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
 
     rl_cfg = load_config(RLRunConfig, rl_config,
                          [*rl_overrides, f"output_dir={out / 'rl'}", f"model.path={start}"])  # fmt: skip
-    rl = await run_rl_recipe(rl_cfg)
+    rl_clock = StepClock()
+    rl = await run_rl_recipe(rl_cfg, on_step=rl_clock)
     print(rl.line(), flush=True)
 
     # The baseline gets the same wall time as RL (train.max_wall_s), at the rate SFT's schedule
@@ -186,7 +217,8 @@ async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
         "optim.schedule=constant", "optim.warmup_steps=0", f"optim.lr={final_lr}",
         f"train.eval_every={every}", f"train.checkpoint_every={continued_steps}",
     ])  # fmt: skip
-    cont = await run_sft_recipe(cont_cfg)
+    cont_clock = StepClock()
+    cont = await run_sft_recipe(cont_cfg, on_step=cont_clock)
     print(cont.line(), flush=True)
     return DemoResult(
         sft_checkpoint=str(start), sft_accuracy=evals[-1][1],
@@ -194,12 +226,14 @@ async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
         sft_wall_s=sft_wall, rl_before=rl.accuracy_before, rl_accuracy=rl.accuracy_after,
         rl_steps=rl.steps, rl_wall_s=rl.wall_time_s, continued_accuracy=cont.accuracy,
         continued_steps=cont.steps, continued_wall_s=cont.wall_time_s,
-        rl_algorithm=rl_cfg.algorithm.preset,
+        rl_algorithm=rl_cfg.algorithm.preset, rl_clock=tuple(rl_clock.seconds),
+        continued_clock=tuple(cont_clock.seconds),
     )  # fmt: skip
 
 
-def write_pngs(out: Path, start: Path, algorithm: str) -> list[Path]:
-    """OUT/accuracy.png (SFT, then both arms against their own wall time) and OUT/reward.png."""
+def write_pngs(out: Path, result: DemoResult) -> list[Path]:
+    """OUT/accuracy.png (SFT, then both arms against the wall time the table gives them) and
+    OUT/reward.png (RL by step, from its start at step 0); every accuracy in %."""
     try:
         import matplotlib
 
@@ -207,28 +241,21 @@ def write_pngs(out: Path, start: Path, algorithm: str) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
+    start, algorithm = Path(result.sft_checkpoint), result.rl_algorithm.upper()
     rl, cont = (read_metrics(out / p) for p in ("rl", "sft_continued"))
     sft = sft_evals(start, read_metrics(start.parent.parent))
-
-    def clock(rows: list[dict], key: str, time_key: str) -> tuple[list[float], list[float]]:
-        t, xs, ys = 0.0, [], []
-        for r in rows:
-            t += r.get(time_key, 0.0)
-            if key in r:
-                xs.append(t)
-                ys.append(100 * r[key])
-        return xs, ys
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
     a1.plot([s for s, _ in sft], [100 * a for _, a in sft], marker=".")
     a1.set(xlabel="SFT step", ylabel="held-out greedy accuracy (%)", title="SFT on the teacher")
-    at_start = 100 * sft[-1][1]
-    for rows, key, tkey, label in ((rl, "eval_accuracy", "time_step_s", f"RL ({algorithm.upper()})"),
-                                   (cont, "accuracy", "step_time_s", "continued SFT")):  # fmt: skip
-        xs, ys = clock(rows, key, tkey)
-        a2.plot([0.0, *xs], [at_start, *ys], marker=".", label=label)
-    a2.set(xlabel="seconds of training after the SFT checkpoint", ylabel="held-out accuracy (%)",
-           title="From the same checkpoint")  # fmt: skip
+    for (xs, ys), label in (
+        (arm_curve(rl, "eval_accuracy", result.rl_clock, result.rl_before), f"RL ({algorithm})"),
+        (arm_curve(cont, "accuracy", result.continued_clock, result.sft_accuracy),
+         "continued SFT"),
+    ):  # fmt: skip
+        a2.plot(xs, ys, marker=".", label=label)
+    a2.set(xlabel="seconds since the arm started (the table's wall time)",
+           ylabel="held-out greedy accuracy (%)", title="From the same checkpoint")  # fmt: skip
     a2.legend()
     for ax in (a1, a2):
         ax.grid(alpha=0.3)
@@ -238,12 +265,16 @@ def write_pngs(out: Path, start: Path, algorithm: str) -> list[Path]:
     # Every generated group's reward (a group filter's kept groups alone hover near 0.5).
     generated = all("reward_mean_generated" in r for r in rl)
     key = "reward_mean_generated" if generated else "reward_mean"
-    evals = [r for r in rl if "eval_accuracy" in r]
+    evals = [(0, result.rl_before)] + [(r["step"], r["eval_accuracy"]) for r in rl
+                                      if "eval_accuracy" in r]  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot([r["step"] for r in rl], [r[key] for r in rl], lw=0.8, label="training samples")
-    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], marker=".",
+    ax.plot([r["step"] for r in rl], [100 * r[key] for r in rl], lw=0.8,
+            label="training samples")  # fmt: skip
+    ax.plot([s for s, _ in evals], [100 * a for _, a in evals], marker=".",
             label="held-out greedy accuracy")  # fmt: skip
-    ax.set(xlabel="RL step", ylabel="share correct", title=f"{algorithm.upper()} reward")
+    ax.set(
+        xlabel="RL step", ylabel="reward, accuracy (%)", title=f"{algorithm} reward", xlim=(0, None)
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -284,7 +315,7 @@ def main() -> int:
         "plateau_drift_points": result.plateau_drift,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    pngs = write_pngs(out, Path(result.sft_checkpoint), result.rl_algorithm)
+    pngs = write_pngs(out, result)
     print(f"wrote {out / 'summary.json'}" + "".join(f", {p}" for p in pngs)
           + ("" if pngs else " (no PNGs: pip install matplotlib)"))  # fmt: skip
     print(result.table())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -36,7 +36,9 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
                           timeout_s: float = 30.0, generate_fn: GenerateFn = single_turn_generate,
                           tokenizer: Any = None,
                           reward_threads: RewardThreads | None = None,
-                          stall_warning_s: float = 5.0) -> dict[str, float]:  # fmt: skip
+                          stall_warning_s: float = 5.0,
+                          on_scored: Callable[[int, Sample], None] | None = None
+                          ) -> dict[str, float]:  # fmt: skip
     """One greedy (temperature 0) episode per prompt, scored by `reward_fn`.
 
     Args:
@@ -45,6 +47,8 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
         tokenizer: for generate functions that need it (multi-turn).
         reward_threads: the pool sync rewards run in (default: one for this call).
         stall_warning_s: log the function holding the event loop when it stalls this long.
+        on_scored: called with (prompt index, scored sample) as each one is scored (e.g. to
+            show a few to a person).
 
     Returns:
         `failed` (prompts whose episode failed at the engine), `reward_mean` and `accuracy` (mean of the reward's "correct" component, or of
@@ -71,6 +75,8 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
             return
         scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s,
                                        threads=threads)  # fmt: skip
+        if on_scored is not None:
+            on_scored(i, scored[i])
 
     async with watch_event_loop(stall_warning_s), trio.open_nursery() as nursery:
         for i in range(len(prompts)):

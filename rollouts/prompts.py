@@ -49,7 +49,8 @@ def prompt_item(tokenizer: Any, messages: list[Mapping[str, Any]],
     return PromptItem(tuple(ids), tuple(messages), dict(metadata or {}))
 
 
-def _validate(obj: Any, source: str) -> tuple[list[dict] | None, list[str]]:
+def validate_prompt_record(obj: Any, source: str) -> tuple[list[dict] | None, list[str]]:
+    """(messages, problems) of one prompt record: its messages, or None and each problem."""
     if not isinstance(obj, dict):
         return None, [f"{source}: expected a JSON object, got {type(obj).__name__}"]
     if "messages" not in obj and isinstance(obj.get("prompt"), str):
@@ -97,7 +98,7 @@ def load_prompt_jsonl(path: str | Path, tokenizer: Any, *, max_prompt_len: int |
     errors: list[str] = []
     items: list[PromptItem] = []
     for source, obj in iter_jsonl(path, errors):
-        messages, problems = _validate(obj, source)
+        messages, problems = validate_prompt_record(obj, source)
         errors.extend(problems)
         if messages is None:
             continue

@@ -186,7 +186,7 @@ def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, tiny_mod
 def test_rollouts_script_runs_each_command(tmp_path):
     usage = rollouts("--help", cwd=tmp_path)
     assert usage.returncode == 0
-    for command in ("sft", "rl", "serve", "eval", "plot"):
+    for command in ("sft", "rl", "serve", "eval", "plot", "generate"):
         assert command in usage.stdout
         assert rollouts(command, "--help", cwd=tmp_path).returncode == 0
     assert_error_only(rollouts("trian", cwd=tmp_path), "unknown command 'trian'")

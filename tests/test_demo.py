@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from demo import DemoResult  # noqa: E402
+from demo import DemoResult, arm_curve  # noqa: E402
 
 
 def result(rl: float, continued: float, last=(0.58, 0.585, 0.58, 0.59, 0.58), **kw):
@@ -75,6 +75,10 @@ def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
     assert lines[-1].startswith("RL beat continued SFT") or "did NOT beat" in lines[-1]
     assert lines[-2].startswith("RL gain over the plateau mean")
     assert lines[-3].startswith("SFT plateau: last")
+    for arm in ("rl", "continued"):  # the plotted arm ends where the table's wall time does
+        (*_, (last_step, last_s)) = summary[f"{arm}_clock"]
+        assert last_step == summary[f"{arm}_steps"]
+        assert summary[f"{arm}_wall_s"] - 5 < last_s <= summary[f"{arm}_wall_s"], summary
 
 
 def test_demo_says_up_front_what_it_runs_and_how_long_at_this_load():
@@ -86,3 +90,9 @@ def test_demo_says_up_front_what_it_runs_and_how_long_at_this_load():
     assert "grows with the machine's load" in quiet and "expect at least ~11 min" in quiet
     assert "expect at least ~33 min" in plan(3000, 200, load=6.0, cores=2)  # load 6 on 2 cores: 3x
     assert "SFT skipped (--start)" in plan(None, 200, load=0.0, cores=2)
+
+
+def test_an_arm_is_plotted_in_percent_from_zero_seconds_to_its_last_logged_eval():
+    rows = [{"step": 1}, {"step": 2, "accuracy": 0.6}, {"step": 3}, {"step": 4, "accuracy": 0.7}]
+    clock = [(1, 12.0), (2, 15.5), (3, 16.0), (4, 21.25)]
+    assert arm_curve(rows, "accuracy", clock, start=0.5) == ([0.0, 15.5, 21.25], [50.0, 60.0, 70.0])

@@ -104,3 +104,11 @@ def test_a_long_reward_curve_prints_as_window_means(capsys):
     assert first.startswith("reward_mean (600 steps)") and len(bars) == 60
     assert bars[0] == "▁" and bars[-1] == "█"
     assert second.split()[-1] == f"{sum(i / 599 for i in range(540, 600)) / 60:.3f}"
+
+
+def test_plotted_curves_are_titled_with_the_run_and_its_last_step(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "my_run"
+    run.mkdir()
+    out = plot_training_curves(write_metrics(run), tmp_path / "curves.svg")
+    assert "<!-- my_run: 5 steps -->" in out.read_text()  # the SVG names each text it draws

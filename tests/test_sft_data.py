@@ -199,3 +199,26 @@ def test_a_file_without_records_is_an_error(tmp_path: Path):
     path = tmp_path / "data.jsonl"
     path.write_text("\n  \n", encoding="utf-8")
     assert "no records" in load_error(path)
+
+
+def test_a_bad_value_at_column_88_is_reported_at_column_88(tmp_path: Path):
+    from rollouts.prompts import load_prompt_jsonl
+
+    head, tail = (
+        '{"messages": [{"role": "user", "content": "',
+        '"}, {"role": "assistant", "content": ',
+    )
+    line = head + "2+2".ljust(87 - len(head) - len(tail)) + tail + "four}]}"
+    assert line.index("four") == 87  # column 88, counting from 1 as editors do
+    path = write_lines(tmp_path / "data.jsonl", [CHAT, line])
+    assert f"{path}:2: invalid JSON: Expecting value (column 88)" in load_error(path)
+    alone = write_lines(tmp_path / "prompts.jsonl", [line])  # the RL prompts loader too
+    with pytest.raises(
+        DataError, match=re.escape(f"{alone}:1: invalid JSON: Expecting value (column 88)")
+    ):
+        load_prompt_jsonl(alone, tokenizer=None)
+    call = {"function": {"name": "calc", "arguments": '{"expression": 2*3}'}}
+    nested = write_lines(tmp_path / "args.jsonl", [bad([U, {**A, "tool_calls": [call]}])])
+    assert "invalid JSON string: Expecting ',' delimiter (column 17 of the string)" in (
+        load_error(nested)
+    )

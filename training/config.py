@@ -131,11 +131,31 @@ class TaskDataSource(Strict):
         raise ConfigError("data.train_path is not set and data.task is null: nothing to train on")
 
 
+DEFAULT_PACK_LENGTH = 256  # tokens per packed row when neither length is set
+
+
 class DataConfig(TaskDataSource):
-    max_seq_len: int = Field(512, ge=8)
+    """Where SFT records come from, and how long a sample may be.
+
+    The lengths default to the data: `max_seq_len: null` keeps every record whole (the longest
+    one, measured when the data is tokenized, capped by the model's context), and
+    `pack_length: null` follows it (at least `DEFAULT_PACK_LENGTH`). Setting `max_seq_len` is
+    the one key to change to cut samples; `pack_length` then grows with it.
+    """
+
+    max_seq_len: int | None = Field(
+        None,
+        ge=8,
+        description="longest sample kept, in tokens; null: the longest record in the data, "
+        "capped by the model's context (max_position_embeddings)",
+    )
     overlong: Literal["truncate", "drop"] = "truncate"
     packing: bool = True
-    pack_length: int = Field(256, ge=8, description="tokens per packed row")
+    pack_length: int | None = Field(
+        None,
+        ge=8,
+        description=f"tokens per packed row; null: max({DEFAULT_PACK_LENGTH}, max_seq_len)",
+    )
 
 
 class OptimConfig(Strict):
@@ -223,6 +243,43 @@ class SFTLoopConfig(Strict):
     resume: Literal["auto", "never"] = "auto"
 
 
+class WandbSettings(Strict):
+    """A Weights & Biases run for the metrics (`pip install 'rollouts[wandb]'`).
+
+    ```yaml
+    logging:
+      wandb: {project: my-project}   # or: logging.wandb.project=my-project
+    ```
+    """
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    name: str | None = Field(None, description="run name; None: wandb picks one")
+    group: str | None = None
+    tags: list[str] = []
+    mode: Literal["online", "offline", "disabled"] = "online"
+    dir: str | None = Field(None, description="where wandb writes its files; None: output_dir")
+
+
+class TensorBoardSettings(Strict):
+    """TensorBoard scalars for the metrics (`pip install 'rollouts[tensorboard]'`)."""
+
+    dir: str | None = Field(None, description="event files; None: <output_dir>/tensorboard")
+
+
+class LoggingConfig(Strict):
+    """Where a run's metrics go besides metrics.jsonl and the console; a section turns one on.
+
+    ```yaml
+    logging:
+      tensorboard: {}                # or on the command line: logging.tensorboard={}
+    ```
+    """
+
+    wandb: WandbSettings | None = None
+    tensorboard: TensorBoardSettings | None = None
+
+
 class SFTRunConfig(Strict):
     output_dir: str = "runs/sft"
     model: ModelConfig = ModelConfig()
@@ -230,6 +287,7 @@ class SFTRunConfig(Strict):
     optim: OptimConfig = OptimConfig()
     backend: BackendConfig = BackendConfig()
     train: SFTLoopConfig = SFTLoopConfig()
+    logging: LoggingConfig = LoggingConfig()
 
 
 def _parse_value(raw: str) -> Any:

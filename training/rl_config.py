@@ -7,7 +7,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rollouts.config import RolloutConfig, Strict
-from training.config import BackendConfig, ModelConfig, OptimConfig, TaskDataSource
+from training.config import (
+    BackendConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    TaskDataSource,
+)
 
 
 class RLDataConfig(TaskDataSource):
@@ -185,6 +191,7 @@ class RLRunConfig(Strict):
     )
     backend: BackendConfig = BackendConfig()
     train: RLLoopConfig = RLLoopConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
     def _mini_batches_fit_the_batch(self) -> RLRunConfig:

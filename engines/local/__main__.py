@@ -13,9 +13,9 @@ from .server import serve
 from .state import LocalEngineConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m engines.local",
+        prog=prog,
         description="A CPU inference server speaking SGLang's HTTP protocol (HF transformers).",
     )
     parser.add_argument("--model-path", "--model", required=True, help="HF model directory")
@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local") -> int:
+    """The server's command line; `prog` is how the help names it (`rollouts serve`)."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

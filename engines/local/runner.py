@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,15 @@ from .weights_io import WeightLoadError, read_checked
 __all__ = ["ModelRunner", "WeightLoadError"]
 
 logger = logging.getLogger(__name__)
+
+# transformers 5.24 renamed forward's `past_key_values` to `cache` and warns at every call
+# (FutureWarning, removal in 5.40); we support transformers>=5.0, where `cache` does not exist
+# and would be swallowed by **kwargs (decoding silently without the KV cache). So we keep the
+# name every 5.x accepts and silence just that warning; switch to `cache=` when the floor is
+# raised to 5.24. A filter here, not `catch_warnings` at the call: the forward runs on a
+# worker thread, and `catch_warnings` swaps the process-wide filter list.
+warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated",
+                        category=FutureWarning)  # fmt: skip
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

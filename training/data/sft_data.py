@@ -216,7 +216,9 @@ def _validate_tool_calls(value: Any, field: str, report: _Report) -> list[dict]:
             try:
                 args = json.loads(args)
             except json.JSONDecodeError as e:
-                report(f"{where}.function.arguments", f"invalid JSON string: {e.msg}")
+                # the column is the string's own (its text is JSON inside a JSON string)
+                report(f"{where}.function.arguments",
+                       f"invalid JSON string: {e.msg} (column {e.colno} of the string)")  # fmt: skip
                 continue
         if not isinstance(args, dict):
             report(f"{where}.function.arguments", f"expected an object, got {_type_name(args)}")

@@ -191,6 +191,45 @@ class TensorBoardLogger:
         self._writer.close()
 
 
+def check_logger_extras(settings: Any) -> None:
+    """Fail before a run starts when a logger its config turns on has no package installed.
+
+    Args:
+        settings: a `LoggingConfig` (training/config.py).
+
+    Raises:
+        MissingExtraError: naming the package and the pip extra that installs it.
+    """
+    if settings.wandb is not None:
+        import_extra("wandb", package="wandb", extra="wandb", feature="logging.wandb")
+    if settings.tensorboard is not None:
+        import_extra("torch.utils.tensorboard", package="tensorboard", extra="tensorboard",
+                     feature="logging.tensorboard")  # fmt: skip
+
+
+def config_loggers(settings: Any, output_dir: str | Path, run_config: dict[str, Any]
+                   ) -> list[Any]:  # fmt: skip
+    """The loggers a run's `logging` section turns on (each has `close()`), in order.
+
+    Args:
+        settings: a `LoggingConfig`.
+        run_config: the resolved run config, recorded as the wandb run's config.
+
+    Raises:
+        MissingExtraError: a turned-on logger's package is not installed.
+    """
+    check_logger_extras(settings)
+    out: list[Any] = []
+    if settings.wandb is not None:
+        w = settings.wandb
+        out.append(WandbLogger(project=w.project, entity=w.entity, name=w.name, group=w.group,
+                               tags=list(w.tags) or None, mode=w.mode, config=run_config,
+                               dir=str(w.dir or output_dir)))  # fmt: skip
+    if settings.tensorboard is not None:
+        out.append(TensorBoardLogger(settings.tensorboard.dir or Path(output_dir) / "tensorboard"))
+    return out
+
+
 def fan_out(*loggers: Logger) -> Logger:
     """One logger that calls each of `loggers` in order."""
 

@@ -1,4 +1,5 @@
-"""The command line: `rollouts sft | rl | serve | eval | plot`, and the examples' entry points.
+"""The command line: `rollouts sft | rl | serve | eval | plot | generate`, and the examples'
+entry points.
 
 This module is the flags and the subcommands: a shared run parser, then one `*_main` per
 command, then the table `main` dispatches on. How a command runs to its exit code — claiming
@@ -166,13 +167,16 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
     parser.add_argument("--engine-url", default=None, help="a live server (default: launch one)")
+    parser.add_argument("--answer-field", default="answer", help="ground truth every record has")
+    parser.add_argument("--show", type=int, default=0, metavar="N", help="print N scored samples")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     _setup_logging(args)
     try:
-        metrics = trio.run(run_stoppable, lambda: evaluate_model(
+        metrics, shown = trio.run(run_stoppable, lambda: evaluate_model(
             args.model, args.data, args.reward, max_new_tokens=args.max_new_tokens,
-            limit=args.limit, engine_url=args.engine_url))  # fmt: skip
+            limit=args.limit, engine_url=args.engine_url, answer_field=args.answer_field,
+            show=args.show))  # fmt: skip
     except Interrupted as stop:
         print(f"stopped by {stop.signal_name}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -180,15 +184,22 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
         if print_errors(err):
             return EXIT_ERROR
         raise
-    print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+    print("\n".join([*shown, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))]))
     return 0
+
+
+def generate_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """`rollouts generate`: a model's answers to a prompts or chat file (recipes/generate.py)."""
+    from training.recipes.generate import generate_main as main
+
+    return main(argv, prog=prog)
 
 
 def serve_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """`rollouts serve`: the local engine (`python -m engines.local`)."""
     from engines.local.__main__ import main
 
-    return main(None if argv is None else list(argv))
+    return main(None if argv is None else list(argv), prog=prog or "rollouts serve")
 
 
 def plot_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
@@ -204,6 +215,7 @@ COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "serve": (serve_main, "run the local CPU inference engine (SGLang HTTP protocol)"),
     "eval": (eval_main, "greedy held-out accuracy of a model on prompts with answers"),
     "plot": (plot_main, "plot a run directory's metrics.jsonl"),
+    "generate": (generate_main, "print a model's answers to a prompts or chat JSONL file"),
 }
 
 
@@ -214,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "usage: rollouts {"
         + ",".join(COMMANDS)
         + "} ...\n\n"
-        + "\n".join(f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items())
+        + "\n".join(f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items())
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)

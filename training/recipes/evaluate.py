@@ -2,23 +2,25 @@
 
 The engine is a local one launched on the model for the purpose (stopped at the end), or a
 live server given by URL (probed once first). Prompts are RL-format JSONL (`messages` or
-`prompt`, plus the ground truth the reward reads, e.g. `answer`).
+`prompt`, plus the ground truth the reward reads, `answer` by default): a record without it
+is an error before any engine starts, since a reward cannot score it.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
-from engines.client import SGLangEngine, probe_engines
-from engines.launch import launch_engine
+from rollouts.errors import DataError
 from rollouts.evaluation import evaluate_greedy
-from rollouts.prompts import load_prompt_jsonl
+from rollouts.prompts import PromptItem, load_prompt_jsonl
+from rollouts.types import Sample
 from training.backend.checkpoint import resolve_checkpoint
 from training.backend.lora import loadable_model_dir
 from training.backend.model_io import check_model_path, load_tokenizer
+from training.recipes.generate import format_sample, open_model_engine
 from training.recipes.rl import resolve_callable
 from training.recipes.sft import check_input_file
 
@@ -32,16 +34,39 @@ def model_directory(model: str) -> str:
     return model
 
 
+def check_scorable(prompts: Sequence[PromptItem], field: str) -> None:
+    """Every record must carry the ground truth the reward reads, or the scores mean nothing.
+
+    Raises:
+        DataError: naming how many records lack `field` and the first ones (file:line).
+    """
+    missing = [p.source for p in prompts if field not in p.metadata]
+    if missing:
+        more = f" and {len(missing) - 3} more" * (len(missing) > 3)
+        raise DataError(
+            f"{', '.join(missing[:3])}{more}: {field}: missing ({len(missing)} of {len(prompts)} "
+            f"records): rollouts eval scores records against their {field!r} (--answer-field); "
+            "to read a model's answers to records without one, use rollouts generate"
+        )
+
+
 async def evaluate_model(model: str, data: str, reward: str, *, max_new_tokens: int = 16,
-                         limit: int | None = None, engine_url: str | None = None
-                         ) -> dict[str, float]:  # fmt: skip
+                         limit: int | None = None, engine_url: str | None = None,
+                         answer_field: str = "answer", show: int = 0
+                         ) -> tuple[dict[str, float], list[str]]:  # fmt: skip
     """One greedy episode per prompt, scored by `reward` (`module:function`).
 
+    Args:
+        answer_field: the ground-truth key every record must have (what the reward reads).
+        show: how many scored samples to return formatted for printing (the first ones).
+
     Returns:
-        `accuracy`, `reward_mean` (and tool metrics for tool episodes), plus `n_prompts`.
+        The metrics (`accuracy`, `reward_mean`, tool metrics for tool episodes, `n_prompts`),
+        and `show` samples as printable blocks (prompt, answer, expected, score).
 
     Raises:
         ConfigError: a missing data file or unresolvable reward.
+        DataError: malformed records, or records without `answer_field` (file:line).
         ModelLoadError: no model at `model`.
         EngineError: the engine did not start or answer.
     """
@@ -49,19 +74,19 @@ async def evaluate_model(model: str, data: str, reward: str, *, max_new_tokens: 
     model = model_directory(model)
     check_model_path(model)
     reward_fn = resolve_callable(reward)
-    if engine_url is not None:
-        await probe_engines([engine_url])
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, model)
     prompts = await trio.to_thread.run_sync(load_prompt_jsonl, data, tokenizer)
     prompts = prompts[:limit]
-    async with contextlib.AsyncExitStack() as stack:
-        url = engine_url
-        if url is None:
-            launched = await stack.enter_async_context(launch_engine(
-                kind="local", model_path=model, extra_args=["--num-threads", "1"],
-                startup_timeout_s=300))  # fmt: skip
-            url = launched.url
-        engine = await stack.enter_async_context(SGLangEngine(url))
+    check_scorable(prompts, answer_field)
+    shown: dict[int, Sample] = {}
+
+    def keep(i: int, sample: Sample) -> None:
+        if i < show:
+            shown[i] = sample
+
+    async with open_model_engine(model, engine_url) as engine:
         metrics = await evaluate_greedy(engine, prompts, reward_fn, max_new_tokens=max_new_tokens,
-                                        tokenizer=tokenizer)  # fmt: skip
-    return {**metrics, "n_prompts": float(len(prompts))}
+                                        tokenizer=tokenizer, on_scored=keep)  # fmt: skip
+    blocks = [format_sample(i, prompts[i], shown.get(i), tokenizer, expected_key=answer_field,
+                            scored=True) for i in range(min(show, len(prompts)))]  # fmt: skip
+    return {**metrics, "n_prompts": float(len(prompts))}, blocks

@@ -55,7 +55,8 @@ DEFAULT_KEYS = ("reward_mean", "eval_accuracy", "accuracy", "loss", "eval_loss",
 
 
 def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path | None = None,
-                         keys: Sequence[str] | None = None) -> Path:  # fmt: skip
+                         keys: Sequence[str] | None = None, title: str | None = None
+                         ) -> Path:  # fmt: skip
     """One panel per metric of a `metrics.jsonl` (as `JsonlLogger` writes it), against step.
 
     Args:
@@ -63,6 +64,7 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path | None =
         out_png: where to write; default `curves.png` beside the metrics file.
         keys: metrics to plot (those absent are skipped); default `DEFAULT_KEYS` plus every
             reward component (`reward/<name>`).
+        title: the figure's title; default the run directory and its last step.
 
     Returns:
         The PNG path.
@@ -90,6 +92,8 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path | None =
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
+    last = max((r["step"] for r in rows if _is_number(r.get("step"))), default=0)
+    fig.suptitle(title or f"{path.parent.resolve().name}: {last} steps")
     fig.tight_layout()
     out = Path(out_png) if out_png is not None else path.with_name("curves.png")
     fig.savefig(out, dpi=100)

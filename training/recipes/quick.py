@@ -69,41 +69,45 @@ def quick_rl_config(model: str | Path, prompts: Sequence[str | Mapping[str, Any]
                     overrides: Sequence[str] = ()) -> RLRunConfig:  # fmt: skip
     """The run config `train_rl` uses (for `run_rl_recipe` from async code).
 
-    `prompts` as a list is written to `<output_dir>/prompts.jsonl` (a string becomes
-    `{"prompt": ...}`; a mapping is written as it is, so it may carry an `answer` the reward
-    reads as `sample.metadata["answer"]`). Unless `eval_prompts` or a `data.eval_path`
-    override names held-out prompts, `heldout_split` sets some aside in
-    `<output_dir>/heldout.jsonl` (logged), and training uses the rest.
+    `prompts` as a list is written to `prompts.jsonl` in the run's output directory (the
+    `output_dir` argument, or an `output_dir=` override): a string becomes `{"prompt": ...}`,
+    a mapping is written as it is, so it may carry an `answer` the reward reads as
+    `sample.metadata["answer"]`. Unless `eval_prompts` or a `data.eval_path` override names
+    held-out prompts, `heldout_split` sets some aside in `heldout.jsonl` there (logged), and
+    training uses the rest.
     """
-    out = Path(output_dir)
     chosen = eval_prompts is not None or any(o.startswith("data.eval_path=") for o in overrides)
-    flags = [f"model.path={model}", f"output_dir={out}", f"train.max_steps={max_steps}",
+    flags = [f"model.path={model}", f"output_dir={output_dir}", f"train.max_steps={max_steps}",
              f"algorithm.preset={algorithm}"]  # fmt: skip
     if isinstance(prompts, str | Path) and chosen:
         flags.append(f"data.train_path={prompts}")
-    else:
+    if isinstance(eval_prompts, str | Path):
+        flags.append(f"data.eval_path={eval_prompts}")
+    if engine_url is not None:
+        flags.append(f"engines.urls={json.dumps([engine_url])}")
+    config = load_config(RLRunConfig, None, [*flags, *overrides])
+    # Files go where the run writes, so an `output_dir=` override takes them along.
+    out = Path(config.output_dir)
+    update: dict[str, str] = {}
+    if config.data.train_path is None:
         out.mkdir(parents=True, exist_ok=True)
         records = _records(prompts)
         train, held = (records, None) if chosen else heldout_split(records)
-        flags.append(f"data.train_path={_write_jsonl(out / 'prompts.jsonl', train)}")
+        update["train_path"] = str(_write_jsonl(out / "prompts.jsonl", train))
         if held is not None:
             heldout = _write_jsonl(out / "heldout.jsonl", held)
-            flags.append(f"data.eval_path={heldout}")
+            update["eval_path"] = str(heldout)
             where = "one prompt: it is also trained on" if len(records) < 2 else str(heldout)
             log.info("held out %d of the %d prompts given (%d %%, at most %d, seed %d) for "
                      "accuracy before/after training, not trained on (%s); pass eval_prompts= "
                      "to choose them", len(held), len(records), HELDOUT_SHARE * 100,
                      HELDOUT_MAX, HELDOUT_SEED, where)  # fmt: skip
-    if eval_prompts is not None:
-        if isinstance(eval_prompts, str | Path):
-            flags.append(f"data.eval_path={eval_prompts}")
-        else:
-            out.mkdir(parents=True, exist_ok=True)
-            heldout = _write_jsonl(out / "heldout.jsonl", _records(eval_prompts))
-            flags.append(f"data.eval_path={heldout}")
-    if engine_url is not None:
-        flags.append(f"engines.urls={json.dumps([engine_url])}")
-    return load_config(RLRunConfig, None, [*flags, *overrides])
+    if eval_prompts is not None and not isinstance(eval_prompts, str | Path):
+        out.mkdir(parents=True, exist_ok=True)
+        update["eval_path"] = str(_write_jsonl(out / "heldout.jsonl", _records(eval_prompts)))
+    if not update:
+        return config
+    return config.model_copy(update={"data": config.data.model_copy(update=update)})
 
 
 def train_rl(model: str | Path, prompts: Sequence[str | Mapping[str, Any]] | str | Path,

@@ -36,7 +36,14 @@ from training.backend.pytorch import load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
 from training.loops.hooks import CheckpointHook, RLHooks, StopFn
-from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
+from training.loops.loggers import (
+    ConsoleLogger,
+    JsonlLogger,
+    Logger,
+    check_logger_extras,
+    config_loggers,
+    fan_out,
+)
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import push_weights
 from training.recipes.engine_model import model_served_by
@@ -278,10 +285,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     """
     t0 = time.perf_counter()
     await check_rl_inputs(config)
+    check_logger_extras(config.logging)
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
-    log.debug("resolved config:\n%s", config_to_yaml(config))
     thinking = config.model.enable_thinking  # checked against the template by load_prompts
     episodes = build_episode_setup(
         config.env, config.reward, resolve=resolve_callable,
@@ -297,6 +302,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     # other tasks keep running meanwhile.
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_path)
     train_prompts, held_out = await trio.to_thread.run_sync(load_prompts, config, tokenizer)
+    out.mkdir(parents=True, exist_ok=True)  # only once the config and the prompts are valid
+    (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
+    log.debug("resolved config:\n%s", config_to_yaml(config))
     buffer = DataBuffer(train_prompts, seed=config.data.shuffle_seed)
     backend, reference, critic = await trio.to_thread.run_sync(
         build_rl_models, config, model_path, tokenizer, schedule
@@ -309,8 +317,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
                             keys=("reward_mean", "accuracy", "eval_accuracy", "loss",
                                   "time_step_s", "weight_version"))  # fmt: skip
-    with backend, _closing(critic), _closing(reference), contextlib.closing(jsonl), \
-            contextlib.closing(console), _closing(dump):  # fmt: skip
+    loggers = [jsonl, console, *config_loggers(config.logging, out, config.model_dump(mode="json"))]
+    with backend, _closing(critic), _closing(reference), contextlib.ExitStack() as closing, \
+            _closing(dump):  # fmt: skip
+        for logger in loggers:
+            closing.callback(logger.close)
         async with open_engines(config, model_path, out) as (engine, clients):
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
                 await push_weights(
@@ -331,7 +342,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
 
-            hooks = RLHooks(logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
+            hooks = RLHooks(logger=fan_out(*loggers, *([on_step] if on_step else [])),
                             evaluate_fn=evaluate if held_out else None,
                             stop_fn=extensions.stop_fn,
                             checkpoint_hook=extensions.checkpoint_hook, on_batch=dump)  # fmt: skip

@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
@@ -23,13 +24,20 @@ from rollouts.tasks.arithmetic import is_correct
 from rollouts.thinking import thinking_template_kwargs
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.backend.tiny_model import ensure_tiny_model
-from training.config import ModelConfig, SFTRunConfig, config_to_yaml
+from training.config import DEFAULT_PACK_LENGTH, ModelConfig, SFTRunConfig, config_to_yaml
 from training.data.buffer import DataBuffer
 from training.data.sft_data import load_sft_jsonl
 from training.data.tokenize import TokenizeStats, tokenize_records
 from training.loops.evaluate import EvalPrompt, greedy_accuracy
 from training.loops.hooks import SFTHooks
-from training.loops.loggers import ConsoleLogger, JsonlLogger, Logger, fan_out
+from training.loops.loggers import (
+    ConsoleLogger,
+    JsonlLogger,
+    Logger,
+    check_logger_extras,
+    config_loggers,
+    fan_out,
+)
 from training.loops.sft import SFTData, run_sft_training
 
 log = logging.getLogger("rollouts.recipes")
@@ -48,6 +56,7 @@ class PreparedSFTData:
     stats: TokenizeStats
     accuracy_prompts: tuple[EvalPrompt, ...]
     fingerprint: str  # of the files trained and evaluated on (see `sft_data_files`)
+    lengths: SampleLengths
 
 
 def load_eval_prompts(path: Path) -> tuple[EvalPrompt, ...]:
@@ -102,41 +111,85 @@ def check_input_file(key: str, path: str | Path) -> None:
         raise ConfigError(f"{key}: {path}: {why}")
 
 
-def check_pack_length(config: SFTRunConfig, samples: list[Any], what: str) -> None:
+def check_pack_length(config: SFTRunConfig, samples: list[Any], what: str,
+                      lengths: SampleLengths) -> None:  # fmt: skip
     """Packed rows must hold every sample: fail before training, naming the keys to change.
 
     Raises:
-        ConfigError: a sample is longer than `data.pack_length` (names the first, its length,
+        ConfigError: a sample is longer than the pack length (names the first, its length,
             and `data.max_seq_len`, the other way to make it fit).
     """
-    dc = config.data
-    if not dc.packing:
+    if not config.data.packing:
         return
-    too_long = [s for s in samples if len(s) > dc.pack_length]
+    too_long = [s for s in samples if len(s) > lengths.pack_length]
     if too_long:
         first = too_long[0]
         raise ConfigError(
             f"{what}: {len(too_long)} sample(s) are longer than data.pack_length="
-            f"{dc.pack_length} tokens, so they fit no packed row (e.g. {first.source}, "
+            f"{lengths.pack_length} tokens, so they fit no packed row (e.g. {first.source}, "
             f"{len(first)} tokens): raise data.pack_length to at least data.max_seq_len="
-            f"{dc.max_seq_len}, or lower data.max_seq_len"
+            f"{lengths.max_seq_len} (or leave it null to follow data.max_seq_len), or lower "
+            "data.max_seq_len"
         )
 
 
-def report_overlong(stats: TokenizeStats, max_seq_len: int, what: str) -> None:
+def report_overlong(stats: TokenizeStats, max_seq_len: int, what: str,
+                    key: str = "data.max_seq_len") -> None:  # fmt: skip
     """Log the over-long samples by file:line; a warning when more than 10 % were cut."""
-    report = stats.overlong_report(max_seq_len)
+    report = stats.overlong_report(max_seq_len, key)
     if report is not None:
         warn, message = report
         log.log(logging.WARNING if warn else logging.INFO, "%s: %s", what, message)
 
 
-def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
+class SampleLengths(NamedTuple):
+    """The lengths a run trains with: the config's, or (null there) the data's."""
+
+    max_seq_len: int
+    pack_length: int
+    why: str  # where max_seq_len came from, for the log line
+
+
+def model_context(model_path: str) -> int | None:
+    """The model's context length (`max_position_embeddings` of its config), None if unknown."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None  # the model load that follows names the path and the cause
+    return getattr(hf_config, "max_position_embeddings", None)
+
+
+def resolve_lengths(config: SFTRunConfig, longest: int, context: int | None) -> SampleLengths:
+    """`data.max_seq_len` and `data.pack_length`, filling a null from the longest record.
+
+    A null `max_seq_len` becomes the longest tokenized record, capped by the model's context
+    (a longer sample could not be trained on); a null `pack_length` follows it, and is never
+    below `DEFAULT_PACK_LENGTH`, so short records still share rows.
+    """
+    dc = config.data
+    if dc.max_seq_len is not None:
+        max_seq_len, why = dc.max_seq_len, "from the config"
+    elif context is not None and longest > context:
+        max_seq_len, why = context, f"the model's context, max_position_embeddings={context}"
+    else:
+        max_seq_len, why = max(2, longest), "the longest record"
+    pack_length = dc.pack_length or max(DEFAULT_PACK_LENGTH, max_seq_len)
+    return SampleLengths(max_seq_len, pack_length, why)
+
+
+def prepare_sft_data(config: SFTRunConfig, tokenizer: Any, *, context: int | None = None
+                     ) -> PreparedSFTData:  # fmt: skip
     """Load (or generate) the SFT data, validate and tokenize it, and wrap it in a DataBuffer.
+
+    Args:
+        context: the model's context length; with `data.max_seq_len` null, samples are cut
+            only beyond it (see `resolve_lengths`).
 
     Raises:
         DataError: any malformed record (all collected, before training starts).
-        ConfigError: no data source configured.
+        ConfigError: no data source configured; a sample longer than the pack length.
     """
     dc = config.data
     files = sft_data_files(config)
@@ -145,32 +198,44 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any) -> PreparedSFTData:
         accuracy_prompts = load_eval_prompts(files.accuracy)[: config.train.greedy_eval_samples]
     train_records = load_sft_jsonl(files.train)
     eval_records = load_sft_jsonl(files.eval) if files.eval else []
-    kw = dict(max_seq_len=dc.max_seq_len, overlong=dc.overlong,
+    limit = dc.max_seq_len or context or sys.maxsize
+    kw = dict(max_seq_len=limit, overlong=dc.overlong,
               template_kwargs=thinking_template_kwargs(tokenizer, config.model.enable_thinking))  # fmt: skip
     train_samples, stats = tokenize_records(train_records, tokenizer, **kw)
     eval_samples, eval_stats = tokenize_records(eval_records[: config.train.eval_samples],
                                                 tokenizer, **kw)  # fmt: skip
+    lengths = resolve_lengths(config, max(stats.longest, eval_stats.longest), context)
     log.info("train data %s: %s", files.train, stats.summary())
-    report_overlong(stats, dc.max_seq_len, "train data")
-    report_overlong(eval_stats, dc.max_seq_len, "eval data")
-    check_pack_length(config, train_samples, str(files.train))
-    check_pack_length(config, eval_samples, str(files.eval))
+    log.info("data.max_seq_len=%d (%s), data.pack_length=%d", lengths.max_seq_len, lengths.why,
+             lengths.pack_length)  # fmt: skip
+    key = "data.max_seq_len" if dc.max_seq_len else "the model's context (max_position_embeddings)"
+    report_overlong(stats, lengths.max_seq_len, "train data", key)
+    report_overlong(eval_stats, lengths.max_seq_len, "eval data", key)
+    check_pack_length(config, train_samples, str(files.train), lengths)
+    check_pack_length(config, eval_samples, str(files.eval), lengths)
     buffer = DataBuffer(train_samples, seed=dc.shuffle_seed)
     data = SFTData(buffer, tuple(eval_samples))
-    return PreparedSFTData(data, stats, accuracy_prompts, files.fingerprint())
+    return PreparedSFTData(data, stats, accuracy_prompts, files.fingerprint(), lengths)
 
 
-def build_backend(config: SFTRunConfig, model_path: str) -> PyTorchTrainingBackend:
-    """Load the model and tokenizer and wrap them in a backend configured by `config`."""
-    tokenizer = load_tokenizer(model_path)
+def build_backend(config: SFTRunConfig, model_path: str, *, tokenizer: Any = None,
+                  pack_length: int | None = None) -> PyTorchTrainingBackend:  # fmt: skip
+    """Load the model and tokenizer and wrap them in a backend configured by `config`.
+
+    Args:
+        tokenizer: the model's tokenizer if already loaded (else loaded from `model_path`).
+        pack_length: tokens per packed row (`SampleLengths.pack_length`); None: the config's
+            `data.pack_length`, or its default when that is null.
+    """
+    pack = pack_length or config.data.pack_length or DEFAULT_PACK_LENGTH
     return PyTorchTrainingBackend(
         partial(load_model, model_path, dtype=config.model.dtype, device=config.backend.device),
-        tokenizer,
+        tokenizer if tokenizer is not None else load_tokenizer(model_path),
         optim=config.optim,
         max_steps=config.train.max_steps,
         checkpoint_dir=Path(config.output_dir) / "checkpoints",
         micro_batch_tokens=config.backend.micro_batch_tokens,
-        pack_length=config.data.pack_length if config.data.packing else None,
+        pack_length=pack if config.data.packing else None,
         keep_last=config.train.keep_last,
         num_threads=config.backend.num_threads,
         seed=config.backend.seed,
@@ -211,16 +276,23 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
     """
     t0 = time.perf_counter()
     await trio.to_thread.run_sync(sft_data_files, config)  # missing files fail here, at once
-    out = Path(config.output_dir)
+    check_logger_extras(config.logging)  # and a logger without its package
+    model_path = await trio.to_thread.run_sync(resolve_model_path, config.model)
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_path)
+    context = await trio.to_thread.run_sync(model_context, model_path)
+    prepared = await trio.to_thread.run_sync(
+        partial(prepare_sft_data, config, tokenizer, context=context)
+    )
+    out = Path(config.output_dir)  # created only once the config and the data are valid
     out.mkdir(parents=True, exist_ok=True)
     resolved = config.model_dump(mode="json")
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
     log.debug("resolved config:\n%s", config_to_yaml(config))
 
-    model_path = await trio.to_thread.run_sync(resolve_model_path, config.model)
-    backend = await trio.to_thread.run_sync(build_backend, config, model_path)
+    backend = await trio.to_thread.run_sync(partial(
+        build_backend, config, model_path, tokenizer=tokenizer,
+        pack_length=prepared.lengths.pack_length))  # fmt: skip
     with backend:
-        prepared = await trio.to_thread.run_sync(prepare_sft_data, config, backend.tokenizer)
 
         async def accuracy(b: PyTorchTrainingBackend) -> dict[str, float]:
             return await greedy_accuracy(b, prepared.accuracy_prompts, is_correct)
@@ -229,21 +301,27 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
             (out / "metrics.jsonl").unlink(missing_ok=True)
         jsonl = JsonlLogger(out / "metrics.jsonl")
         console = ConsoleLogger(config.train.max_steps, every=config.train.log_every)
+        loggers = [jsonl, console, *config_loggers(config.logging, out, resolved)]
         try:
             history = await run_sft_training(
                 backend,
                 prepared.data,
                 config.train,
                 hooks=SFTHooks(
-                    logger=fan_out(jsonl, console, *([on_step] if on_step else [])),
+                    logger=fan_out(*loggers, *([on_step] if on_step else [])),
                     evaluate_fn=accuracy if prepared.accuracy_prompts else None,
                 ),
                 resolved_config=resolved,
-                extra_state={"data_sha256": prepared.fingerprint},
+                # the config is saved as given (a null length stays null, so the same config
+                # matches this checkpoint again, see recipes/rl.py); the lengths it got beside it
+                extra_state={
+                    "data_sha256": prepared.fingerprint,
+                    "data_lengths": prepared.lengths._asdict(),
+                },
             )
         finally:
-            jsonl.close()
-            console.close()
+            for logger in loggers:
+                logger.close()
         last = history[-1] if history else {}
         if not history:  # resumed a finished run: measure the final state again
             last = {**(await backend.forward(prepared.data.eval_samples).result())}
