@@ -46,3 +46,19 @@ async def test_a_launched_engine_warns_nothing_and_leaves_no_temp_log(tiny_model
         text = log.read_text()  # the health check has run a forward pass
     assert "Warning" not in text, text
     assert not log.exists()
+
+
+def test_launched_engines_take_device_and_dtype_from_the_engines_section():
+    # One GPU with a launched engine: `engines.local_device=cuda` must reach `rollouts serve`,
+    # which parses the flags exactly as a person typing them would.
+    from engines.local.__main__ import build_parser
+    from training.config import load_config
+    from training.recipes.rl_engines import local_engine_args
+    from training.rl_config import RLRunConfig
+
+    default = load_config(RLRunConfig, None, []).engines
+    gpu = load_config(RLRunConfig, None, ["engines.local_device=cuda",
+                                          "engines.local_dtype=bfloat16"]).engines  # fmt: skip
+    for ec, device, dtype in ((default, "cpu", "float32"), (gpu, "cuda", "bfloat16")):
+        args = build_parser().parse_args(["--model-path", "m", *local_engine_args(ec)])
+        assert (args.device, args.dtype, args.num_threads) == (device, dtype, 1)

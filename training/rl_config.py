@@ -37,6 +37,12 @@ class EnginesConfig(Strict):
     admin_api_key: str | None = Field(None, description="SGLang --admin-api-key (control routes)")
     n_local: int = Field(1, ge=1)
     local_threads: int | None = Field(1, ge=1, description="torch threads per local engine")
+    local_device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="where launched local engines run (`rollouts serve --device`)"
+    )
+    local_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the dtype launched local engines hold the weights in"
+    )
     max_running_requests: int = Field(64, ge=1)
     startup_timeout_s: float = Field(300.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)

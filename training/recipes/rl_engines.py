@@ -20,9 +20,18 @@ from engines.control_plane import GatewayControl, choose_control_plane, control_
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
 from plumbing.errors import ConfigError
-from training.rl_config import RLRunConfig
+from training.rl_config import EnginesConfig, RLRunConfig
 
 log = logging.getLogger("rollouts.rl_recipe")
+
+
+def local_engine_args(ec: EnginesConfig) -> list[str]:
+    """The `rollouts serve` flags of an engine the recipe launches, from the `engines` section."""
+    args = ["--weight-version", "0", "--max-running-requests", str(ec.max_running_requests),
+            "--device", ec.local_device, "--dtype", ec.local_dtype]  # fmt: skip
+    if ec.local_threads:
+        args += ["--num-threads", str(ec.local_threads)]
+    return args
 
 
 @contextlib.asynccontextmanager
@@ -58,12 +67,8 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                 return
         elif not urls:
             for i in range(ec.n_local):
-                args = ["--weight-version", "0", "--max-running-requests",
-                        str(ec.max_running_requests)]  # fmt: skip
-                if ec.local_threads:
-                    args += ["--num-threads", str(ec.local_threads)]
                 launched = await stack.enter_async_context(supervise_engine(
-                    kind="local", model_path=model_path, extra_args=args,
+                    kind="local", model_path=model_path, extra_args=local_engine_args(ec),
                     log_path=out / f"engine_{i}.log", startup_timeout_s=ec.startup_timeout_s,
                     max_relaunches=ec.max_relaunches, lora=lora_launch(config),
                     events=engine_events_send.clone(),
