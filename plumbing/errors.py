@@ -104,3 +104,10 @@ class DropSample(RolloutsError):
     parse the answer): the sample is regenerated (`rollout.sample_retries`), and its group is
     dropped if that fails too. Any other exception from a reward gives the sample
     `rollout.reward_failure_value`, records the error on it and keeps its group."""
+
+
+def leaf_errors(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; `exc` itself if not a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in leaf_errors(inner)]
+    return [exc]

@@ -36,7 +36,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import RolloutsError
+from plumbing.errors import RolloutsError, leaf_errors
 from rollouts.config import RolloutConfig
 from rollouts.generate_fn import GenerateFn, single_turn_generate
 from rollouts.generation import CollectResult, GroupSource, collect_groups
@@ -371,4 +371,5 @@ async def _abort_all(engine: Any) -> None:
     try:
         await abort_all()
     except Exception as err:  # shutting down: report, never mask the original exit reason
-        log.warning("abort_all on shutdown failed: %s", err)
+        causes = "; ".join(f"{type(e).__name__}: {e}" for e in leaf_errors(err))
+        log.warning("abort_all on shutdown failed: %s", causes)

@@ -312,8 +312,9 @@ def prune_checkpoints(checkpoint_dir: Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def find_latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     """The checkpoint `latest` names, or None when there is none yet."""
+    checkpoint_dir = Path(checkpoint_dir)
     pointer = checkpoint_dir / LATEST
     if not pointer.is_file():
         return None

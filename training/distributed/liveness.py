@@ -17,7 +17,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from plumbing.errors import RolloutsError
+from plumbing.errors import RolloutsError, leaf_errors
 
 if TYPE_CHECKING:
     from training.distributed.context import DistContext
@@ -47,7 +47,7 @@ def record_process(ctx: DistContext) -> None:
 def lost_rank_error(ctx: DistContext, err: BaseException) -> RankLostError | None:
     """A `RankLostError` when `err` (or an exception inside it) is gloo's report of a peer that
     went away; None for any other failure."""
-    leaves = _leaves(err)
+    leaves = leaf_errors(err)
     gone = next((e for e in leaves if isinstance(e, RuntimeError)
                  and any(s in str(e) for s in _PEER_GONE)), None)  # fmt: skip
     if gone is None or any(isinstance(e, RolloutsError) for e in leaves):
@@ -61,12 +61,6 @@ def lost_rank_error(ctx: DistContext, err: BaseException) -> RankLostError | Non
         what = f"lost another rank: a peer closed its connection ({first_line})"
     return RankLostError(f"{what}; the job stops. Check that rank's log (an out-of-memory kill "
                          "shows in dmesg), then resume with --resume")  # fmt: skip
-
-
-def _leaves(err: BaseException) -> list[BaseException]:
-    if isinstance(err, BaseExceptionGroup):
-        return [leaf for inner in err.exceptions for leaf in _leaves(inner)]
-    return [err]
 
 
 def _dead_ranks(ctx: DistContext) -> list[tuple[int, int]]:

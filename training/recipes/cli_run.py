@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import ConfigError, RolloutsError
+from plumbing.errors import ConfigError, RolloutsError, leaf_errors
 
 log = logging.getLogger("rollouts.cli")
 
@@ -72,13 +72,6 @@ def _nonempty(path: Path) -> bool:
 
 
 # ----- errors and signals ----------------------------------------------------------------------
-
-
-def leaf_errors(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, in order; `exc` itself if not a group."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in leaf_errors(inner)]
-    return [exc]
 
 
 def print_errors(exc: BaseException) -> bool:
