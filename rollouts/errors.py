@@ -17,3 +17,4 @@ from plumbing.errors import RolloutsError as RolloutsError
 from plumbing.errors import describe_engine_failure as describe_engine_failure
 from plumbing.errors import engine_failure_kind as engine_failure_kind
 from plumbing.errors import import_extra as import_extra
+from plumbing.errors import leaf_errors as leaf_errors

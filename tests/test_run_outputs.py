@@ -13,9 +13,13 @@ def test_quick_rl_prompts_are_written_into_the_overridden_output_dir(tmp_path, m
     monkeypatch.chdir(tmp_path)
     config = quick_rl_config("some/model", ["1+1", {"prompt": "2+2", "answer": "4"}],
                              overrides=[f"output_dir={tmp_path / 'elsewhere'}"])  # fmt: skip
-    written = tmp_path / "elsewhere" / "prompts.jsonl"
-    assert config.data.train_path == str(written)
-    assert [json.loads(x)["prompt"] for x in written.read_text().splitlines()] == ["1+1", "2+2"]
+    written, held = (
+        tmp_path / "elsewhere" / "prompts.jsonl",
+        tmp_path / "elsewhere" / "heldout.jsonl",
+    )
+    assert (config.data.train_path, config.data.eval_path) == (str(written), str(held))
+    prompts = [json.loads(x)["prompt"] for f in (written, held) for x in f.read_text().splitlines()]
+    assert sorted(prompts) == ["1+1", "2+2"]  # one of the two is held out for before/after
     assert not (tmp_path / "runs").exists()  # the default runs/quick_rl was not touched
 
 

@@ -38,7 +38,6 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .prefix_cache import PrefixCache, cache_prompts, max_prefix_len, prefill_layout
 from .sampling import Sampled, sample, scaled_logprobs, top_logprobs
-from .sequence import Sequence, TopLogprobs
+from .sequence import Prefilled, Sequence, StepOutput, TopLogprobs
 from .weights_io import WeightLoadError, read_checked
 
 __all__ = ["ModelRunner", "WeightLoadError"]
@@ -65,21 +64,6 @@ warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated",
                         category=FutureWarning)  # fmt: skip
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class Prefilled:
-    seq: Sequence
-    input_logprobs: list[float | None] | None
-    input_top: list[TopLogprobs | None] | None
-    cached_tokens: int
-
-
-@dataclass
-class StepOutput:
-    tokens: list[tuple[Sequence, int, float, TopLogprobs | None]] = field(default_factory=list)
-    prefilled: list[Prefilled] = field(default_factory=list)
-    errors: list[tuple[Sequence, str]] = field(default_factory=list)
 
 
 def _as_int_set(value) -> set[int]:

@@ -61,3 +61,20 @@ class Sequence:
             self.weight_spans[-1][2] = index + 1
         else:
             self.weight_spans.append([version, index, index + 1])
+
+
+# What one model step hands back to the scheduler (runner.py), which applies it on the trio
+# thread: the runner never mutates a Sequence beyond its `runner_state` slot.
+@dataclass
+class Prefilled:
+    seq: Sequence
+    input_logprobs: list[float | None] | None
+    input_top: list[TopLogprobs | None] | None
+    cached_tokens: int
+
+
+@dataclass
+class StepOutput:
+    tokens: list[tuple[Sequence, int, float, TopLogprobs | None]] = field(default_factory=list)
+    prefilled: list[Prefilled] = field(default_factory=list)
+    errors: list[tuple[Sequence, str]] = field(default_factory=list)

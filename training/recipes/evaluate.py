@@ -9,7 +9,6 @@ is an error before any engine starts, since a reward cannot score it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import trio
 
@@ -17,21 +16,10 @@ from rollouts.errors import DataError
 from rollouts.evaluation import evaluate_greedy
 from rollouts.prompts import PromptItem, load_prompt_jsonl
 from rollouts.types import Sample
-from training.backend.checkpoint import resolve_checkpoint
-from training.backend.lora import loadable_model_dir
 from training.backend.model_io import check_model_path, load_tokenizer
-from training.recipes.generate import format_sample, open_model_engine
+from training.recipes.generate import format_sample, model_directory, open_model_engine
 from training.recipes.rl import resolve_callable
 from training.recipes.sft import check_input_file
-
-
-def model_directory(model: str) -> str:
-    """`model`, or the checkpoint its `latest` file names when it is a checkpoints directory."""
-    if (Path(model) / "latest").is_file():
-        return str(loadable_model_dir(resolve_checkpoint(model)))
-    if Path(model).is_dir():  # a LoRA checkpoint: its merged model
-        return str(loadable_model_dir(Path(model)))
-    return model
 
 
 def check_scorable(prompts: Sequence[PromptItem], field: str) -> None:

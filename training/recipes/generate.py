@@ -25,8 +25,19 @@ from rollouts.generation import GenerateContext, single_turn_generate
 from rollouts.jsonl import format_errors, iter_jsonl
 from rollouts.prompts import PromptItem, encode_prompt, validate_prompt_record
 from rollouts.types import Sample
+from training.backend.checkpoint import resolve_checkpoint
+from training.backend.lora import loadable_model_dir
 
 EXPECTED = "expected"  # metadata key: the reference answer a chat or prompts file carries
+
+
+def model_directory(model: str) -> str:
+    """`model`, or the checkpoint its `latest` file names when it is a checkpoints directory."""
+    if (Path(model) / "latest").is_file():
+        return str(loadable_model_dir(resolve_checkpoint(model)))
+    if Path(model).is_dir():  # a LoRA checkpoint: its merged model
+        return str(loadable_model_dir(Path(model)))
+    return model
 
 
 def split_reference(messages: list[dict], obj: Mapping[str, Any]) -> tuple[list[dict], Any]:
@@ -132,7 +143,6 @@ def format_sample(index: int, prompt: PromptItem, sample: Sample | None, tokeniz
 async def run_generate(args: argparse.Namespace) -> list[str]:
     """The printed blocks of `rollouts generate`, one per prompt."""
     from training.backend.model_io import check_model_path, load_tokenizer
-    from training.recipes.evaluate import model_directory
     from training.recipes.sft import check_input_file
 
     check_input_file("--data", args.data)
