@@ -43,8 +43,13 @@ format: setup  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: setup lint  ## lint, then the test suite
-	$(PY) -m pytest -q
+# `make test` runs the suite on TEST_WORKERS pytest-xdist workers (0: in this process, serially).
+# Most of its time is spent waiting (process start-up, sockets, deadlines), so on 2 cores more
+# workers than cores still overlap; the value is the measured best (DEVELOPERS.md). A file's
+# tests stay on one worker (--dist loadfile): several files build a module-scoped model or launch.
+TEST_WORKERS ?= 3
+test: setup lint  ## lint, then the test suite (on TEST_WORKERS parallel workers)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 stress: setup  ## the long stress and generated-shape runs that `make test` leaves out
 	$(PY) -m pytest -q -m stress
