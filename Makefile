@@ -45,11 +45,11 @@ format: setup  ## apply ruff fixes and formatting
 
 # `make test` runs the suite on TEST_WORKERS pytest-xdist workers (0: in this process, serially).
 # Most of its time is spent waiting (process start-up, sockets, deadlines), so on 2 cores more
-# workers than cores still overlap; the value is the measured best (DEVELOPERS.md). A file's
-# tests stay on one worker (--dist loadfile): several files build a module-scoped model or launch.
+# workers than cores still overlap. --dist loadgroup: tests go to any free worker, except that a
+# file whose tests share a module-scoped fixture stays on one (tests/conftest.py groups them).
 TEST_WORKERS ?= 3
 test: setup lint  ## lint, then the test suite (on TEST_WORKERS parallel workers)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 stress: setup  ## the long stress and generated-shape runs that `make test` leaves out
 	$(PY) -m pytest -q -m stress
