@@ -45,11 +45,12 @@ format: setup  ## apply ruff fixes and formatting
 
 # `make test` runs the suite on TEST_WORKERS pytest-xdist workers (0: in this process, serially).
 # Most of its time is spent waiting (process start-up, sockets, deadlines), so on 2 cores more
-# workers than cores still overlap. --dist loadgroup: tests go to any free worker, except that a
-# file whose tests share a module-scoped fixture stays on one (tests/conftest.py groups them).
+# workers than cores still overlap. --dist loadfile: a file's tests run on one worker, so its
+# module-scoped fixtures are built once (loadgroup would be finer, but with pytest 9.2 and
+# pytest-xdist 3.8 its xdist_group marks are ignored: xdist renames `_nodeid`, pytest reads `_id`).
 TEST_WORKERS ?= 3
 test: setup lint  ## lint, then the test suite (on TEST_WORKERS parallel workers)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 stress: setup  ## the long stress and generated-shape runs that `make test` leaves out
 	$(PY) -m pytest -q -m stress

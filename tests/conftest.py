@@ -39,22 +39,11 @@ def _built_once(
     return out
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Keep each file whose tests share a module- or class-scoped fixture on one xdist worker,
-    and hand out the slow tests first.
-
-    Any other test may go to any worker (a file of long torchrun tests would otherwise be the
-    last worker's tail); a shared fixture split across workers would be built on each. Slow
-    tests first: the workers' last tests are then short ones, and none waits on one long one.
-    """
-    for item in items:
-        fixturedefs = getattr(item, "_fixtureinfo", None)
-        scopes = {d.scope for defs in (fixturedefs.name2fixturedefs.values() if fixturedefs else ())
-                  for d in defs}  # fmt: skip
-        if scopes & {"module", "class", "package"}:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: keeps order
+    """Run the slow tests first: under xdist (`make test`, --dist loadfile) the files holding
+    them are handed out first, so no worker starts a long file last while the others idle.
+    Stable, so a file's tests keep their order."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")
