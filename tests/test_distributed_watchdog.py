@@ -22,6 +22,7 @@ from tests.test_distributed import SMALL_DATA, _rank_pid
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a 5 s collective deadline: a loaded machine must not trip it before SIGSTOP
 def test_a_rank_that_stops_answering_fails_the_job_naming_the_op_and_every_rank(
     tiny_model_dir, tmp_path
 ):
