@@ -1,19 +1,57 @@
 """Shared fixtures. Expensive artefacts (the tiny model directory) are session-scoped and sync,
-so both trio and plain tests can use them (pytest-trio async fixtures must be function-scoped)."""
+so both trio and plain tests can use them (pytest-trio async fixtures must be function-scoped).
+
+Under pytest-xdist (`make test` runs with workers) each worker is its own session: the
+artefacts that cost a build or a torchrun launch are made once per run, by whichever worker
+asks first, in the run's shared temp folder, and read by the others (`_built_once`).
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 
+def _run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The temp folder every worker of this run shares (this session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]
+) -> Path:
+    """`build(folder)` once per run for `name` (which must say everything the result depends
+    on), under a file lock so that parallel workers wait for the first one instead of building
+    their own copy; a build that failed is retried by the next worker that asks."""
+    out = _run_dir(tmp_path_factory) / name
+    with open(out.with_name(f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when `lock` closes
+        done = out.with_name(f"{name}.built")  # beside it: the folder holds only the artefact
+        if not done.exists():
+            out.mkdir(exist_ok=True)
+            build(out)
+            done.touch()
+    return out
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the slow tests first: under xdist (`make test`, --dist loadfile) the files holding
+    them are handed out first, so no worker starts a long file last while the others idle.
+    Stable, so a file's tests keep their order."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A freshly built tiny model (seed 0) shared by the whole session. Treat as read-only."""
+    """A freshly built tiny model (seed 0) shared by the whole run. Treat as read-only."""
     from training.backend.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+    return _built_once(tmp_path_factory, "tiny_model_seed0", lambda d: build_tiny_model(d, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +59,7 @@ def distributed_grads(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     """One step's gradients at world 1 and 2 for every mode (tests/distributed_launch.py)."""
     from tests.distributed_launch import gradient_runs
 
-    return gradient_runs(tiny_model_dir, tmp_path_factory.mktemp("grads"))
+    return _built_once(tmp_path_factory, "grads", lambda d: gradient_runs(tiny_model_dir, d))
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +67,7 @@ def tiny_model_dir_seed1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture and tokenizer as `tiny_model_dir`, different weights (seed 1)."""
     from training.backend.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model_seed1"), seed=1)
+    return _built_once(tmp_path_factory, "tiny_model_seed1", lambda d: build_tiny_model(d, seed=1))
 
 
 @pytest.fixture(scope="session")

@@ -41,9 +41,13 @@ def make_adapter(base_dir: Path, out: Path, seed: int, rank: int = 4) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir)
-    peft_model = get_peft_model(
-        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
-    )
+    # peft draws lora_A from torch's global generator: seeded here, the adapter is the same
+    # whichever tests ran before in this process (under xdist that differs from run to run).
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(
+            model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+        )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():

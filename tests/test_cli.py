@@ -3,6 +3,7 @@ Ctrl-C/SIGTERM that says how to resume; no run mixed into an earlier one; the `r
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,13 @@ def assert_error_only(proc: subprocess.CompletedProcess, *needles: str) -> str:
 def sft_args(model: Path, tmp_path: Path, *extra: str) -> list[str]:
     return ["sft", "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--model", str(model),
             "--output-dir", str(tmp_path / "out"), *extra]  # fmt: skip
+
+
+@pytest.fixture
+def own_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the tiny model that only this test serves: the tests below find the engines
+    they launched by its path, and other tests running beside them (xdist) serve the shared one."""
+    return Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
 
 
 def write_chats(path: Path, n: int, long_every: int = 0) -> Path:
@@ -144,11 +152,12 @@ def wait_for_rows(path: Path, n: int, proc: subprocess.Popen, deadline_s: float 
     raise AssertionError(f"{path} did not reach {n} rows within {deadline_s} s")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, tiny_model_dir, signum):
+def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, own_model_dir, signum):
     out = tmp_path / "out"
     base = ["rl", "--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--model",
-            str(tiny_model_dir), "--output-dir", str(out),
+            str(own_model_dir), "--output-dir", str(out),
             "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "train.eval_samples=4",
             "train.eval_every=4", "train.checkpoint_every=3", "backend.num_threads=1",
             "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
@@ -168,7 +177,7 @@ def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, tiny_mod
     assert f"last checkpoint: {out}/checkpoints/step_" in stopped
     resume = next(line for line in stderr.splitlines() if line.startswith("resume with: "))
     assert resume.startswith("resume with: rollouts rl ") and resume.endswith(" --resume")
-    assert engine_processes_for(str(tiny_model_dir)) == []  # the launched engine was stopped
+    assert engine_processes_for(str(own_model_dir)) == []  # the launched engine was stopped
     # What a person reads: one line per step, no HF save bars or per-step sync lines.
     assert "Writing model shards" not in stderr and "synced weights" not in stderr
     steps_logged = len((out / "metrics.jsonl").read_text().splitlines())
@@ -207,19 +216,17 @@ def test_rollouts_script_is_installed_with_the_package():
     assert os.access(ROLLOUTS, os.X_OK)
 
 
-def test_rollouts_eval_scores_a_model_on_prompts_through_a_launched_engine(
-    tmp_path, tiny_model_dir
-):
+def test_rollouts_eval_scores_a_model_on_prompts_through_a_launched_engine(tmp_path, own_model_dir):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n"
                             for i in range(6)))  # fmt: skip
-    proc = rollouts("eval", "--model", str(tiny_model_dir), "--data", str(data), "--limit", "4",
+    proc = rollouts("eval", "--model", str(own_model_dir), "--data", str(data), "--limit", "4",
                     "--reward", "rollouts.tasks.arithmetic:correctness_reward", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     fields = dict(kv.split("=") for kv in proc.stdout.split())
     assert 0 <= float(fields["accuracy"]) <= 1 and float(fields["n_prompts"]) == 4
-    assert engine_processes_for(str(tiny_model_dir)) == []
-    missing = rollouts("eval", "--model", str(tiny_model_dir), "--data", "none.jsonl", cwd=tmp_path)
+    assert engine_processes_for(str(own_model_dir)) == []
+    missing = rollouts("eval", "--model", str(own_model_dir), "--data", "none.jsonl", cwd=tmp_path)
     assert_error_only(missing, "--data: none.jsonl: no such file")
 
 

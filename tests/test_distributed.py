@@ -26,6 +26,9 @@ from tests.distributed_launch import ROOT, launch
 from tests.torchrun_exit import judge, launch_probed, rl_args
 
 MODES = ("sft", "grpo-token-mean", "grpo-seq-mean")
+# The recipe's 20,000 SFT examples cost each process ~7 s of CPU to write and tokenize (about half
+# of a 4-step launch); a few steps at batch 16 read 400 at most.
+SMALL_DATA = ("data.arithmetic.n_sft=400", "data.arithmetic.n_eval=50")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -48,11 +51,12 @@ def sft(world: int, out: Path, steps: int, *extra: str):
                   "--output-dir", str(out), "--max-steps", str(steps), "train.log_every=1",
                   "train.eval_every=1000", "train.checkpoint_every=2", "train.eval_samples=16",
                   "train.greedy_eval_samples=0", "backend.num_threads=1", "train.batch_size=16",
-                  *extra, world=world, cwd=out.parent)  # fmt: skip
+                  *SMALL_DATA, *extra, world=world, cwd=out.parent)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())}
 
 
+@pytest.mark.slow
 def test_torchrun_sft_resumes_a_one_process_run_with_the_same_losses(tiny_model_dir, tmp_path):
     """1 → 2 processes here; the RL test below resumes 2 → 1."""
     from transformers import AutoModelForCausalLM
@@ -75,6 +79,7 @@ def test_torchrun_sft_resumes_a_one_process_run_with_the_same_losses(tiny_model_
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), name
 
 
+@pytest.mark.slow
 def test_torchrun_rl_with_a_reference_exits_0_with_threads_joined_and_resumes_at_one_process(
     tiny_model_dir, tmp_path
 ):
@@ -112,12 +117,14 @@ def _rank_pid(parent: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # under load torchrun's SIGTERM can reach rank 0 before it sees the loss
 def test_a_killed_rank_ends_the_job_quickly_and_is_named(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "examples" / "run_sft.py"), "--config", str(ROOT / "configs" / "sft_tiny.yaml"),
            "--output-dir", str(tmp_path / "out"), "--max-steps", "100000", "train.log_every=1",
            f"model.path={tiny_model_dir}", f"data.task_dir={tmp_path / 'data'}",
-           "backend.num_threads=1", "train.greedy_eval_samples=0"]  # fmt: skip
+           "backend.num_threads=1", "train.greedy_eval_samples=0", *SMALL_DATA]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip

@@ -24,6 +24,7 @@ from tests.distributed_launch import launch
 
 FAST = [*shape_cases.cases(range(5)), shape_cases.ISSUE_24, shape_cases.GREEDY]
 STRESS = shape_cases.cases(range(100, 160))
+pytestmark = pytest.mark.slow  # one launch per world size (1, 2, 3) for the fast cases
 WORLDS = (1, 2, 3)
 
 

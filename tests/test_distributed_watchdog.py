@@ -15,10 +15,14 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from tests.distributed_launch import ROOT, kill_tree
-from tests.test_distributed import _rank_pid
+from tests.test_distributed import SMALL_DATA, _rank_pid
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # a 5 s collective deadline: a loaded machine must not trip it before SIGSTOP
 def test_a_rank_that_stops_answering_fails_the_job_naming_the_op_and_every_rank(
     tiny_model_dir, tmp_path
 ):
@@ -27,7 +31,7 @@ def test_a_rank_that_stops_answering_fails_the_job_naming_the_op_and_every_rank(
            "--output-dir", str(tmp_path / "out"), "--max-steps", "100000", "train.log_every=1",
            f"model.path={tiny_model_dir}", f"data.task_dir={tmp_path / 'data'}",
            "backend.num_threads=1", "train.greedy_eval_samples=0",
-           "backend.collective_timeout_s=5"]  # fmt: skip
+           "backend.collective_timeout_s=5", *SMALL_DATA]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from training.backend.checkpoint import find_latest_checkpoint
 from training.backend.pytorch import load_model_and_tokenizer
 
@@ -24,6 +26,7 @@ def engine_processes_for(marker: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_host_app_cancels_training_and_leaves_no_process_and_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "embed"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
