@@ -46,6 +46,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+# Files whose tests are each a separate program with no shared module fixture: `--dist
+# loadfile` would run each of them on one worker, one test after another (test_docs.py runs
+# every documented snippet as its own process: minutes on one worker). Their tests are handed
+# out one by one instead; every other file stays on one worker, for its module fixtures.
+SPREAD_FILES = ("tests/test_docs.py",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, except that the tests of SPREAD_FILES are scheduled one by one."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesExceptSpread(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPREAD_FILES else path
+
+    return FilesExceptSpread(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A freshly built tiny model (seed 0) shared by the whole run. Treat as read-only."""
