@@ -181,27 +181,33 @@ async def launch_engine(
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
     logger.info("launching engine: %s (log: %s)", " ".join(argv), log)
     with log.open("ab") as log_file:
+        run = partial(
+            trio.run_process,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            check=False,
+            env=child_env,
+            cwd=None if cwd is None else str(cwd),
+            # Its own session, so a terminal's Ctrl-C reaches only the trainer, which stops it
+            # in order (a local engine also exits when its parent dies).
+            start_new_session=True,
+            deliver_cancel=partial(_terminate, timeout_s=terminate_timeout_s, group=guarded),
+        )
+        # The process stops when this block is left, not when the code around it is
+        # cancelled: a cancelled run's shielded cleanup (resume the engines, abort requests,
+        # checkpoint) still talks to the engine, which must outlive that cleanup.
+        stop = trio.CancelScope(shield=True)
+
+        async def run_until_stopped(task_status: trio.TaskStatus[trio.Process]) -> None:
+            with stop:
+                await run(task_status=task_status)
+
         # The process task itself never raises (check=False), so an error is the startup
         # failure or the caller's own, and `open_nursery` raises it as is.
         async with open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                partial(
-                    trio.run_process,
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    check=False,
-                    env=child_env,
-                    cwd=None if cwd is None else str(cwd),
-                    # Its own session, so a terminal's Ctrl-C reaches only the trainer, which
-                    # stops it in order (a local engine also exits when its parent dies).
-                    start_new_session=True,
-                    deliver_cancel=partial(
-                        _terminate, timeout_s=terminate_timeout_s, group=guarded
-                    ),
-                )
-            )
+            process: trio.Process = await nursery.start(run_until_stopped)
             launched = LaunchedEngine(
                 url=url, port=port, pid=process.pid, log_path=log, command=tuple(argv)
             )
@@ -217,6 +223,7 @@ async def launch_engine(
                 )
                 yield launched
             finally:
+                stop.cancel()
                 nursery.cancel_scope.cancel()
     logger.info("engine %s stopped (exit code %s)", url, process.returncode)
     if temp_log:  # nobody asked for it and all went well; after an error it stays, named there

@@ -8,7 +8,9 @@ Contract:
   serves (`expected_weights`).
 - At most `max_relaunches` relaunches (failed launch attempts count), `relaunch_delay_s` apart;
   past that the block is cancelled with `EngineLaunchError` naming the engine and its log.
-- Leaving the block stops the current process as `launch_engine` does.
+- Leaving the block stops the current process as `launch_engine` does; a cancellation of the
+  code around the block does not, once the engine is up (the caller's shielded cleanup still
+  talks to it).
 - `relaunches` on the yielded `Supervision` counts them (for metrics and tests).
 - `events` (optional, a trio memory channel): ("down", url) is sent as soon as the process is
   seen to exit, before the relaunch, and ("up", url) once the relaunch is healthy, so an
@@ -39,6 +41,8 @@ class Supervision:
     current: LaunchedEngine
     relaunches: int = 0
     pids: list[int] = field(default_factory=list)  # every process it ran, in order
+    # shielded once the first launch is up; only supervise_engine's exit cancels it
+    keep_running: trio.CancelScope = field(default_factory=trio.CancelScope, repr=False)
 
 
 @asynccontextmanager
@@ -55,18 +59,33 @@ async def supervise_engine(*, max_relaunches: int = 3, relaunch_delay_s: float =
         try:
             yield supervision
         finally:
+            supervision.keep_running.cancel()
             nursery.cancel_scope.cancel()
 
 
 async def _keep_running(max_relaunches: int, delay_s: float, kwargs: dict[str, Any],
                         events: trio.MemorySendChannel[tuple[str, str]] | None, *,
                         task_status: trio.TaskStatus[Supervision]) -> None:  # fmt: skip
+    keep_running = trio.CancelScope()
+    with keep_running:
+        await _relaunch_until_stopped(keep_running, max_relaunches, delay_s, kwargs, events,
+                                      task_status)  # fmt: skip
+
+
+async def _relaunch_until_stopped(keep_running: trio.CancelScope, max_relaunches: int,
+                                  delay_s: float, kwargs: dict[str, Any],
+                                  events: trio.MemorySendChannel[tuple[str, str]] | None,
+                                  task_status: trio.TaskStatus[Supervision]) -> None:  # fmt: skip
     supervision: Supervision | None = None
     while True:
         try:
             async with launch_engine(**kwargs) as launched:
                 if supervision is None:
-                    supervision = Supervision(url=launched.url, current=launched)
+                    supervision = Supervision(url=launched.url, current=launched,
+                                              keep_running=keep_running)  # fmt: skip
+                    # A Ctrl-C during the first start-up stops it; once up, only the exit of
+                    # supervise_engine does, so a cancelled run's cleanup can still use it.
+                    keep_running.shield = True
                     task_status.started(supervision)
                 else:
                     supervision.current = launched

@@ -50,6 +50,31 @@ async def test_launch_engine_serves_then_the_process_is_gone(tiny_model_dir, tmp
     assert "ready to roll" in log.read_text()
 
 
+@pytest.mark.parametrize("supervised", [False, True], ids=["launched", "supervised"])
+async def test_a_cancelled_runs_shielded_cleanup_can_still_use_its_engine(
+    tiny_model_dir, tmp_path, supervised
+):
+    # Ctrl-C cancels the whole run; its cleanup (resume the engines, abort requests) runs
+    # shielded inside the engine's block and must find the engine alive: only leaving the block
+    # stops it. Before, the process task was cancelled with the run and SIGTERM'd at once.
+    from engines.supervisor import supervise_engine
+
+    opened = supervise_engine if supervised else launch_engine
+    with trio.CancelScope() as run:
+        async with opened(kind="local", model_path=tiny_model_dir, log_path=tmp_path / "log") as e:
+            url, pid = (e.url, e.current.pid) if supervised else (e.url, e.pid)
+            try:
+                run.cancel()
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True), trio.fail_after(30):
+                    await trio.sleep(0.5)  # the SIGTERM, had it been sent, has landed by now
+                    async with SGLangEngine(url) as engine:
+                        result = await engine.generate([1, 2, 3], {"max_new_tokens": 2})
+                    assert result.completion_tokens == 2 and alive(pid)
+    assert run.cancelled_caught and not alive(pid)
+
+
 async def test_cancelling_launch_mid_start_leaves_no_process(tiny_model_dir, tmp_path):
     port = find_free_port()
     seen: list[int] = []
