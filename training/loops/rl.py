@@ -140,7 +140,8 @@ async def run_rl_training(
                                             kl_fn=objective.kl_fn,
                                             share_prompts=config.share_prompts,
                                             mini_batches=config.mini_batches,
-                                            epochs=config.epochs, critic=critic)  # fmt: skip
+                                            epochs=config.epochs, critic=critic,
+                                            pair_selector=objective.pair_selector)  # fmt: skip
             if reference is not None:
                 update = partial(objective.reference_update, reference, backend, step,
                                  dict(metrics))  # fmt: skip
