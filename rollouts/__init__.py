@@ -26,6 +26,7 @@ from rollouts.groups import GroupFilter as GroupFilter
 from rollouts.groups import SampleTransform as SampleTransform
 from rollouts.groups import keep_all as keep_all
 from rollouts.groups import keep_if_reward_varies as keep_if_reward_varies
+from rollouts.judge import judge_reward as judge_reward
 from rollouts.manager import AsyncRolloutManager as AsyncRolloutManager
 from rollouts.prompts import PromptItem as PromptItem
 from rollouts.prompts import load_prompt_jsonl as load_prompt_jsonl
