@@ -317,8 +317,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     jsonl = JsonlLogger(out / "metrics.jsonl")
     dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
-                            keys=("reward_mean", "accuracy", "eval_accuracy", "loss",
-                                  "time_step_s", "weight_version"))  # fmt: skip
+                            keys=("reward_mean", *(f"{k}_ema" for k in config.train.ema_metrics),
+                                  "accuracy", "eval_accuracy", "loss", "time_step_s",
+                                  "weight_version"))  # fmt: skip
     loggers = [jsonl, console, *config_loggers(config.logging, out, config.model_dump(mode="json"))]
     with backend, _closing(critic), _closing(reference), contextlib.ExitStack() as closing, \
             _closing(dump):  # fmt: skip
