@@ -72,12 +72,13 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                    checkpoint_every: int = 10, reward_fn=index_reward, algorithm=None,
                    schedule=None, with_reference: bool = False,
                    rollout: RolloutConfig | None = None, max_empty_batches: int | None = None,
-                   hooks: RLHooks = RLHooks(), **objective: Any) -> SimpleNamespace:  # fmt: skip
+                   hooks: RLHooks = RLHooks(), loop: dict[str, Any] | None = None,
+                   **objective: Any) -> SimpleNamespace:  # fmt: skip
     """Run `run_rl_training` for `max_steps` on the in-process engine (2 prompts x 2 samples of
     at most 4 tokens by default); return its history, the policy, reference and manager.
 
     `objective` holds more `RLObjective` fields (advantage_fn, policy_loss_fn, kl_fn,
-    reference_update, ...)."""
+    reference_update, ...); `loop` more `RLLoopConfig` fields (resume, ema_decay, ...)."""
     model, tok = load_model_and_tokenizer(model_dir)
     buffer = DataBuffer(prompts(tok), seed=0)
     backend = PyTorchTrainingBackend(
@@ -95,7 +96,7 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
             backend, buffer, manager, [engine],
             RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every,
                          **({} if max_empty_batches is None else
-                            {"max_empty_batches": max_empty_batches})),
+                            {"max_empty_batches": max_empty_batches}), **(loop or {})),
             objective=RLObjective(schedule or algorithm or grpo(), reference=reference,
                                   **objective),
             export_dir=tmp_path / "weights", hooks=hooks,

@@ -49,7 +49,7 @@ def test_truncated_kl_clamps_each_tokens_estimate():
     kl_BT = truncated_kl("k1", max_kl=1.0)(logprobs_BT, ref_BT, MASK_BT)
     # k1 per token: log(0.9/0.6)=0.405, 0, log(0.05/0.5)=-2.303 → clamped to -1; masked → 0
     expected = [k1(LOGPROBS[0], REF[0]), 0.0, -1.0, 0.0]
-    assert kl_BT[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert kl_BT[0].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
 def test_truncated_kl_clamps_the_log_ratio_before_the_estimator():
@@ -58,7 +58,7 @@ def test_truncated_kl_clamps_the_log_ratio_before_the_estimator():
     # token 2: log r = log(0.5/0.05) = 2.303 → 1.0, so k3 = e - 1 - 1
     log_r0 = REF[0] - LOGPROBS[0]
     expected = [math.exp(log_r0) - 1 - log_r0, 0.0, math.e - 2, 0.0]
-    assert kl_BT[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert kl_BT[0].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
     kl_BT.sum().backward()
     # d k3 / d logprob = 1 - r: 1 - 0.6/0.9 on token 0, 0 at r = 1, 0 where clamped or masked
     assert logprobs_BT.grad[0].tolist() == pytest.approx([1 / 3, 0.0, 0.0, 0.0], abs=1e-6)
@@ -93,7 +93,7 @@ def test_confidence_masked_kl_keeps_only_the_selected_tokens(on, keep, kept):
     kl_BT = kl_fn(logprobs_BT, ref_BT, MASK_BT)
     full = [k1(lp, ref) for lp, ref in zip(LOGPROBS[:3], REF[:3], strict=True)]
     expected = [v if k else 0.0 for v, k in zip(full, kept, strict=True)] + [0.0]
-    assert kl_BT[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert kl_BT[0].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
     kl_BT.sum().backward()
     assert logprobs_BT.grad[0].tolist() == [float(k) for k in kept] + [0.0]
 
@@ -150,3 +150,56 @@ def test_kl_fn_replaces_the_estimator_in_the_loss_and_the_reward_penalty():
     assert custom["kl"] == pytest.approx(truncated_sum / 3, abs=1e-6)
     assert custom["loss"] == pytest.approx(custom["policy_loss"] + 0.5 * custom["kl"], abs=1e-6)
     assert default["kl"] != pytest.approx(custom["kl"])
+
+
+def _categorical_pair(seed: int):
+    """A policy (logits with gradient) and a reference over 6 tokens, and the tokens' logprobs."""
+    gen = torch.Generator().manual_seed(seed)
+    logits_V = torch.randn(6, generator=gen, requires_grad=True)
+    ref_logprobs_V = torch.log_softmax(torch.randn(6, generator=gen), dim=-1)
+    return logits_V, ref_logprobs_V
+
+
+def test_k3_ref_in_expectation_over_the_policy_is_the_exact_kl_ref_to_policy():
+    for seed in range(5):
+        logits_V, ref_V = _categorical_pair(seed)
+        logprobs_V = torch.log_softmax(logits_V, dim=-1)
+        exact = (ref_V.exp() * (ref_V - logprobs_V)).sum()  # KL(π_ref ‖ π), full distributions
+        # Every token as a "sample", weighted by how often π samples it: the exact expectation.
+        est_V = kl_estimate(logprobs_V[None], ref_V[None], "k3_ref")[0]
+        expected = (logprobs_V.exp().detach() * est_V).sum()
+        assert expected.item() == pytest.approx(exact.item(), rel=1e-5, abs=1e-7)
+        assert (est_V >= 0).all()  # each token's value is ≥ 0, like k3
+
+
+def test_k3_ref_gradient_matches_autograd_of_the_exact_kl_ref_to_policy():
+    for seed in range(5):
+        logits_V, ref_V = _categorical_pair(seed)
+        logprobs_V = torch.log_softmax(logits_V, dim=-1)
+        exact = (ref_V.exp() * (ref_V - logprobs_V)).sum()
+        (exact_grad,) = torch.autograd.grad(exact, logits_V)
+        logprobs_V = torch.log_softmax(logits_V, dim=-1)
+        # The expected loss gradient when tokens are sampled from π: Σ_x π(x) ∇ est(x), with the
+        # sampling weights held fixed, as a loss over sampled tokens does.
+        est_V = kl_estimate(logprobs_V[None], ref_V[None], "k3_ref")[0]
+        (est_grad,) = torch.autograd.grad((logprobs_V.exp().detach() * est_V).sum(), logits_V)
+        torch.testing.assert_close(est_grad, exact_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_k3_ref_is_zero_and_stationary_when_the_models_are_equal():
+    logits_V, _ = _categorical_pair(0)
+    logprobs_BT = torch.log_softmax(logits_V, dim=-1)[None]
+    kl_BT = kl_estimator("k3_ref")(logprobs_BT, logprobs_BT.detach(), torch.ones_like(logprobs_BT))
+    assert torch.equal(kl_BT, torch.zeros_like(kl_BT))
+    expected_kl = (logprobs_BT.exp().detach() * kl_BT).sum()
+    (grad,) = torch.autograd.grad(expected_kl, logits_V)
+    assert grad.abs().max().item() < 1e-6  # E_π[−r ∇log π] = −∇Σ π = 0 at r = 1
+
+
+def test_k3_ref_is_selectable_where_the_other_estimators_are():
+    logprobs_BT, ref_BT = toy()
+    kl_BT = kl_estimator("k3_ref")(logprobs_BT, ref_BT, MASK_BT)
+    r = [math.exp(ref - lp) for lp, ref in zip(LOGPROBS[:3], REF[:3], strict=True)]
+    expected = [x * math.log(x) - (x - 1) for x in r] + [0.0]  # masked-out garbage gives 0
+    assert kl_BT[0].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert grpo(kl_coef=0.1, kl_kind="k3_ref").kl_kind == "k3_ref"

@@ -159,7 +159,11 @@ class DataConfig(TaskDataSource):
 
 
 class OptimConfig(Strict):
+    name: Literal["adamw", "sgd"] = Field(
+        "adamw", description="the optimizer (code may pass any: training/backend/optim.py)"
+    )
     lr: float = Field(1e-3, gt=0)
+    momentum: float = Field(0.0, ge=0, description="SGD's momentum (name: sgd only)")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8

@@ -169,6 +169,12 @@ class RLLoopConfig(Strict):
         description="steps in a row whose groups all had equal rewards (no learning signal) "
         "before one WARNING says why (training/rl/signal.py)",
     )  # fmt: skip
+    ema_metrics: list[str] = Field(
+        ["reward_mean"],
+        description="metrics also logged as an exponential moving average, <name>_ema "
+        "(training/loops/ema.py); checkpointed with the step's metrics, so resume continues it",
+    )
+    ema_decay: float = Field(0.9, ge=0, lt=1, description="weight of the past in each *_ema")
     max_empty_batches: int = Field(
         3, ge=1,
         description="rollout batches in a row with no accepted group (every sample failed or "

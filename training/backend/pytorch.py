@@ -39,10 +39,16 @@ import torch
 from training.backend import lora as lo
 from training.backend import state as st
 from training.backend.futures import BackendError as BackendError
-from training.backend.futures import TrainFuture, lr_lambda
+from training.backend.futures import TrainFuture
 from training.backend.model_io import load_model as load_model
 from training.backend.model_io import load_model_and_tokenizer as load_model_and_tokenizer
 from training.backend.model_io import load_tokenizer as load_tokenizer
+from training.backend.optim import (
+    OptimizerFactory,
+    SchedulerFactory,
+    default_optimizer,
+    default_scheduler,
+)
 from training.backend.persistence import StateOps
 from training.backend.rank_ops import RankOps
 from training.backend.state import merge_metrics as merge_metrics
@@ -95,6 +101,8 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         frozen: bool = False,
         weights_from: PyTorchTrainingBackend | None = None,
         lora: LoraSettings | None = None,
+        optimizer_factory: OptimizerFactory = default_optimizer,
+        scheduler_factory: SchedulerFactory = default_scheduler,
         _backend_id: int | None = None,
     ):
         """Args:
@@ -110,6 +118,9 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         lora: wrap the model with these LoRA adapters (training/backend/lora.py): only they
             train, checkpoints and weight pushes hold only them, and the base model (adapters
             off) serves as the reference policy (`compute_logprobs(..., base_model=True)`).
+        optimizer_factory, scheduler_factory: build the optimizer and LR schedule (default:
+            as `optim` says, AdamW or SGD and warmup + cosine/constant); checkpointed and
+            resumed alike (training/backend/optim.py).
         """
         self._dist = dctx.current()
         self._failed: BaseException | None = None
@@ -141,7 +152,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
             micro_batch_tokens=micro_batch_tokens, pack_length=pack_length, loss_fn=loss_fn,
             collate_fn=collate_fn, loss_weight_fn=loss_weight_fn, keep_last=keep_last,
             num_threads=num_threads, seed=seed, frozen=frozen, weights_from=weights_from,
-            lora=lora,
+            lora=lora, optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
         )  # fmt: skip
 
         def init_worker() -> torch.nn.Module:
@@ -161,23 +172,9 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         self.device = next(model.parameters()).device
         trainable = [p for p in model.parameters() if p.requires_grad]
         # A frozen model (a reference policy) gets no optimizer; it only answers queries.
-        self.optimizer = (
-            torch.optim.AdamW(
-                trainable,
-                lr=optim.lr,
-                betas=optim.betas,
-                eps=optim.eps,
-                weight_decay=optim.weight_decay,
-                # One fused kernel instead of ~10 ops per tensor: 7.1 -> 2.1 ms per step on the
-                # tiny model (1 thread), a few % of a GRPO step. Same update up to rounding
-                # (opt-in: the rounding moved the tiny SFT recipe from 47 % to 83 % held-out).
-                fused=optim.fused and _fused_adam_ok(trainable),
-            )
-            if trainable
-            else None
-        )
+        self.optimizer = optimizer_factory(trainable, optim) if trainable else None
         self.scheduler = (
-            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, max_steps))
+            scheduler_factory(self.optimizer, optim, max_steps)
             if self.optimizer is not None
             else None
         )
@@ -365,8 +362,3 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
             return [ids for part in results for ids in part]
 
         return self._submit(run)
-
-
-def _fused_adam_ok(params: Sequence[torch.Tensor]) -> bool:
-    """torch's fused AdamW runs floating-point parameters on CPU and CUDA."""
-    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)

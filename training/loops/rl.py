@@ -35,6 +35,7 @@ from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend
 from training.data.buffer import DataBuffer
+from training.loops.ema import ema_metrics, resumed_metrics
 from training.loops.hooks import RLHooks
 from training.loops.sft import maybe_resume
 from training.loops.weight_push import PendingPush, push_weights, start_push
@@ -107,6 +108,7 @@ async def run_rl_training(
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
         await push_weights(backend, engines, export_root, pause_mode=pause_mode)
     history: list[dict[str, Any]] = []
+    previous = resumed_metrics(backend.checkpoint_dir) if start > 0 else {}  # holds the EMAs
     empty_total = 0
     signal = NoSignalWatch(config.no_signal_steps)  # one warning when groups stop differing
     use_algorithm = getattr(rollout_manager, "use_algorithm", None)
@@ -140,7 +142,8 @@ async def run_rl_training(
                                             kl_fn=objective.kl_fn,
                                             share_prompts=config.share_prompts,
                                             mini_batches=config.mini_batches,
-                                            epochs=config.epochs, critic=critic)  # fmt: skip
+                                            epochs=config.epochs, critic=critic,
+                                            pair_selector=objective.pair_selector)  # fmt: skip
             if reference is not None:
                 update = partial(objective.reference_update, reference, backend, step,
                                  dict(metrics))  # fmt: skip
@@ -168,6 +171,8 @@ async def run_rl_training(
                 "time_sync_s": sync_s,  # export + pause; the engines load in the background
                 "time_step_s": time.perf_counter() - t0,
             }
+            metrics |= ema_metrics(previous, metrics, config.ema_metrics, config.ema_decay)
+            previous = metrics
             # The checkpoint comes before the evaluation: a failing evaluation (or a crash in
             # it) never costs the steps trained since the last one. It has no eval_* metrics.
             saved = step % config.checkpoint_every == 0 or step == config.max_steps

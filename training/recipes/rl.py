@@ -57,6 +57,7 @@ from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import PolicyLossFn
 from training.rl.kl import KLFn
 from training.rl.objective import RLObjective
+from training.rl.preference_loss import PairSelector, best_vs_worst
 from training.rl.reference import ReferenceUpdateFn, check_lora_reference_rule, frozen
 from training.rl.rollout_dump import RolloutDumpWriter
 from training.rl_config import AlgorithmSection, RLRunConfig
@@ -256,6 +257,7 @@ class RLExtensions:
     advantage_fn: AdvantageFn | None = None
     policy_loss_fn: PolicyLossFn = algorithms.compute_policy_loss
     kl_fn: KLFn | None = None
+    pair_selector: PairSelector = best_vs_worst
     reference_update: ReferenceUpdateFn = frozen
     stop_fn: StopFn | None = None
     checkpoint_hook: CheckpointHook | None = None
@@ -270,7 +272,7 @@ def rl_objective(config: RLRunConfig, schedule: algorithms.AlgorithmSchedule, re
         old_from_rollout=config.rollout.mode != "sync",  # overlap / async: engine logprobs
         reference=reference, reference_update=extensions.reference_update, critic=critic,
         advantage_fn=extensions.advantage_fn, policy_loss_fn=extensions.policy_loss_fn,
-        kl_fn=extensions.kl_fn,
+        kl_fn=extensions.kl_fn, pair_selector=extensions.pair_selector,
     )  # fmt: skip
 
 
@@ -315,8 +317,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     jsonl = JsonlLogger(out / "metrics.jsonl")
     dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
-                            keys=("reward_mean", "accuracy", "eval_accuracy", "loss",
-                                  "time_step_s", "weight_version"))  # fmt: skip
+                            keys=("reward_mean", *(f"{k}_ema" for k in config.train.ema_metrics),
+                                  "accuracy", "eval_accuracy", "loss", "time_step_s",
+                                  "weight_version"))  # fmt: skip
     loggers = [jsonl, console, *config_loggers(config.logging, out, config.model_dump(mode="json"))]
     with backend, _closing(critic), _closing(reference), contextlib.ExitStack() as closing, \
             _closing(dump):  # fmt: skip

@@ -39,6 +39,7 @@ from training.rl.microbatch_loss import n_sequences as n_sequences
 from training.rl.microbatch_loss import rl_loss_fn as rl_loss_fn
 from training.rl.microbatch_loss import rl_microbatch_loss as rl_microbatch_loss
 from training.rl.microbatch_loss import trained_tokens as trained_tokens
+from training.rl.preference_loss import PairSelector, best_vs_worst
 
 
 @dataclass(frozen=True)
@@ -165,20 +166,20 @@ def batch_rewards(batch: RolloutBatch) -> torch.Tensor:
 
 
 def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
-                   advantage_fn: AdvantageFn | None = None, *, share_prompts: bool = True
-                   ) -> list[RLExample]:  # fmt: skip
+                   advantage_fn: AdvantageFn | None = None, *, share_prompts: bool = True,
+                   pair_selector: PairSelector = best_vs_worst) -> list[RLExample]:  # fmt: skip
     """Advantages for every sample of `batch` under `algorithm`, as trainer examples (pure).
 
     Samples with no trained token (empty responses) are kept out: they carry no gradient, and
     so are truncated samples under `algorithm.mask_truncated`. For
-    the pairwise loss (online DPO) each group contributes its best and worst sample as one
-    unit (chosen first), and groups without a preference contribute nothing. `advantage_fn`,
+    the pairwise loss (online DPO) each pair `pair_selector` picks in a group (default: its
+    best and worst sample, none when they tie) is one unit, chosen first. `advantage_fn`,
     when given, replaces the algorithm's estimator (rewards [G, N] → advantages [G, N]).
     `share_prompts` lets the trainer score a group's samples against one copy of their prompt
     (same logprobs and gradients, less compute); False gives one model row per sample.
     """
     if algorithm.loss == "pairwise":
-        return _preference_pairs(batch, share_prompts)
+        return _preference_pairs(batch, share_prompts, pair_selector)
     rewards_GN = batch_rewards(batch)
     if advantage_fn is None and algorithm.needs_critic:  # per token, from the critic, later
         advantages_GN = torch.zeros_like(rewards_GN)
@@ -206,19 +207,19 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
     return examples
 
 
-def _preference_pairs(batch: RolloutBatch, share_prompts: bool) -> list[RLExample]:
-    examples = []
+def _preference_pairs(batch: RolloutBatch, share_prompts: bool,
+                      pair_selector: PairSelector) -> list[RLExample]:  # fmt: skip
+    examples: list[RLExample] = []
     for g, group in enumerate(batch.groups):
         usable = [s for s in group if s.num_trained_tokens]
-        if len(usable) < 2:
-            continue
-        best = max(usable, key=lambda s: s.reward)
-        worst = min(usable, key=lambda s: s.reward)
-        if best.reward > worst.reward:
+        for chosen, rejected in pair_selector([s.reward for s in usable], usable):
+            unit = len(examples) // 2  # one unit per pair: both halves stay in one micro-batch
             examples += [
-                sample_to_example(best, 1.0, unit=g, share_prompt=share_prompts, group=g),
-                sample_to_example(worst, -1.0, unit=g, share_prompt=share_prompts, group=g),
-            ]
+                sample_to_example(usable[chosen], 1.0, unit=unit, share_prompt=share_prompts,
+                                  group=g),
+                sample_to_example(usable[rejected], -1.0, unit=unit, share_prompt=share_prompts,
+                                  group=g),
+            ]  # fmt: skip
     return examples
 
 
@@ -326,7 +327,9 @@ def collate_rl(examples: Sequence[RLExample], *, pad_id: int) -> RLBatch:
 
     rewards_GN = None
     if examples and all(e.unit is not None for e in examples) and len(examples) % 2 == 0:
-        rewards_GN = torch.tensor([e.reward for e in examples], dtype=torch.float32).view(-1, 2)
+        # The selector's preference (chosen +1, rejected −1), not the rewards: a custom
+        # selector may prefer a sample whose reward is not higher (e.g. shorter at equal reward).
+        rewards_GN = torch.tensor([e.advantage for e in examples], dtype=torch.float32).view(-1, 2)
     return RLBatch(
         base=base,
         advantages_B=torch.tensor([e.advantage for e in examples], dtype=torch.float32),

@@ -14,6 +14,15 @@ As a *loss*, k1's gradient is zero in expectation and k3's is biased; k2's gradi
 true reverse-KL gradient (Tang & Munos 2025). As a *reward penalty* (no gradient), k1 is the
 usual choice.
 
+"k3_ref" estimates the other direction, KL(π_ref ‖ π) (mass-covering: it punishes the policy
+for dropping what the reference does, not for visiting what it does not), from the same tokens
+sampled from π, with r = π_ref / π as above:
+    value    r log r − (r − 1)   unbiased (E_π[r log r] = KL(π_ref ‖ π), E_π[r − 1] = 0), ≥ 0
+    gradient −r ∇log π           unbiased for ∇KL(π_ref ‖ π) = −E_π_ref[∇log π]
+The value's own derivative in log π is −r log r, not −r, so the gradient is attached
+straight-through (value + (−r)·(log π − stop_grad(log π))): a loss term built on it moves the
+policy along the true gradient of KL(π_ref ‖ π) in expectation.
+
 `KLFn` is the extension point: `(logprobs_BT, ref_logprobs_BT, mask_BT) -> kl_BT`, per-token
 values that are 0 (with no gradient) on masked-out positions. `kl_estimator(kind)` is the
 default; `truncated_kl` and `confidence_masked_kl` are variants built on it.
@@ -28,7 +37,8 @@ import torch
 
 from plumbing.errors import ConfigError
 
-KLKind = Literal["k1", "k2", "k3"]
+KLKind = Literal["k1", "k2", "k3", "k3_ref"]
+_KINDS = ("k1", "k2", "k3", "k3_ref")
 KLFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _K3_LOG_RATIO_MAX = 20.0  # exp(20) ≈ 5e8: keeps k3 finite when the policies have drifted apart
@@ -52,12 +62,12 @@ def kl_estimate(
     *,
     mask_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token estimate of KL(π ‖ π_ref) for tokens sampled from π.
+    """Per-token estimate of KL(π ‖ π_ref) (KL(π_ref ‖ π) for "k3_ref") for tokens sampled from π.
 
     Args:
         logprobs_BT: log π of the sampled tokens (gradient flows through these).
         ref_logprobs_BT: log π_ref of the same tokens (treated as constants).
-        kind: "k1", "k2" or "k3" (see the module docstring).
+        kind: "k1", "k2", "k3" or "k3_ref" (see the module docstring).
         mask_BT: optional; masked-out positions give 0 (and no gradient).
 
     Returns:
@@ -73,13 +83,18 @@ def kl_estimate(
     if kind == "k3":
         log_r = log_r.clamp(max=_K3_LOG_RATIO_MAX)
         return torch.exp(log_r) - 1 - log_r
-    raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'")
+    if kind == "k3_ref":
+        log_r = log_r.clamp(max=_K3_LOG_RATIO_MAX)
+        r = torch.exp(log_r.detach())
+        value = r * log_r.detach() - (r - 1)
+        return value + r * log_r - (r * log_r).detach()  # d/d log π = −r (straight-through)
+    raise ValueError(f"unknown KL estimator {kind!r}; use one of {', '.join(_KINDS)}")
 
 
 def kl_estimator(kind: KLKind = "k3") -> KLFn:
     """`kl_estimate` with a fixed estimator, as a `KLFn`."""
-    if kind not in ("k1", "k2", "k3"):
-        raise ConfigError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'")
+    if kind not in _KINDS:
+        raise ConfigError(f"unknown KL estimator {kind!r}; use one of {', '.join(_KINDS)}")
 
     def kl(logprobs_BT, ref_logprobs_BT, mask_BT) -> torch.Tensor:
         return kl_estimate(logprobs_BT, ref_logprobs_BT, kind, mask_BT=mask_BT)

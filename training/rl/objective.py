@@ -21,6 +21,7 @@ from training.rl.algorithms import (
     constant_schedule,
 )
 from training.rl.kl import KLFn
+from training.rl.preference_loss import PairSelector, best_vs_worst
 from training.rl.reference import BaseModelReference, ReferenceUpdateFn, frozen
 
 
@@ -48,6 +49,10 @@ class RLObjective:
         policy_loss_fn: replaces `compute_policy_loss` (same signature; may wrap it).
         kl_fn: per-token KL (`training.rl.kl.KLFn`) for the KL loss term and the KL reward
             penalty; None: the algorithm's `kl_kind` estimator.
+        pair_selector: which (chosen, rejected) pairs of a group the pairwise loss (online
+            DPO) trains on (`training.rl.preference_loss.PairSelector`); default best vs worst.
+            Here rather than in the algorithm config: it is a function, and the config is
+            YAML-able data.
     """
 
     algorithm: AlgorithmConfig | AlgorithmSchedule
@@ -59,6 +64,7 @@ class RLObjective:
     advantage_fn: AdvantageFn | None = None
     policy_loss_fn: PolicyLossFn = compute_policy_loss
     kl_fn: KLFn | None = None
+    pair_selector: PairSelector = best_vs_worst
 
     def schedule(self) -> AlgorithmSchedule:
         """The algorithm as a schedule: `algorithm` itself, or a preset used at every step."""

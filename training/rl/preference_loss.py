@@ -1,14 +1,40 @@
-"""Online DPO's pairwise preference loss (re-exported by training.rl.losses, which holds the
-conventions shared by every loss: [B, T] logprobs of the sampled tokens, a trained-token mask)."""
+"""Online DPO: which pairs of a group to prefer, and the pairwise preference loss.
+
+The loss is re-exported by training.rl.losses, which holds the conventions shared by every
+loss: [B, T] logprobs of the sampled tokens, a trained-token mask. The pair selector is an
+extension point (`RLObjective(pair_selector=...)`): the loss trains whatever pairs it returns,
+chosen first.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 
+from rollouts.types import Sample
 from training.rl.kl import bool_mask
 
 LossOutput = tuple[torch.Tensor, dict[str, float]]
+
+PairSelector: TypeAlias = Callable[[Sequence[float], Sequence[Sample]], list[tuple[int, int]]]
+"""(rewards_N, samples_N) of one group -> [(chosen, rejected), ...] indices into them.
+
+It sees only the group's samples that have trained tokens (the others carry no gradient). A
+sample may be in several pairs; an empty list skips the group. Each pair is one DPO term.
+"""
+
+
+def best_vs_worst(rewards_N: Sequence[float], samples_N: Sequence[Sample]) -> list[tuple[int, int]]:
+    """The default `PairSelector`: the highest- against the lowest-reward sample (first on
+    ties), and no pair when they are equal (the group states no preference)."""
+    if len(rewards_N) < 2:
+        return []
+    best = max(range(len(rewards_N)), key=lambda i: rewards_N[i])
+    worst = min(range(len(rewards_N)), key=lambda i: rewards_N[i])
+    return [(best, worst)] if rewards_N[best] > rewards_N[worst] else []
 
 
 def pairwise_preference_loss(

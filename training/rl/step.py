@@ -47,6 +47,7 @@ from training.rl.critic import value_loss_fn
 from training.rl.gae import explained_variance, gae, whiten
 from training.rl.kl import KLFn
 from training.rl.microbatch_loss import loss_weight_fn, rl_loss_fn, trained_tokens
+from training.rl.preference_loss import PairSelector, best_vs_worst
 
 
 async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
@@ -56,13 +57,15 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
                          policy_loss_fn: PolicyLossFn = compute_policy_loss,
                          kl_fn: KLFn | None = None, share_prompts: bool = True,
                          mini_batches: int = 1, epochs: int = 1,
-                         critic: PyTorchTrainingBackend | None = None) -> dict[str, float]:  # fmt: skip
+                         critic: PyTorchTrainingBackend | None = None,
+                         pair_selector: PairSelector = best_vs_worst) -> dict[str, float]:  # fmt: skip
     """(KL reward penalty) → advantages → (reference / old logprobs) → k·e optimizer steps.
 
     `advantage_fn`, `policy_loss_fn` and `kl_fn` replace the algorithm's advantage estimator,
     `compute_policy_loss` and its KL estimator (see `run_rl_training`); `share_prompts` scores
     a group's samples against one copy of their prompt (policy and reference alike). `critic`
     is the value model PPO needs (training/rl/critic.py); its metrics are prefixed "critic_".
+    `pair_selector` picks the online-DPO pairs of each group (training/rl/preference_loss.py).
 
     Returns:
         The step's metrics: each update's loss metrics averaged over the updates (`_max` /
@@ -83,7 +86,8 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
     if algorithm.kl_as_reward and algorithm.kl_coef > 0:
         batch, metrics = await _penalise_kl_in_rewards(backend, reference, batch, algorithm, kl_fn,
                                                        share_prompts, temperature)  # fmt: skip
-    examples = build_examples(batch, algorithm, advantage_fn, share_prompts=share_prompts)
+    examples = build_examples(batch, algorithm, advantage_fn, share_prompts=share_prompts,
+                              pair_selector=pair_selector)  # fmt: skip
     if not examples:
         return {**metrics, "skipped_empty_batch": 1.0}
     if algorithm.needs_ref_in_loss:
