@@ -15,17 +15,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import trio
-
 from plumbing.errors import RolloutsError
-from training.recipes.cli_run import (
-    EXIT_ERROR,
-    EXIT_INTERRUPTED,
-    Interrupted,
-    print_errors,
-    run_command,
-    run_stoppable,
-)
+from training.recipes.cli_run import EXIT_ERROR, run_command, run_without_run_dir
 
 
 def run_parser(description: str, *, model_help: str, prog: str | None = None
@@ -172,20 +163,14 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     _setup_logging(args)
-    try:
-        metrics, shown = trio.run(run_stoppable, lambda: evaluate_model(
-            args.model, args.data, args.reward, max_new_tokens=args.max_new_tokens,
-            limit=args.limit, engine_url=args.engine_url, answer_field=args.answer_field,
-            show=args.show))  # fmt: skip
-    except Interrupted as stop:
-        print(f"stopped by {stop.signal_name}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BaseException as err:
-        if print_errors(err):
-            return EXIT_ERROR
-        raise
-    print("\n".join([*shown, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))]))
-    return 0
+    code, result = run_without_run_dir(lambda: evaluate_model(
+        args.model, args.data, args.reward, max_new_tokens=args.max_new_tokens,
+        limit=args.limit, engine_url=args.engine_url, answer_field=args.answer_field,
+        show=args.show))  # fmt: skip
+    if code == 0:
+        metrics, shown = result
+        print("\n".join([*shown, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))]))
+    return code
 
 
 def generate_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:

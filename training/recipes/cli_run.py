@@ -206,3 +206,21 @@ def run_command(argv: Sequence[str], config: Any, recipe: Callable[[Progress], A
         if print_errors(err):
             return EXIT_ERROR, None
         raise
+
+
+def run_without_run_dir(fn: Callable[[], Awaitable[Any]]) -> tuple[int, Any]:
+    """Run a command that writes no run directory (eval, generate): a signal stops it with one
+    line, a `RolloutsError` is one `error:` line.
+
+    Returns:
+        (exit code, `fn()`'s result or None).
+    """
+    try:
+        return 0, trio.run(run_stoppable, fn)
+    except Interrupted as stop:
+        print(f"stopped by {stop.signal_name}", file=sys.stderr)
+        return EXIT_INTERRUPTED, None
+    except BaseException as err:
+        if print_errors(err):
+            return EXIT_ERROR, None
+        raise

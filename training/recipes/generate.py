@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -165,13 +164,7 @@ def generate_main(argv: Sequence[str] | None = None, *, prog: str | None = None)
     Returns the exit code: 0, 2 after printing the errors, 130 after an interrupt.
     """
     from training.loops.loggers import setup_logging
-    from training.recipes.cli_run import (
-        EXIT_ERROR,
-        EXIT_INTERRUPTED,
-        Interrupted,
-        print_errors,
-        run_stoppable,
-    )
+    from training.recipes.cli_run import run_without_run_dir
 
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Print a model's answers to a prompts file or a chat JSONL file (the conversation up "
@@ -187,14 +180,7 @@ def generate_main(argv: Sequence[str] | None = None, *, prog: str | None = None)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
-    try:
-        blocks = trio.run(run_stoppable, lambda: run_generate(args))
-    except Interrupted as stop:
-        print(f"stopped by {stop.signal_name}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BaseException as err:
-        if print_errors(err):
-            return EXIT_ERROR
-        raise
-    print("\n".join(blocks))
-    return 0
+    code, blocks = run_without_run_dir(lambda: run_generate(args))
+    if code == 0:
+        print("\n".join(blocks))
+    return code
