@@ -227,8 +227,7 @@ async def collect_groups(
         n_received = 0  # groups whose outcome came back (`running` misses unstarted tasks)
         while len(result.accepted) < n_groups:
             if n_received == result.n_launched and result.n_launched >= cap:
-                log.warning("over-sampling cap of %d groups reached with %d/%d accepted", cap,
-                            len(result.accepted), n_groups)  # fmt: skip
+                _log_cap_reached(cap, len(result.accepted), n_groups)
                 break
             kind, prompt, samples = await recv.receive()
             n_received += 1
@@ -304,3 +303,17 @@ async def _abort_quietly(engine: GenerateEngine, rid: str) -> None:
         await engine.abort(rid)
     except (EngineError, RolloutsError) as err:
         log.warning("abort of %s failed: %s", rid, err)
+
+
+_cap_warned = False
+
+
+def _log_cap_reached(cap: int, accepted: int, wanted: int) -> None:
+    """A WARNING the first time in a process, DEBUG after: with DAPO's dynamic sampling on an
+    easy or hard task the cap is reached at most steps, and a line per step buries the step
+    lines (the batch's group count shows it in the metrics)."""
+    global _cap_warned
+    level = logging.DEBUG if _cap_warned else logging.WARNING
+    _cap_warned = True
+    log.log(level, "over-sampling cap of %d groups reached with %d/%d accepted (a smaller batch; "
+            "later ones are logged at DEBUG)", cap, accepted, wanted)  # fmt: skip

@@ -33,3 +33,16 @@ def test_find_latest_checkpoint_accepts_a_string_path(tmp_path):
     (tmp_path / "latest").write_text("step_000002\n")
     assert find_latest_checkpoint(str(tmp_path)) == step
     assert find_latest_checkpoint(str(tmp_path / "nothing")) is None
+
+
+def test_the_over_sampling_cap_warns_once_per_process_not_once_per_step(caplog, monkeypatch):
+    # DAPO's dynamic sampling on an easy task reaches the cap at most steps: one WARNING, then
+    # DEBUG, so a step line per step stays readable (the demo printed 17 of these before).
+    from rollouts import generation
+
+    monkeypatch.setattr(generation, "_cap_warned", False)
+    with caplog.at_level(logging.DEBUG, logger="rollouts"):
+        for accepted in (13, 10, 7):
+            generation._log_cap_reached(64, accepted, 16)
+    levels = [r.levelno for r in caplog.records if "over-sampling cap" in r.message]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
