@@ -113,6 +113,7 @@ async def test_an_async_reward_that_blocks_the_event_loop_is_named_in_a_warning(
     assert [s.reward for s in batch.samples] == [1.0, 1.0]
     warnings = [r.getMessage() for r in caplog.records if r.name == "rollouts.stall"]
     assert warnings, "no stall was reported"
-    assert "async reward test_an_async_reward_that_blocks_the_event_loop_is_named_in_a_warning" \
-           ".<locals>.blocking_judge" in warnings[0]  # fmt: skip
-    assert "has not yielded" in warnings[0]
+    # Under load another pause (a gc run) can be reported first: the judge's must be among them.
+    name = ("async reward test_an_async_reward_that_blocks_the_event_loop_is_named_in_a_warning"
+            ".<locals>.blocking_judge")  # fmt: skip
+    assert any(name in w and "has not yielded" in w for w in warnings), warnings
