@@ -8,7 +8,7 @@ function (`sample.metadata["answer"]`). Any malformed line fails loading with fi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,17 +97,34 @@ def load_prompt_jsonl(path: str | Path, tokenizer: Any, *, max_prompt_len: int |
     """
     errors: list[str] = []
     items: list[PromptItem] = []
-    for source, obj in iter_jsonl(path, errors):
-        messages, problems = validate_prompt_record(obj, source)
-        errors.extend(problems)
-        if messages is None:
-            continue
+    for source, obj, messages in iter_prompt_records(path, errors):
         ids = encode_prompt(tokenizer, messages, obj.get("tools"), template_kwargs=template_kwargs)
         if max_prompt_len is not None and len(ids) > max_prompt_len:
             errors.append(f"{source}: messages: prompt is {len(ids)} tokens > {max_prompt_len}")
             continue
         metadata = {k: v for k, v in obj.items() if k not in ("messages", "prompt")}
         items.append(PromptItem(tuple(ids), tuple(messages), metadata, source))
+    return checked_prompts(path, errors, items)
+
+
+def iter_prompt_records(path: str | Path, errors: list[str]
+                        ) -> Iterator[tuple[str, dict[str, Any], list[dict[str, Any]]]]:  # fmt: skip
+    """(source, record, messages) of each valid prompt record; each problem is appended to
+    `errors` as `file:line: field: problem` and its record skipped."""
+    for source, obj in iter_jsonl(path, errors):
+        messages, problems = validate_prompt_record(obj, source)
+        errors.extend(problems)
+        if messages is not None:
+            yield source, obj, messages
+
+
+def checked_prompts(path: str | Path, errors: list[str], items: list[PromptItem]
+                    ) -> list[PromptItem]:  # fmt: skip
+    """`items`, once the file had no errors and at least one prompt.
+
+    Raises:
+        DataError: every collected error (first 10 shown), or an empty file.
+    """
     if errors:
         raise DataError(format_errors(errors, what=str(path)))
     if not items:

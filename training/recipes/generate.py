@@ -19,10 +19,8 @@ from typing import Any
 
 import trio
 
-from rollouts.errors import DataError
 from rollouts.generation import GenerateContext, single_turn_generate
-from rollouts.jsonl import format_errors, iter_jsonl
-from rollouts.prompts import PromptItem, encode_prompt, validate_prompt_record
+from rollouts.prompts import PromptItem, checked_prompts, encode_prompt, iter_prompt_records
 from rollouts.types import Sample
 from training.backend.checkpoint import resolve_checkpoint
 from training.backend.lora import loadable_model_dir
@@ -57,11 +55,7 @@ def load_generation_prompts(path: str | Path, tokenizer: Any, *, limit: int | No
     """
     errors: list[str] = []
     items: list[PromptItem] = []
-    for source, obj in iter_jsonl(path, errors):
-        messages, problems = validate_prompt_record(obj, source)
-        errors.extend(problems)
-        if messages is None:
-            continue
+    for source, obj, messages in iter_prompt_records(path, errors):
         messages, expected = split_reference(messages, obj)
         metadata = {k: v for k, v in obj.items() if k not in ("messages", "prompt", "completion")}
         if expected is not None:
@@ -70,11 +64,7 @@ def load_generation_prompts(path: str | Path, tokenizer: Any, *, limit: int | No
         items.append(PromptItem(tuple(ids), tuple(messages), metadata, source))
         if limit is not None and len(items) >= limit:
             break
-    if errors:
-        raise DataError(format_errors(errors, what=str(path)))
-    if not items:
-        raise DataError(f"{path}: no prompts (the file is empty or has only blank lines)")
-    return items
+    return checked_prompts(path, errors, items)
 
 
 @contextlib.asynccontextmanager
