@@ -15,6 +15,12 @@ from pathlib import Path
 
 import pytest
 
+# wandb is installed for its logger tests (the dev extra): it never reaches the network from a
+# test run, and a run started without `dir=` writes under the system temp folder, not the repo.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("WANDB_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "rollouts-wandb"))
+
 
 def _run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The temp folder every worker of this run shares (this session's own without xdist)."""
