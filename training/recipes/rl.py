@@ -47,7 +47,7 @@ from training.loops.loggers import (
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import push_weights
 from training.recipes.engine_model import model_served_by
-from training.recipes.rl_engines import open_engines
+from training.recipes.rl_engines import open_engines, probe_vllm_engines
 from training.recipes.rl_env import build_episode_setup
 from training.recipes.rl_models import build_rl_models
 from training.recipes.sft import check_input_file, sft_data_files
@@ -199,7 +199,9 @@ async def check_rl_inputs(config: RLRunConfig) -> None:
     if config.model.path is not None:
         check_model_path(config.model.path)
     ec = config.engines
-    if ec.urls:
+    if ec.urls and ec.kind == "vllm":
+        await probe_vllm_engines(ec.urls, api_key=ec.api_key)
+    elif ec.urls:
         await probe_engines(ec.urls, api_key=ec.api_key)
     if ec.router_url:
         await probe_engines([ec.router_url], api_key=ec.api_key, flag="--router-url")

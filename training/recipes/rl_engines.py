@@ -1,6 +1,6 @@
 """RL recipe: the engines a run generates with and pushes weights to, from `config.engines`.
 
-Live SGLang servers (`engines.urls`), a gateway (`engines.router_url`, sgl-model-gateway), or
+Live SGLang servers (`engines.urls`; vLLM servers with `engines.kind: vllm`), a gateway (`engines.router_url`, sgl-model-gateway), or
 local engines launched and supervised here (relaunched when they die). `run_rl_recipe` opens
 them with `open_engines`; everything else about the run is wired in training/recipes/rl.py.
 """
@@ -19,6 +19,8 @@ from engines.client import EngineTimeouts
 from engines.control_plane import GatewayControl, choose_control_plane, control_targets
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
+from engines.types import EngineTimeoutError, EngineUnavailableError
+from engines.vllm import VLLMEngine
 from plumbing.errors import ConfigError
 from training.rl_config import EnginesConfig, RLRunConfig
 
@@ -74,6 +76,9 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                     events=engine_events_send.clone(),
                 ))  # fmt: skip
                 urls.append(launched.url)
+        if ec.kind == "vllm":  # given by URL only, no router, no LoRA (RLRunConfig refuses)
+            yield await stack.enter_async_context(open_vllm_pool(ec, timeouts))
+            return
         clients = [
             await stack.enter_async_context(SGLangEngine(
                 u, api_key=ec.api_key, admin_api_key=ec.admin_api_key, timeouts=timeouts,
@@ -97,6 +102,46 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
             yield router, clients
         else:
             yield pool, clients
+
+
+@contextlib.asynccontextmanager
+async def open_vllm_pool(ec: EnginesConfig, timeouts: EngineTimeouts):
+    """(EnginePool of the vLLM servers at `engines.urls`, their clients), each checked for the
+    RL control routes (`VLLMEngine.check_server`) and resumed if a stopped trainer left it
+    paused (vLLM's pause has no lease)."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(VLLMEngine(u, api_key=ec.api_key, timeouts=timeouts,
+                                                       retry_generate=False))
+            for u in ec.urls
+        ]  # fmt: skip
+        for client in clients:
+            log.info("%s runs vLLM %s", client.url, await client.check_server())
+            if await client.is_paused():
+                log.warning("%s was left paused (a trainer stopped during a weight sync?): "
+                            "resuming it", client.url)  # fmt: skip
+                await client.resume()
+        pool = await stack.enter_async_context(EnginePool(
+            clients, unavailable_timeout_s=ec.unavailable_timeout_s,
+            stall_floor_s=ec.stall_floor_s, stall_s_per_token=ec.stall_s_per_token,
+        ))  # fmt: skip
+        yield pool, clients
+
+
+async def probe_vllm_engines(urls: list[str], *, api_key: str | None, timeout_s: float = 10.0
+                             ) -> None:  # fmt: skip
+    """`probe_engines` for `engines.kind=vllm`: each URL answers with vLLM's RL control routes,
+    or the run fails in seconds naming every URL and why."""
+    timeouts = EngineTimeouts(connect_s=timeout_s, control_s=timeout_s, health_s=timeout_s)
+    dead: list[str] = []
+    for url in urls:
+        async with VLLMEngine(url, api_key=api_key, timeouts=timeouts, max_retries=0) as engine:
+            try:
+                await engine.check_server()
+            except (EngineUnavailableError, EngineTimeoutError) as err:
+                dead.append(str(err))
+    if dead:
+        raise EngineUnavailableError(f"no vLLM server answers at engines.urls ({'; '.join(dead)})")
 
 
 async def resume_if_paused(engine: SGLangEngine) -> bool:
