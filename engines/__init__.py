@@ -4,7 +4,8 @@ Layers: `types` (records, `InferenceEngine`, errors) → `http` (timeouts, retri
 `client.SGLangEngine` (the protocol; its control routes in `client_control`) →
 `pool.EnginePool` (routing, failover; which engines serve, and rejoin, in
 `pool_membership`) and `weight_sync` (fan-out refit) →
-`router.RouterEngine` (sgl-model-gateway); `lora` holds the LoRA adapter calls, the
+`router.RouterEngine` (sgl-model-gateway); `vllm.VLLMEngine` the same protocol over a vLLM
+server (its params translated in `vllm_params`); `lora` holds the LoRA adapter calls, the
 `active_lora` default of generation and the server flags (`LoraLaunch`), and
 `weight_sync.sync_lora_to_engines` pushes adapters; `launch` runs server processes and `supervisor`
 relaunches them; `engines.local` is the CPU server itself (imports torch only when it runs);
@@ -41,6 +42,7 @@ from .types import PauseMode as PauseMode
 from .types import ScoreResult as ScoreResult
 from .types import WeightSpan as WeightSpan
 from .types import WeightSyncError as WeightSyncError
+from .vllm import VLLMEngine as VLLMEngine
 from .weight_sync import lora_version_name as lora_version_name
 from .weight_sync import pause_engines as pause_engines
 from .weight_sync import sync_lora_to_engines as sync_lora_to_engines

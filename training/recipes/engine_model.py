@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from engines.client import EngineTimeouts, SGLangEngine
+from engines.vllm import VLLMEngine
 from plumbing.errors import ConfigError
 from training.rl_config import EnginesConfig
 
@@ -31,8 +32,9 @@ async def model_served_by(engines: EnginesConfig, *, timeout_s: float = 10.0) ->
     url = engines.urls[0] if engines.urls else engines.router_url
     assert url is not None, "model_served_by: no engine URL configured"
     timeouts = EngineTimeouts(connect_s=timeout_s, control_s=timeout_s, health_s=timeout_s)
-    async with SGLangEngine(url, api_key=engines.api_key, timeouts=timeouts,
-                            max_retries=0) as engine:  # fmt: skip
+    kind = VLLMEngine if engines.kind == "vllm" else SGLangEngine  # vLLM: its /v1/models id
+    async with kind(url, api_key=engines.api_key, timeouts=timeouts,
+                    max_retries=0) as engine:  # fmt: skip
         path = (await engine.model_info()).model_path
     flag = "--engine-url" if engines.urls else "--router-url"
     if not path:
