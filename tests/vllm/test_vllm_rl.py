@@ -3,6 +3,11 @@ every step, and vLLM's logprobs equal to the trainer's on the weights it was pus
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import trio
+
 from tests.rl_helpers import run_loop
 from tests.test_engine_local import PROMPTS, teacher_forced
 from tests.vllm.test_vllm_engine import LOGPROB_TOL, max_diff
@@ -35,3 +40,30 @@ async def test_rl_steps_push_weights_to_vllm_whose_logprobs_then_equal_the_train
         )
         assert diff <= LOGPROB_TOL
         assert max_diff(result.output_logprobs, initial) > 100 * LOGPROB_TOL  # weights moved
+
+
+async def test_the_rl_recipe_trains_against_vllm_given_by_url(
+    vllm_engine, tiny_model_dir, tmp_path
+):
+    """`examples/run_rl.py --engine-url URL engines.kind=vllm`: probe, the model vLLM serves
+    (no --model), a pool of `VLLMEngine`s, a push per step."""
+    from tests.test_run_rl_cli import run_cli
+
+    config = Path(__file__).parent.parent.parent / "configs" / "rl_tiny.yaml"
+    proc = await trio.to_thread.run_sync(lambda: run_cli(
+        "--config", str(config), "--engine-url", vllm_engine.url,
+        "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "engines.kind=vllm",
+        "rollout.batch_size=2",
+        "rollout.n_samples_per_prompt=2", "rollout.filter_groups=none", "train.eval_samples=8",
+        "backend.num_threads=1", "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
+        f"data.task_dir={tmp_path / 'data'}", cwd=tmp_path))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("RL done: heldout_accuracy before=")
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    print(proc.stdout.strip().splitlines()[-1])
+    for r in rows:
+        print(f"recipe step {r['step']}: weight_version {r['weight_version']}, engine vs trainer "
+              f"logprob max |diff| {r['logprob_diff_max_abs']:.2e}")  # fmt: skip
+    assert [r["weight_version"] for r in rows] == [1, 2]
+    assert all(r["logprob_diff_max_abs"] <= LOGPROB_TOL for r in rows)
+    assert (await vllm_engine.model_info()).weight_version == "2"  # initial push, one per step
