@@ -103,6 +103,43 @@ async def test_pause_aborts_running_requests_and_holds_new_ones_until_resume(vll
     assert not await vllm_engine.is_paused()
 
 
+async def test_pause_in_place_freezes_running_requests_which_finish_after_resume(vllm_engine):
+    out = {}
+    namespace = vllm_engine.kv_namespace
+
+    async def request() -> None:
+        out["r"] = await vllm_engine.generate(
+            [5, 6, 7], {"max_new_tokens": 1000, "ignore_eos": True}
+        )
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request)
+            await trio.sleep(0.3)
+            await vllm_engine.pause("in_place")  # vLLM's "keep"
+            await trio.sleep(1.0)
+            assert "r" not in out  # frozen, not aborted
+            await vllm_engine.resume()
+    assert out["r"].finish_reason.type == "length" and len(out["r"].output_ids) == 1000
+    assert vllm_engine.kv_namespace != namespace  # later requests use a fresh cache_salt
+
+
+async def test_an_abort_of_a_request_held_behind_a_pause_is_not_lost(vllm_engine):
+    out = {}
+
+    async def held() -> None:
+        out["r"] = await vllm_engine.generate([5, 6], {"max_new_tokens": 4}, rid="held-abort")
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await vllm_engine.pause("abort")
+            nursery.start_soon(held)
+            await trio.sleep(0.5)
+            await vllm_engine.abort("held-abort")
+            await vllm_engine.resume()
+    assert out["r"].aborted and out["r"].output_ids == ()
+
+
 async def test_a_weight_update_changes_the_answers_and_the_reported_version(
     vllm_engine, tiny_model_dir_seed1, tiny_hf_model
 ):
