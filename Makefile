@@ -48,11 +48,9 @@ format: setup  ## apply ruff fixes and formatting
 # workers than cores still overlap. --dist loadfile: a file's tests run on one worker, so its
 # module-scoped fixtures are built once (loadgroup would be finer, but with pytest 9.2 and
 # pytest-xdist 3.8 its xdist_group marks are ignored: xdist renames `_nodeid`, pytest reads `_id`).
-# Tests marked `serial` race a deadline against other processes and run alone afterwards.
 TEST_WORKERS ?= 3
 test: setup lint  ## lint, then the test suite (on TEST_WORKERS parallel workers)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not stress and not serial"
-	$(PY) -m pytest -q -m "serial and not stress"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not stress"
 
 # vLLM in a venv of its own (.venv-vllm, ~3.5 GB): `make test` never installs it. The CPU build
 # pulls CUDA-built torchvision, torchaudio and torchcodec that break its import: removed. The

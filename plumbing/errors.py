@@ -106,6 +106,18 @@ class DropSample(RolloutsError):
     `rollout.reward_failure_value`, records the error on it and keeps its group."""
 
 
+class Interrupted(Exception):
+    """The run was stopped by a signal (`signal_name`, e.g. SIGINT): not an error of the run.
+
+    Here, not in the CLI, because rank 0 of a torchrun job must tell a stop that the user asked
+    for from one that torchrun sent because another rank died (training/distributed/liveness.py).
+    """
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 def leaf_errors(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups, in order; `exc` itself if not a group."""
     if isinstance(exc, BaseExceptionGroup):

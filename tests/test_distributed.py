@@ -118,7 +118,6 @@ def _rank_pid(parent: int, rank: int) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # under load torchrun's SIGTERM can reach rank 0 before it sees the loss
 def test_a_killed_rank_ends_the_job_quickly_and_is_named(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "examples" / "run_sft.py"), "--config", str(ROOT / "configs" / "sft_tiny.yaml"),

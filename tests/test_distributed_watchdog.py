@@ -1,7 +1,8 @@
 """The collective watchdog under torchrun (two gloo processes), for real.
 
 The property: when a rank stops answering (SIGSTOP: alive, sockets open, silent), the job
-fails after `backend.collective_timeout_s` rather than gloo's 600 s, and rank 0 prints one
+fails after `backend.collective_timeout_s` rather than gloo's 600 s (15 s here: long
+enough that a loaded machine running the suite in parallel never trips it before SIGSTOP), and rank 0 prints one
 `error:` line naming the op, the step and what every rank was doing.
 """
 
@@ -22,7 +23,6 @@ from tests.test_distributed import SMALL_DATA, _rank_pid
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # a 5 s collective deadline: a loaded machine must not trip it before SIGSTOP
 def test_a_rank_that_stops_answering_fails_the_job_naming_the_op_and_every_rank(
     tiny_model_dir, tmp_path
 ):
@@ -31,7 +31,7 @@ def test_a_rank_that_stops_answering_fails_the_job_naming_the_op_and_every_rank(
            "--output-dir", str(tmp_path / "out"), "--max-steps", "100000", "train.log_every=1",
            f"model.path={tiny_model_dir}", f"data.task_dir={tmp_path / 'data'}",
            "backend.num_threads=1", "train.greedy_eval_samples=0",
-           "backend.collective_timeout_s=5", *SMALL_DATA]  # fmt: skip
+           "backend.collective_timeout_s=15", *SMALL_DATA]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -56,7 +56,7 @@ def test_a_rank_that_stops_answering_fails_the_job_naming_the_op_and_every_rank(
     errors = [x for x in lines if x.startswith("error:")]
     assert len(errors) == 1, "".join(lines[-30:])
     message = errors[0]
-    assert "waited more than 5 s (backend.collective_timeout_s)" in message, message
+    assert "waited more than 15 s (backend.collective_timeout_s)" in message, message
     assert re.search(r"in a collective of \w+ at step \d+", message), message
     assert "rank 0: " in message and "rank 1: " in message, message
     Path(tmp_path / "watchdog_message.txt").write_text(message)

@@ -6,6 +6,12 @@ the launcher, so it outlives the ranks) when it joins. When rank 0's run fails w
 run and returns one `RankLostError` naming them, which the CLI prints as one `error:` line
 instead of the nested traceback trio and gloo give.
 
+The same when rank 0 was stopped by a signal while a peer was already dead: torchrun SIGTERMs
+the ranks left as soon as it reaps a dead one, often before rank 0's collective has failed, and
+the user must read "lost rank 1", not "stopped by SIGTERM". This is sound because ranks ≥ 1
+ignore SIGINT and SIGTERM (`ignore_stop_signals`): they leave only when rank 0 releases them or
+goes away, so a user's Ctrl-C, `kill` or `scancel` never makes a rank ≥ 1 "dead" first.
+
 Covered: ranks on rank 0's host (their pids are checked). Not covered: a rank on another host is
 not probed; the error then says that a peer closed the connection, with gloo's message.
 """
@@ -17,7 +23,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from plumbing.errors import RolloutsError, leaf_errors
+from plumbing.errors import Interrupted, RolloutsError, leaf_errors
 
 if TYPE_CHECKING:
     from training.distributed.context import DistContext
@@ -46,13 +52,16 @@ def record_process(ctx: DistContext) -> None:
 
 def lost_rank_error(ctx: DistContext, err: BaseException) -> RankLostError | None:
     """A `RankLostError` when `err` (or an exception inside it) is gloo's report of a peer that
-    went away; None for any other failure."""
+    went away, or a stop signal that found a peer already dead; None for any other failure."""
     leaves = leaf_errors(err)
     gone = next((e for e in leaves if isinstance(e, RuntimeError)
                  and any(s in str(e) for s in _PEER_GONE)), None)  # fmt: skip
-    if gone is None or any(isinstance(e, RolloutsError) for e in leaves):
+    stopped = any(isinstance(e, Interrupted) for e in leaves)
+    if not stopped and (gone is None or any(isinstance(e, RolloutsError) for e in leaves)):
         return None
     dead = _dead_ranks(ctx)
+    if stopped and not dead:  # the user's own stop: every rank is still there
+        return None
     if dead:
         who = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in dead)
         what = f"lost {who}: its process is gone (killed or crashed)"
@@ -61,6 +70,20 @@ def lost_rank_error(ctx: DistContext, err: BaseException) -> RankLostError | Non
         what = f"lost another rank: a peer closed its connection ({first_line})"
     return RankLostError(f"{what}; the job stops. Check that rank's log (an out-of-memory kill "
                          "shows in dmesg), then resume with --resume")  # fmt: skip
+
+
+def ignore_stop_signals() -> None:
+    """Ranks ≥ 1: ignore SIGINT and SIGTERM; rank 0 alone decides when the job stops.
+
+    Why: a clean stop (requests aborted, the last checkpoint written) needs every rank's share
+    of the collectives, and a rank that died of the signal first would turn the user's stop into
+    a lost-rank failure. A rank ≥ 1 still leaves at once when rank 0 exits (its sockets close),
+    and torchrun SIGKILLs what is left after its grace period.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _dead_ranks(ctx: DistContext) -> list[tuple[int, int]]:

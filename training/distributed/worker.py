@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from training.distributed import wire
 from training.distributed.context import DistContext, init_distributed, shutdown_distributed
-from training.distributed.liveness import lost_rank_error
+from training.distributed.liveness import ignore_stop_signals, lost_rank_error
 from training.distributed.watchdog import CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -72,22 +72,22 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
     if ctx is None:
         return main()
     if ctx.rank > 0:
+        ignore_stop_signals()
         try:
             serve_commands(ctx)
         except CollectiveTimeoutError as err:  # already says the op, the step and every rank
             raise SystemExit(f"rank {ctx.rank}: {err}") from None
         except RuntimeError as err:  # rank 0 is gone (its sockets closed) or went silent
             raise SystemExit(f"rank {ctx.rank}: lost rank 0 ({err}); exiting") from None
-        except KeyboardInterrupt:
-            raise SystemExit(130) from None
         if shutdown_distributed():
             _exit_without_finalizing(0)
         return None
     try:
         result = main()
     except BaseException as err:
+        # first: once released, the other ranks exit, and would look lost too
+        lost = lost_rank_error(ctx, err)  # gloo's "closed by peer", or torchrun's SIGTERM
         _release_workers_if_idle(ctx)
-        lost = lost_rank_error(ctx, err)  # gloo's "closed by peer" inside trio's groups
         if lost is not None:
             raise lost from None
         raise

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import ConfigError, RolloutsError, leaf_errors
+from plumbing.errors import ConfigError, Interrupted, RolloutsError, leaf_errors
 
 log = logging.getLogger("rollouts.cli")
 
@@ -95,14 +95,6 @@ class Progress:
 
     def __call__(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.step = step
-
-
-class Interrupted(Exception):
-    """The run was stopped by a signal (`signal` is its name, e.g. SIGINT)."""
-
-    def __init__(self, signal_name: str):
-        super().__init__(signal_name)
-        self.signal_name = signal_name
 
 
 async def run_stoppable(fn: Callable[[], Awaitable[Any]]) -> Any:
