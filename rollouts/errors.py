@@ -10,6 +10,7 @@ from plumbing.errors import ConfigError as ConfigError
 from plumbing.errors import DataError as DataError
 from plumbing.errors import DropSample as DropSample
 from plumbing.errors import EngineError as EngineError
+from plumbing.errors import Interrupted as Interrupted
 from plumbing.errors import MissingExtraError as MissingExtraError
 from plumbing.errors import ModelLoadError as ModelLoadError
 from plumbing.errors import RewardError as RewardError
