@@ -245,3 +245,20 @@ async def test_abort_all_on_an_unreachable_engine_fails_at_once_without_retries(
         with pytest.raises(EngineUnavailableError):
             await engine.abort_all()
     assert not [r for r in caplog.records if "retry" in r.getMessage()]
+
+
+def test_help_and_config_errors_answer_without_loading_torch(tmp_path):
+    # `rollouts --help` or a misspelt key used to load torch and transformers first (~2.5 s of
+    # CPU per call, the package imported every export); they need neither.
+    probe = ("import sys, contextlib, io\n"
+             "from training.recipes.cli import main\n"
+             "for argv in (['--help'], ['sft', '--help'], ['rl', '--help'], ['eval', '--help'],\n"
+             "             ['sft', 'optim.lrr=1'], ['rl', 'algorithm.name=nope']):\n"
+             "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()),"
+             " contextlib.redirect_stderr(io.StringIO()):\n"
+             "        main(argv)\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

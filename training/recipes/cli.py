@@ -76,7 +76,6 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     Returns the exit code: 0, 2 after printing the errors, 130 after an interrupt.
     """
     from training.config import SFTRunConfig
-    from training.recipes.sft import run_sft_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = run_parser(description, prog=prog,
@@ -89,6 +88,8 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     config = load_or_exit(SFTRunConfig, args.config, overrides_from_args(args, data_flags))
     if config is None:
         return EXIT_ERROR
+    from training.recipes.sft import run_sft_recipe  # torch: only once the config is valid
+
     code, summary = run_command(argv, config, lambda p: run_sft_recipe(config, on_step=p),
                                 overwrite=args.overwrite, prog=prog)  # fmt: skip
     if summary is not None:
@@ -105,8 +106,6 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     """
     import json
 
-    from training.recipes.plot import print_curve, write_reward_png
-    from training.recipes.rl import run_rl_recipe
     from training.rl_config import RLRunConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -128,6 +127,9 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     config = load_or_exit(RLRunConfig, args.config, overrides_from_args(args, engine_flags))
     if config is None:
         return EXIT_ERROR
+    from training.recipes.plot import print_curve, write_reward_png
+    from training.recipes.rl import run_rl_recipe  # torch: only once the config is valid
+
     code, summary = run_command(argv, config, lambda p: run_rl_recipe(config, on_step=p),
                                 overwrite=args.overwrite, prog=prog)  # fmt: skip
     if summary is None:
@@ -145,8 +147,6 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
 
 def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """`rollouts eval`: greedy accuracy of a model on RL-format prompts, via a local engine."""
-    from training.recipes.evaluate import evaluate_model
-
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Greedy held-out accuracy of a model (or checkpoint) on prompts with answers, through a "
         "local engine launched for the purpose (or --engine-url)."))  # fmt: skip
@@ -163,6 +163,8 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     _setup_logging(args)
+    from training.recipes.evaluate import evaluate_model  # torch: not for --help
+
     code, result = run_without_run_dir(lambda: evaluate_model(
         args.model, args.data, args.reward, max_new_tokens=args.max_new_tokens,
         limit=args.limit, engine_url=args.engine_url, answer_field=args.answer_field,
