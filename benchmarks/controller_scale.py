@@ -122,8 +122,8 @@ def child(cfg: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="1,4,16,64")
-    p.add_argument("--shapes", default="64x16x512,256x16x1024,1024x16x2048",
-                   help="prompts x samples x response tokens, comma separated")  # fmt: skip
+    p.add_argument("--shapes", default="64x16x512,256x16x2048@16+64,1024x16x2048@64",
+                   help="prompts x samples x response tokens[@engines+engines], comma separated")  # fmt: skip
     p.add_argument("--tokens-per-s", type=float, default=H100_TOKENS_PER_S, help="per engine")
     p.add_argument("--latency-s", type=float, default=0.05, help="floor of every /generate")
     p.add_argument("--per-engine", type=int, default=256, help="samples in flight per engine")
@@ -139,9 +139,10 @@ def main() -> int:
         harness.apply_quick(args, p, engines="1,4", shapes="8x4x64")
     started = time.time()
     table_rows, results = [], []
-    for shape in args.shapes.split(","):
+    for spec in args.shapes.split(","):
+        shape, _, only = spec.partition("@")  # "PxNxT@16+64": this shape at these fleet sizes
         prompts_n, n, tokens = (int(v) for v in shape.split("x"))
-        for n_engines in (int(e) for e in args.engines.split(",")):
+        for n_engines in (int(e) for e in (only.split("+") if only else args.engines.split(","))):
             cfg = {"engines": n_engines, "prompts": prompts_n, "n": n, "tokens": tokens,
                    "rate": args.tokens_per_s, "latency_s": args.latency_s, "steps": args.steps,
                    "per_engine": args.per_engine,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Literal, Protocol
 
 from plumbing.errors import EngineError
@@ -131,6 +132,17 @@ def _logprob(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
+def _output_logprobs(triples: Sequence[Sequence[Any]]) -> tuple[float, ...]:
+    """The logprobs of `[logprob, token id, text]` triples, None as NaN.
+
+    C-level `map`s instead of a generator: a step of 1,024 x 16 samples x 2,048 tokens has 33M
+    of them, and the generator cost the controller ~40 % of its parsing CPU (issue 31)."""
+    values = tuple(map(itemgetter(0), triples))
+    if None in values:
+        return tuple(map(_logprob, values))
+    return tuple(map(float, values))
+
+
 def _top(rows: Any) -> tuple[tuple[tuple[float, int], ...] | None, ...] | None:
     if rows is None:
         return None
@@ -161,8 +173,8 @@ def parse_generate_response(obj: Any, *, latency_s: float, prompt_len: int) -> G
     version = meta.get("weight_version")
     return GenerateResult(
         rid=str(meta.get("id", "")),
-        output_ids=tuple(int(t) for t in output_ids),
-        output_logprobs=None if output_lp is None else tuple(_logprob(t[0]) for t in output_lp),
+        output_ids=tuple(map(int, output_ids)),
+        output_logprobs=None if output_lp is None else _output_logprobs(output_lp),
         text=obj.get("text") or "",
         finish_reason=FinishReason.from_json(meta.get("finish_reason")),
         prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
