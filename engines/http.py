@@ -10,6 +10,7 @@ message in the text and the raw body on `.body`.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -209,6 +210,10 @@ def decode_json(response: httpx.Response, what: str, url: str) -> Any:
     largest CPU cost at cluster scale (issue 31, benchmarks/controller_scale.py)."""
     try:
         return _loads(response.content)
+    except ValueError:  # orjson refuses NaN/Infinity literals, which Python's json writes
+        pass
+    try:
+        return json.loads(response.content)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise EngineError(
             f"{what}: the answer is not JSON ({exc})",

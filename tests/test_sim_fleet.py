@@ -110,3 +110,20 @@ async def test_coalesced_groups_are_spread_over_every_engine_of_a_pool():
     assert sum(len(g) for g in batch.groups) == 16
     # all 8 groups start at once and are merged; one request per engine, 4 samples each
     assert [s.stats.samples for s in sims] == [4, 4, 4, 4]
+
+
+def test_generate_answer_with_python_json_infinity_literals_still_parses():
+    # orjson (when installed) refuses `-Infinity`, which Python's json.dumps writes for a -inf
+    # logprob; the answer must still parse, as it did with json alone.
+    from engines.http import decode_json
+    from engines.types import parse_generate_response
+
+    body = (b'{"text":"a","output_ids":[5,6],"meta_info":{"id":"r","finish_reason":{"type":'
+            b'"length","length":2},"output_token_logprobs":[[-Infinity,5,null],[null,6,null]]}}')  # fmt: skip
+    obj = decode_json(httpx.Response(200, content=body), "POST /generate", "http://x")
+    result = parse_generate_response(obj, latency_s=0.0, prompt_len=1)
+    assert result.output_ids == (5, 6)
+    assert (
+        result.output_logprobs[0] == float("-inf")
+        and result.output_logprobs[1] != result.output_logprobs[1]
+    )
