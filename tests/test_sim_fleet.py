@@ -108,7 +108,7 @@ async def test_coalesced_groups_are_spread_over_every_engine_of_a_pool():
                 batch = await manager.generate_batch()
         nursery.cancel_scope.cancel()
     assert sum(len(g) for g in batch.groups) == 16
-    # all 8 groups start at once and are merged; one request per engine, 4 samples each
+    # all 8 groups start at once and are merged: two requests per engine, 4 samples each
     assert [s.stats.samples for s in sims] == [4, 4, 4, 4]
 
 
