@@ -127,3 +127,18 @@ def test_generate_answer_with_python_json_infinity_literals_still_parses():
         result.output_logprobs[0] == float("-inf")
         and result.output_logprobs[1] != result.output_logprobs[1]
     )
+
+
+def test_parsed_token_ids_share_one_int_per_value_and_keep_their_values():
+    # JSON decoding makes a fresh int per token; held by the batch, those were most of its
+    # memory (issue 31). Equal ids must be one object; odd ids still go through int().
+    from engines.types import parse_generate_response
+
+    def parse(ids):
+        obj = {"text": "", "output_ids": ids, "meta_info": {"id": "r", "finish_reason": "stop"}}
+        return parse_generate_response(obj, latency_s=0.0, prompt_len=1).output_ids
+
+    first, second = parse([int("70000"), 5, 70000]), parse([int("70000")])
+    assert first == (70000, 5, 70000) and first[0] is first[2] is second[0]
+    assert parse([-1, 3]) == (-1, 3) and parse([2.0, 3]) == (2, 3) and parse([]) == ()
+    assert parse([1 << 40]) == (1 << 40,)
