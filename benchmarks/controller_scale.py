@@ -197,6 +197,14 @@ def _notes(results: list[tuple[dict, dict]]) -> list[str]:
         f"- controller CPU per response token: {min(per_token, default=0):.2f}-"
         f"{max(per_token, default=0):.2f} us; most sustained: {best:,.0f} tokens/s.",
         f"- first point where the controller's CPU share passes 5 %: {min(over, default=None)}.",
+        "- RSS MiB/1k: resident memory after the batch minus before, in the measured (second) "
+        "step, whose allocations partly reuse the first step's freed memory; peak RSS is the "
+        "firmer figure.",
+        "- first bottlenecks found with this script (docs/scale.md has before/after figures): "
+        "every group launched at once went to one engine as one merged request (samples/s flat "
+        "from 1 to 16 engines; now two requests per engine); then decoding `/generate` JSON, "
+        "full GC passes over the live batch included (orjson, C-level conversion, GC paused "
+        "while decoding); then one int object per token id (now shared).",
     ]
 
 
