@@ -51,6 +51,7 @@ SECTIONS = (
     "demo",
     "demo_history",  # written by hand, not by a script: how the demo's settings were chosen
     "gpu_check",
+    "controller_scale",
 )
 
 

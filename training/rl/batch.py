@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import pairwise
+from itertools import compress, pairwise
 
 import torch
 
@@ -146,7 +146,8 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
     With `share_prompt`, neighbouring examples with the same prompt ids may be scored against
     one copy of it (training/data/prefix_sharing.py); the logprobs are the same either way.
     """
-    trained = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=False) if m]
+    # C-level: a step at cluster scale has tens of millions of tokens (issue 31)
+    trained = compress(sample.rollout_logprobs, sample.loss_mask)
     return RLExample(
         input_ids=sample.prompt_ids + sample.response_ids,
         loss_mask=(0,) * len(sample.prompt_ids) + sample.loss_mask,

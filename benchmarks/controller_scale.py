@@ -1,0 +1,212 @@
+"""Controller at cluster scale: how far one trio process drives a simulated fleet (issue 31).
+
+Each measurement is a child process (the controller) that starts a simulated fleet
+(`engines/testing/sim_fleet.py`) in a process of its own, so the fleet's CPU is not counted as
+the controller's. The child runs RL steps as `run_rl_training` does them, minus the model:
+`AsyncRolloutManager.generate_batch()` through an `EnginePool` of `SGLangEngine` clients →
+`build_examples` (advantages + trainer rows) → a stand-in trainer that consumes rows at
+`--trainer-rows-per-s` (a sleep: the GPU's time, not the controller's) → `sync_weights_to_engines`
+(pause → flush → update → verify → continue on every engine).
+
+Reported per (engines, prompts × samples × tokens): samples/s and tokens/s over generation,
+controller CPU s per 1,000 samples (`time.process_time()` of the child only), RSS growth per
+1,000 samples (resident memory after the batch minus before), weight-sync fan-out time, the
+fleet's own CPU share (it must stay below the controller's to measure the controller), and the
+controller's share of the generation phase: wall time beyond what the engines need
+max(`tokens / (engines × rate)`, latency), over the generation wall time. The engine rate is an
+H100's: `--tokens-per-s 16000` per engine, SGLang's offline output throughput for
+Llama-3.1-8B-Instruct (bf16) on one H100 80GB, 1,000 ShareGPT prompts (16,215 tok/s,
+research.aimultiple.com/inference-engines, 2025).
+
+    .venv/bin/python benchmarks/controller_scale.py [--engines 1,4,16,64] [--shapes 64x16x512]
+        [--steps 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness  # benchmarks/harness.py: this script's folder is on sys.path
+import trio
+
+from engines import EnginePool, SGLangEngine, sync_weights_to_engines
+from engines.testing.sim_fleet import SimEngineConfig, open_sim_fleet
+from rollouts.config import RolloutConfig
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import PromptItem
+from rollouts.types import Sample
+from training.data.buffer import DataBuffer
+from training.rl.algorithm_config import AlgorithmConfig
+from training.rl.batch import build_examples
+
+PROMPT_LEN = 256
+H100_TOKENS_PER_S = 16_000.0
+
+
+def parity_reward(sample: Sample) -> float:
+    """A reward that costs nothing and differs inside a group (the sim's variants differ)."""
+    return float(sample.response_ids[0] % 2) if sample.response_ids else 0.0
+
+
+def _rss_mb() -> float:
+    text = Path("/proc/self/status").read_text()
+    return int(text.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process (its children not counted)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(cfg: dict) -> dict:
+    """One (engines, shape) point: `steps` RL steps; the first is a warm-up, not counted."""
+    n_engines, prompts_n, n, tokens = cfg["engines"], cfg["prompts"], cfg["n"], cfg["tokens"]
+    sim = SimEngineConfig(tokens_per_s=cfg["rate"], latency_s=cfg["latency_s"])
+    prompts = [PromptItem(tuple(range(3 + i % 7, PROMPT_LEN + 3 + i % 7)), (),
+                          metadata={"i": i}) for i in range((cfg["steps"] + 1) * prompts_n)]  # fmt: skip
+    config = RolloutConfig(batch_size=prompts_n, n_samples_per_prompt=n, filter_groups="none",
+                           max_concurrency=min(prompts_n * n, cfg["per_engine"] * n_engines),
+                           sampling={"max_new_tokens": tokens})  # fmt: skip
+    rows: list[dict] = []
+    async with contextlib.AsyncExitStack() as stack:
+        urls, fleet_pid = await stack.enter_async_context(open_sim_fleet(n_engines, sim))
+        engines = [await stack.enter_async_context(SGLangEngine(u)) for u in urls]
+        pool = await stack.enter_async_context(EnginePool(engines))
+        manager = AsyncRolloutManager(pool, DataBuffer(prompts, shuffle=False), config,
+                                      reward_fn=parity_reward)  # fmt: skip
+        await stack.enter_async_context(manager)
+        export = Path(tempfile.mkdtemp(prefix="controller-scale-"))
+        for step in range(cfg["steps"]):
+            rss0, cpu0, fleet0 = _rss_mb(), time.process_time(), _cpu_s(fleet_pid)
+            t0 = time.perf_counter()
+            batch = await manager.generate_batch()
+            t_gen = time.perf_counter() - t0
+            cpu_gen, fleet_cpu = time.process_time() - cpu0, _cpu_s(fleet_pid) - fleet0
+            rss_batch = _rss_mb() - rss0
+            t1, cpu1 = time.perf_counter(), time.process_time()
+            examples = build_examples(batch, AlgorithmConfig())
+            t_build, cpu_build = time.perf_counter() - t1, time.process_time() - cpu1
+            await trio.sleep(len(examples) / cfg["trainer_rows_per_s"])  # the GPU's time
+            del batch, examples
+            t2 = time.perf_counter()
+            await sync_weights_to_engines(engines, export, str(step + 1))
+            t_sync = time.perf_counter() - t2
+            samples = prompts_n * n
+            ideal = max(samples * tokens / (n_engines * cfg["rate"]), cfg["latency_s"])
+            rows.append({"t_gen": t_gen, "cpu_gen": cpu_gen, "cpu_build": cpu_build,
+                         "t_build": t_build, "rss_batch_mb": rss_batch, "t_sync": t_sync,
+                         "fleet_cpu": fleet_cpu, "ideal": ideal, "samples": samples,
+                         "tokens": samples * tokens})  # fmt: skip
+            print(f"  step {step}: gen {t_gen:.2f} s (engines need {ideal:.2f} s), controller "
+                  f"CPU {cpu_gen:.2f} s, fleet CPU {fleet_cpu:.2f} s, build {t_build:.2f} s, "
+                  f"sync {t_sync * 1000:.0f} ms, +{rss_batch:.0f} MiB", flush=True)  # fmt: skip
+    counted = rows[1:] or rows
+    last = counted[-1]
+    out = {k: harness.median(r[k] for r in counted) for k in last}
+    out["peak_rss_mb"] = harness.peak_rss_mb_self()
+    return out
+
+
+def child(cfg: dict) -> None:
+    harness.emit(trio.run(measure, cfg))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", default="1,4,16,64")
+    p.add_argument("--shapes", default="64x16x512,256x16x2048@16+64,1024x16x2048@64",
+                   help="prompts x samples x response tokens[@engines+engines], comma separated")  # fmt: skip
+    p.add_argument("--tokens-per-s", type=float, default=H100_TOKENS_PER_S, help="per engine")
+    p.add_argument("--latency-s", type=float, default=0.05, help="floor of every /generate")
+    p.add_argument("--per-engine", type=int, default=256, help="samples in flight per engine")
+    p.add_argument("--trainer-rows-per-s", type=float, default=1e9)
+    p.add_argument("--steps", type=int, default=2, help="RL steps per point; the first warms up")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1,4 engines, 8x4x64, 2 steps")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    if args.quick:
+        harness.apply_quick(args, p, engines="1,4", shapes="8x4x64")
+    started = time.time()
+    table_rows, results = [], []
+    for spec in args.shapes.split(","):
+        shape, _, only = spec.partition("@")  # "PxNxT@16+64": this shape at these fleet sizes
+        prompts_n, n, tokens = (int(v) for v in shape.split("x"))
+        for n_engines in (int(e) for e in (only.split("+") if only else args.engines.split(","))):
+            cfg = {"engines": n_engines, "prompts": prompts_n, "n": n, "tokens": tokens,
+                   "rate": args.tokens_per_s, "latency_s": args.latency_s, "steps": args.steps,
+                   "per_engine": args.per_engine,
+                   "trainer_rows_per_s": args.trainer_rows_per_s}  # fmt: skip
+            print(f"{n_engines} engines, {shape}", flush=True)
+            script = str(Path(__file__).resolve())
+            r = harness.run_child([script, "--child", json.dumps(cfg)], timeout_s=3600)
+            results.append((cfg, r))
+            table_rows.append(_row(n_engines, shape, r))
+    headers = ["engines", "P x n x T", "samples/s", "tokens/s", "gen s", "engines need s",
+               "wall share", "CPU share", "ctl CPU s/1k", "build CPU s/1k", "fleet CPU s/1k",
+               "RSS MiB/1k", "peak RSS MiB", "sync ms"]  # fmt: skip
+    table = harness.md_table(headers, table_rows)
+    head = (f"Simulated engines at {args.tokens_per_s:,.0f} tokens/s each (H100-like: SGLang "
+            "16,215 output tok/s, Llama-3.1-8B bf16, one H100, research.aimultiple.com/"
+            f"inference-engines), {args.latency_s * 1000:.0f} ms latency floor, "
+            f"{args.per_engine} samples in flight per engine, prompts of {PROMPT_LEN} tokens; "
+            f"median of {max(1, args.steps - 1)} step(s) after a warm-up step. The fleet runs in "
+            "its own process; CPU and RSS are the controller's.")  # fmt: skip
+    notes = _notes(results)
+    harness.publish("controller_scale", "Controller at cluster scale, simulated fleet (issue 31)",
+                    "Controller scale", [head, table], notes, quick=args.quick,
+                    started=started)  # fmt: skip
+    return 0
+
+
+def _row(n_engines: int, shape: str, r: dict) -> list:
+    per_k = 1000 / r["samples"]
+    share = max(0.0, r["t_gen"] - r["ideal"]) / r["t_gen"]
+    cpu_share = (r["cpu_gen"] + r["cpu_build"]) / r["ideal"]
+    return [n_engines, shape, r["samples"] / r["t_gen"], r["tokens"] / r["t_gen"], r["t_gen"],
+            r["ideal"], f"{share:.0%}", f"{cpu_share:.0%}", r["cpu_gen"] * per_k, r["cpu_build"] * per_k,
+            r["fleet_cpu"] * per_k, r["rss_batch_mb"] * per_k, r["peak_rss_mb"],
+            r["t_sync"] * 1000]  # fmt: skip
+
+
+def _notes(results: list[tuple[dict, dict]]) -> list[str]:
+    def cpu_share(r: dict) -> float:
+        return (r["cpu_gen"] + r["cpu_build"]) / r["ideal"]
+
+    over = [(c["engines"], f"{c['prompts']}x{c['n']}x{c['tokens']}") for c, r in results
+            if cpu_share(r) > 0.05]  # fmt: skip
+    best = max((r["tokens"] / r["t_gen"] for _, r in results), default=float("nan"))
+    per_token = [r["cpu_gen"] / r["tokens"] * 1e6 for _, r in results]
+    return [
+        "- wall share: generation wall time beyond what the engines need "
+        "(max(`tokens / (engines x rate)`, latency)), over the generation wall time, on this "
+        "machine (its 2 cores are shared with the fleet and other jobs).",
+        "- CPU share: controller CPU seconds of the step (generation + batch building) over the "
+        "time the engines need: what the controller adds on a dedicated core when its work does "
+        "not overlap the engines' (an upper bound); >= 100 % means it cannot keep up at all.",
+        f"- controller CPU per response token: {min(per_token, default=0):.2f}-"
+        f"{max(per_token, default=0):.2f} us; most sustained: {best:,.0f} tokens/s.",
+        f"- first point where the controller's CPU share passes 5 %: {min(over, default=None)}.",
+        "- RSS MiB/1k: resident memory after the batch minus before, in the measured (second) "
+        "step, whose allocations partly reuse the first step's freed memory; peak RSS is the "
+        "firmer figure.",
+        "- first bottlenecks found with this script (docs/scale.md has before/after figures): "
+        "every group launched at once went to one engine as one merged request (samples/s flat "
+        "from 1 to 16 engines; now two requests per engine); then decoding `/generate` JSON, "
+        "full GC passes over the live batch included (orjson, C-level conversion, GC paused "
+        "while decoding); then one int object per token id (now shared).",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
