@@ -174,6 +174,8 @@ async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
         try:
             await engine.flush_cache()
             return
+        except EngineUnavailableError:
+            raise  # gone (it died since the pause): skipped as down, like an unreachable one
         except EngineError as exc:
             if exc.status != 400 or attempt == retries:
                 raise EngineError(
