@@ -69,6 +69,11 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             return not_ready()
         if not name:
             return answer(False, "Group name cannot be empty")
+        if backend == "nccl" and not state.config.device.startswith("cuda"):
+            # SGLang would wait for every rank first and fail after; nothing can come of it
+            return answer(False, "Failed to initialize custom process group: the nccl backend "
+                                 f"needs CUDA and this engine runs on {state.config.device}; "
+                                 "use backend gloo.")  # fmt: skip
         if name in groups:  # a restarted trainer's group of the same name: leave the old one
             await trio.to_thread.run_sync(destroy_process_group, groups.pop(name))
         logger.info("init custom process group: master_address=%s, master_port=%s, "
