@@ -93,6 +93,9 @@ class EnginesConfig(Strict):
         description="distributed: the trainer's address as the engines reach it (the group's "
         "TCP store listens there on a free port)",
     )
+    weight_group_backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="distributed: gloo (CPU tensors) or nccl (the trainer sends from CUDA)"
+    )
     weight_group_timeout_s: float = Field(
         120.0,
         gt=0,

@@ -70,8 +70,9 @@ async def start_distributed_push(backend: PyTorchTrainingBackend, engines: Seque
             return trio.from_thread.run(wait, trio_token=token)
 
         group.start_push()
+        device = "cuda" if group.backend == "nccl" else "cpu"  # where the backend sends from
         future = backend.broadcast_weights(group.send, plan, out, export=bool(left_out),
-                                           confirm=confirm)  # fmt: skip
+                                           confirm=confirm, device=device)  # fmt: skip
 
     async def finish() -> None:
         t0 = time.perf_counter()

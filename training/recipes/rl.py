@@ -216,6 +216,7 @@ async def _refit_group(engines: EnginesConfig) -> AsyncIterator[RefitGroup | Non
         yield None
         return
     group = RefitGroup(master_address=engines.weight_master_address,
+                       backend=engines.weight_group_backend,
                        timeout_s=engines.weight_group_timeout_s,
                        bucket_mb=engines.weight_bucket_mb)  # fmt: skip
     try:
