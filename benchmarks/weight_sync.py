@@ -202,6 +202,13 @@ def main() -> int:
             "until they are gone), the rest (HTTP of the update call, scheduling) "
             f"{(med['ours_1'] - med['export'] - server - med['control']) * 1000:.0f} ms."
         )  # fmt: skip
+    notes.append(
+        "- Reading distributed vs disk: on one CPU machine the disk path goes through the page "
+        "cache (safetensors written, then read back by each engine), while a broadcast moves "
+        "every byte through loopback TCP (gloo sends to each engine in turn) plus a flatten copy "
+        "on each side; so disk stays the default wherever a filesystem is shared. Distributed is "
+        "for engines on other hosts (no shared filesystem) and NCCL between GPUs."
+    )
     table = harness.md_table(["model", "path", "ms (median)", "vs raw (per repeat, median)",
                               f"runs (ms, {args.repeats} repeats)"], rows)  # fmt: skip
     harness.publish("weight_sync", "Weight sync vs save + load by hand", "Weight sync",
