@@ -9,7 +9,8 @@ engines that should be in it change (one died, one came back); a restarted train
 one (the engines leave a group of the same name first).
 
 One update (per engine, all at once, the engines already paused): flush the prefix cache
-(unless "in_place": see weight_sync.py) → `/begin_weight_update` → for each bucket
+(unless "in_place": see weight_sync.py) → `/begin_weight_update` (SGLang 0.5.23; a server
+without the route, 404, updates without the session, as before 0.5.23) → for each bucket
 `/update_weights_from_distributed` (names, dtypes, shapes; `flattened_bucket`) while the
 trainer broadcasts that bucket's bytes → the last bucket carries `weight_version` →
 `/end_weight_update` → `/model_info` must report the version. The engines are left paused:
@@ -212,12 +213,12 @@ async def receive_on_engines(group: RefitGroup, engines: Sequence[Any], plan: Se
     http_s = group.timeout_s + _HTTP_MARGIN_S
 
     async def receive(engine: Any) -> None:
-        began = False
+        began = session = False
         try:
             if pause_mode != "in_place":
                 await _flush(engine, flush_retries, flush_retry_s)
-            await engine.begin_weight_update()
-            began = True
+            began = await _begin(engine)
+            session = began
             for i, bucket in enumerate(plan):
                 if not await group.wait_sent(i):
                     raise EngineError(f"the trainer's broadcast failed before bucket {i}; "
@@ -227,7 +228,8 @@ async def receive_on_engines(group: RefitGroup, engines: Sequence[Any], plan: Se
                     bucket.names, bucket.dtypes, bucket.shapes, group.name,
                     weight_version=weight_version if last else None, timeout_s=http_s)  # fmt: skip
             began = False
-            await engine.end_weight_update()
+            if session:
+                await engine.end_weight_update()
             info = await engine.model_info()
             if info.weight_version != weight_version:
                 failures.setdefault(engine.url, []).append(
@@ -264,6 +266,18 @@ async def resume_updated(engines: Sequence[Any], weight_version: str, path: str 
             nursery.start_soon(_resume_noting, engine, True, resume_timeout_s, down, failures)
     await _raise_failures(f"resuming the engines after the broadcast of {weight_version!r}",
                           len(engines), down, failures)  # fmt: skip
+
+
+async def _begin(engine: Any) -> bool:
+    """`/begin_weight_update`; False on a 404: SGLang before 0.5.23 has no session routes
+    (and updates without one)."""
+    try:
+        await engine.begin_weight_update()
+    except EngineError as exc:
+        if exc.status != 404:
+            raise
+        return False
+    return True
 
 
 async def _answers(engine: Any) -> bool:

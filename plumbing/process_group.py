@@ -25,17 +25,20 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
                               timeout_s: float) -> Any:  # fmt: skip
     """Join (rank 0: host) the group `group_name`; blocks until all `world_size` ranks joined,
     at most `timeout_s` (then raises, naming the store)."""
+    from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
         _new_process_group_helper,
         _world,
-        rendezvous,
     )
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    # The store `rendezvous("tcp://...")` builds, made directly: under torchrun that helper
+    # makes every rank a client of torchelastic's agent store (TORCHELASTIC_USE_AGENT_STORE), so
+    # a trainer's rank 0 would wait for a store nobody hosts at `master_port`.
+    store = TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                     timeout=timeout, multi_tenant=True)  # fmt: skip
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,

@@ -179,3 +179,29 @@ async def test_engine_killed_mid_broadcast_run_goes_on_and_it_rejoins_with_curre
                         await assert_serves_trainer_weights(engine, backend, version)
                 await group.close()
                 nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp2_run_pushes_by_broadcast_bucket_by_bucket_and_writes_no_weights(
+    tiny_model_dir, tmp_path
+):
+    # 2 ranks: each bucket is gathered whole (full_tensor) on both ranks and sent by rank 0;
+    # the group's store is hosted by rank 0 itself, not torchelastic's agent store.
+    import json
+
+    from distributed_launch import launch
+
+    out = tmp_path / "rl"
+    proc = launch("examples/run_rl.py", "--config", "configs/rl_tiny.yaml", "--model",
+                  str(tiny_model_dir), "--output-dir", str(out), "--max-steps", "2",
+                  "rollout.batch_size=2", "rollout.n_samples_per_prompt=2",
+                  "rollout.filter_groups=none", "train.eval_samples=4", "train.eval_every=1000",
+                  "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
+                  f"data.task_dir={tmp_path / 'data'}", "engines.weight_transport=distributed",
+                  "engines.weight_bucket_mb=1", world=2, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_version"] for r in rows] == [1, 2]
+    assert not (out / "weights").exists()
+    loads = (out / "engine_0.log").read_text().count("updated weights from a broadcast")
+    assert loads >= 2 * 2  # several buckets a push (1 MiB each, a 12 MiB model)
