@@ -56,3 +56,6 @@ def test_distributed_weight_transport_with_lora_is_refused_saying_adapters_use_d
     with pytest.raises(ConfigError, match=r"LoRA adapters are pushed through disk"):
         load_config(RLRunConfig, None, ["engines.weight_transport=distributed",
                                         "model.lora.rank=8"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"broadcast speaks SGLang's refit routes"):
+        load_config(RLRunConfig, None, ["engines.weight_transport=distributed",
+                                        "engines.kind=vllm", "engines.urls=[http://h:8000]"])  # fmt: skip

@@ -277,6 +277,8 @@ class RLRunConfig(Strict):
              "wait or keep (use abort, or in_place for keep)"),
             (self.model.lora is not None, "model.lora: LoRA adapters are not hot-loaded into "
              "vLLM by this project"),
+            (ec.weight_transport == "distributed", "engines.weight_transport=distributed: the "
+             "broadcast speaks SGLang's refit routes (vLLM loads weights from disk here)"),
         ]  # fmt: skip
         reasons = [why for bad, why in refused if bad]
         if reasons:
