@@ -3,7 +3,7 @@
 Layers: `types` (records, `InferenceEngine`, errors) → `http` (timeouts, retries) →
 `client.SGLangEngine` (the protocol; its control routes in `client_control`) →
 `pool.EnginePool` (routing, failover; which engines serve, and rejoin, in
-`pool_membership`) and `weight_sync` (fan-out refit) →
+`pool_membership`) and `weight_sync` (fan-out refit from disk; `refit` by broadcast) →
 `router.RouterEngine` (sgl-model-gateway); `vllm.VLLMEngine` the same protocol over a vLLM
 server (its params translated in `vllm_params`); `lora` holds the LoRA adapter calls, the
 `active_lora` default of generation and the server flags (`LoraLaunch`), and
@@ -28,6 +28,7 @@ from .pool import EnginePool as EnginePool
 from .pool import EngineStats as EngineStats
 from .pool import PoolStatistics as PoolStatistics
 from .pool import StaleWeightsError as StaleWeightsError
+from .refit import RefitGroup as RefitGroup
 from .router import RouterEngine as RouterEngine
 from .supervisor import Supervision as Supervision
 from .supervisor import supervise_engine as supervise_engine

@@ -41,6 +41,7 @@ import trio
 from plumbing.errors import EngineError
 
 from .client_control import ControlRoutesMixin
+from .client_refit import RefitRoutesMixin
 from .http import DEFAULT_TIMEOUTS, EngineHTTP, EngineTimeouts, decode_json
 from .lora import ACTIVE, LoraClientMixin, resolve_lora_path
 from .types import (
@@ -53,7 +54,7 @@ from .types import (
 )
 
 
-class SGLangEngine(ControlRoutesMixin, LoraClientMixin):
+class SGLangEngine(ControlRoutesMixin, RefitRoutesMixin, LoraClientMixin):
     """An SGLang (or local engine) server at `url`. See the module docstring for guarantees."""
 
     def __init__(

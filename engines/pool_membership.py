@@ -13,7 +13,8 @@ Contract (the membership half of `EnginePool`'s):
   died, or restarted on its initial weights); a down one that answers again is first given
   the current weights by a full sync (pause → flush → update → version check → continue), and
   the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
-  marked up. Engines this client has paused (a weight sync in progress) are never
+  marked up; if the last push went by broadcast (`expected_weights` without a path) it stays
+  down until a push writes a copy for it (engines/refit.py). Engines this client has paused (a weight sync in progress) are never
   marked down by a probe. A down engine's `known_down` is set: weight syncs skip it without
   trying (its retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
@@ -169,10 +170,15 @@ class PoolMembershipMixin:
             return
         slot.rejoining = True
         engine = slot.engine
+        expected = getattr(engine, "expected_weights", None)
+        lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
+        if expected is not None and expected[0] is None and lora is None:
+            # the last push went by broadcast (engines/refit.py): no copy on disk to give it;
+            # it stays down, and the next push writes one for it (an engine out of the group)
+            slot.rejoining = False
+            return
         _set_known_down(engine, False)  # it answers: the sync below must not skip it
         try:
-            expected = getattr(engine, "expected_weights", None)
-            lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
             with trio.fail_after(self.rejoin_timeout_s):
                 if expected is not None and expected[0] is not None:
                     await sync_weights_to_engines([engine], expected[0], expected[1])

@@ -33,7 +33,8 @@ from_disk(dir, version, flush_cache=False)` → read `/model_info` and check it 
 a caller can pause first (requests sent after that wait in the engine and run on the new
 weights) and let the rest finish in the background (`training.loops.rl` does).
 
-Not covered: rollback of the engines that succeeded; NCCL/tensor-based refit.
+Not covered: rollback of the engines that succeeded. Weights by broadcast instead of from disk
+(SGLang's distributed refit): engines/refit.py.
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
         try:
             await engine.flush_cache()
             return
+        except EngineUnavailableError:
+            raise  # gone (it died since the pause): skipped as down, like an unreachable one
         except EngineError as exc:
             if exc.status != 400 or attempt == retries:
                 raise EngineError(

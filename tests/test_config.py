@@ -46,3 +46,16 @@ def test_config_is_frozen():
     config = load_config(SFTRunConfig)
     with pytest.raises(Exception, match="frozen"):
         config.output_dir = "x"  # type: ignore[misc]
+
+
+def test_distributed_weight_transport_with_lora_is_refused_saying_adapters_use_disk():
+    from training.rl_config import RLRunConfig
+
+    config = load_config(RLRunConfig, None, ["engines.weight_transport=distributed"])
+    assert config.engines.weight_transport == "distributed"
+    with pytest.raises(ConfigError, match=r"LoRA adapters are pushed through disk"):
+        load_config(RLRunConfig, None, ["engines.weight_transport=distributed",
+                                        "model.lora.rank=8"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"broadcast speaks SGLang's refit routes"):
+        load_config(RLRunConfig, None, ["engines.weight_transport=distributed",
+                                        "engines.kind=vllm", "engines.urls=[http://h:8000]"])  # fmt: skip

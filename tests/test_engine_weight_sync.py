@@ -128,3 +128,17 @@ async def test_a_sync_cancelled_while_its_engine_goes_down_raises_cancelled_not_
             await sync_weights_to_engines([GoesDownWithTheCancel()], tiny_model_dir, "v1")
     assert scope.cancelled_caught
     await engine.resume()
+
+
+async def test_an_engine_that_died_after_the_pause_is_skipped_as_down_not_failed(
+    local_engine, tiny_model_dir
+):
+    # Paused, then gone before the flush (a process killed mid-push): like an engine found
+    # dead at the pause, it is skipped and logged, and the live one takes the weights.
+    _, engine = local_engine
+    async with SGLangEngine(f"http://127.0.0.1:{find_free_port()}", max_retries=0) as gone:
+        await engine.pause("abort")
+        gone.paused = True
+        await sync_weights_to_engines([engine, gone], tiny_model_dir, "v1", paused=True)
+    assert (await engine.model_info()).weight_version == "v1"
+    assert gone.expected_weights == (str(tiny_model_dir), "v1")  # given when it comes back

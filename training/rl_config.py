@@ -75,6 +75,32 @@ class EnginesConfig(Strict):
         ),
     )
     max_relaunches: int = Field(3, ge=0, description="local engines relaunched when they die")
+    weight_transport: Literal["disk", "distributed"] = Field(
+        "disk",
+        description=(
+            "how full weights reach the engines at each push: disk (HF export under the run's "
+            "weights/, /update_weights_from_disk; trainer and engines share a filesystem) or "
+            "distributed (SGLang's refit: a process group between trainer rank 0 and every "
+            "engine, the weights broadcast in buckets, nothing written unless an engine is out "
+            "of the group; docs/engines.md). LoRA adapters always go through disk"
+        ),
+    )
+    weight_bucket_mb: float = Field(
+        512.0, gt=0, description="distributed: MiB per broadcast (one gathered bucket at a time)"
+    )
+    weight_master_address: str = Field(
+        "127.0.0.1",
+        description="distributed: the trainer's address as the engines reach it (the group's "
+        "TCP store listens there on a free port)",
+    )
+    weight_group_backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="distributed: gloo (CPU tensors) or nccl (the trainer sends from CUDA)"
+    )
+    weight_group_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="distributed: deadline of the group's rendezvous and each broadcast",
+    )
 
 
 class RewardConfig(Strict):
@@ -211,6 +237,23 @@ class RLRunConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
+    def _distributed_weights_are_full_weights(self) -> RLRunConfig:
+        if self.engines.weight_transport != "distributed":
+            return self
+        if self.model.lora is not None:
+            raise ValueError(
+                "engines.weight_transport=distributed with model.lora: LoRA adapters are pushed "
+                "through disk (/load_lora_adapter, a few MB); set engines.weight_transport=disk "
+                "(the trainer and the engines must share a filesystem)"
+            )
+        if self.engines.router_url is not None and self.engines.control_plane != "direct":
+            raise ValueError(
+                "engines.weight_transport=distributed with a router needs "
+                "engines.control_plane=direct: each worker joins the trainer's group itself"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _mini_batches_fit_the_batch(self) -> RLRunConfig:
         if self.train.mini_batches > self.rollout.batch_size:
             raise ValueError(
@@ -234,6 +277,8 @@ class RLRunConfig(Strict):
              "wait or keep (use abort, or in_place for keep)"),
             (self.model.lora is not None, "model.lora: LoRA adapters are not hot-loaded into "
              "vLLM by this project"),
+            (ec.weight_transport == "distributed", "engines.weight_transport=distributed: the "
+             "broadcast speaks SGLang's refit routes (vLLM loads weights from disk here)"),
         ]  # fmt: skip
         reasons = [why for bad, why in refused if bad]
         if reasons:

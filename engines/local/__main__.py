@@ -116,6 +116,13 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
         help="/update_weights_from_disk loads only directories under this one "
         "(default: any directory the server can read)",
     )
+    bounds.add_argument(
+        "--weight-group-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a weight-update group's rendezvous or broadcast may take "
+        "(/init_weights_update_group, /update_weights_from_distributed)",
+    )
     return parser
 
 
@@ -158,6 +165,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local"
         keep_alive_timeout_s=args.keep_alive_timeout,
         read_timeout_s=args.read_timeout,
         weights_root=args.weights_root,
+        weight_group_timeout_s=args.weight_group_timeout,
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=(

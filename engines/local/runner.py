@@ -48,7 +48,7 @@ from transformers.cache_utils import DynamicLayer
 from .prefix_cache import PrefixCache, cache_prompts, max_prefix_len, prefill_layout
 from .sampling import Sampled, sample, scaled_logprobs, top_logprobs
 from .sequence import Prefilled, Sequence, StepOutput, TopLogprobs
-from .weights_io import WeightLoadError, read_checked
+from .weights_io import WeightLoadError, check_tensors, read_checkpoint
 
 __all__ = ["ModelRunner", "WeightLoadError"]
 
@@ -381,9 +381,15 @@ class ModelRunner:
     @torch.inference_mode()
     def load_weights(self, path: str) -> None:
         """Replace the weights in place from an HF directory (safetensors or .bin)."""
+        self.load_tensors(read_checkpoint(path), complete=True)
+
+    @torch.inference_mode()
+    def load_tensors(self, tensors: dict[str, torch.Tensor], *, complete: bool = False) -> None:
+        """Copy `tensors` into the model, all checked first; `complete`: every weight must be
+        there (a checkpoint, not one bucket of a broadcast)."""
         # with LoRA: the base tensors only; loaded adapters stay and apply to the new base
         state = self.lora.base_state() if self.lora is not None else self.model.state_dict()
-        tensors = read_checked(path, state)
+        check_tensors(tensors, state, complete=complete)
         for name, tensor in tensors.items():
             state[name].copy_(tensor.to(device=self.device, dtype=state[name].dtype))
         self._epoch += 1  # KV computed so far (rows kept "in_place") is never cached from now

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -151,24 +151,37 @@ class SchedulerControl:
         abort_all_requests: bool = False,
         flush_cache: bool = True,
     ) -> tuple[bool, str]:
+        return await self.update_weights_with(
+            lambda: self.runner.load_weights(path), weight_version, model_path=path,
+            abort_all_requests=abort_all_requests, flush_cache=flush_cache)  # fmt: skip
+
+    async def update_weights_with(self, load: Callable[[], None], weight_version: str | None, *,
+                                  model_path: str | None = None, abort_all_requests: bool = False,
+                                  flush_cache: bool = True,
+                                  done: str = "Succeeded to update model weights."
+                                  ) -> tuple[bool, str]:  # fmt: skip
+        """`load()` on the model thread under the update rules above (from disk: `model_path`
+        is the new one; a broadcast keeps it); `done` is the success message."""
         if abort_all_requests:
             self.abort(abort_all=True)
         if self.paused:
-            return await self._load(path, weight_version, flush_cache)
+            return await self._load(load, model_path, weight_version, flush_cache, done)
         async with self._update_lock.write():
-            return await self._load(path, weight_version, flush_cache)
+            return await self._load(load, model_path, weight_version, flush_cache, done)
 
-    async def _load(self, path: str, weight_version: str | None, flush_cache: bool
-                    ) -> tuple[bool, str]:  # fmt: skip
+    async def _load(self, load: Callable[[], None], path: str | None, weight_version: str | None,
+                    flush_cache: bool, done: str) -> tuple[bool, str]:  # fmt: skip
         from .runner import WeightLoadError  # torch-side module, imported lazily
 
         started = time.perf_counter()
+        source = path or "a broadcast"
         try:
-            await trio.to_thread.run_sync(self.runner.load_weights, path, limiter=self._limiter)
+            await trio.to_thread.run_sync(load, limiter=self._limiter)
         except WeightLoadError as exc:
-            logger.warning("weight update from %s failed: %s", path, exc)
+            logger.warning("weight update from %s failed: %s", source, exc)
             return False, str(exc)
-        self.model_path = path
+        if path is not None:
+            self.model_path = path
         if flush_cache and not await self.flush_cache():
             # SGLang 0.5.23: the new weights are in, but the cache flush that follows is refused
             # while requests are running (a pause "in_place") or queued outside a pause, so the
@@ -177,11 +190,11 @@ class SchedulerControl:
                 "Weights were updated, but the cache was not flushed because requests are still "
                 "running or queued. Retract or finish them, then call /flush_cache."
             )
-            logger.warning("weight update from %s: %s", path, message)
+            logger.warning("weight update from %s: %s", source, message)
             return False, message
-        message = "Succeeded to update model weights."
+        message = done
         if weight_version is not None:
             self.weight_version = weight_version
             message += f" Weight version updated to {weight_version}."
-        logger.info("updated weights from %s in %.3f s", path, time.perf_counter() - started)
+        logger.info("updated weights from %s in %.3f s", source, time.perf_counter() - started)
         return True, message

@@ -23,6 +23,7 @@ from .http11 import ConnectionLimits, serve_http
 from .lora_api import register_lora_routes
 from .native_api import register_native_routes
 from .openai_api import register_openai_routes
+from .refit_api import register_refit_routes
 from .state import EngineState, LocalEngineConfig
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def build_app(state: EngineState) -> App:
     app = App(config.api_key, config.admin_api_key, max_body_bytes=config.max_request_bytes)
     register_native_routes(app, state)
     register_lora_routes(app, state)
+    register_refit_routes(app, state)
     register_openai_routes(app, state)
     return app
 
@@ -79,6 +81,10 @@ class _ThreadedRunner:
     def load_weights(self, path: str) -> None:
         with _torch_threads(self._threads):
             self._runner.load_weights(path)
+
+    def load_tensors(self, tensors: dict[str, Any]) -> None:
+        with _torch_threads(self._threads):
+            self._runner.load_tensors(tensors)
 
     def load_lora(self, name: str, path: str) -> None:
         with _torch_threads(self._threads):

@@ -59,6 +59,10 @@ class LocalEngineConfig:
     # `/update_weights_from_disk` loads only directories under this one; None: any directory
     # (the trainer exports wherever its run lives, so that stays the default).
     weights_root: str | None = None
+    # A weight-update process group's deadline (`/init_weights_update_group`): the rendezvous
+    # and every broadcast fail after it. SGLang uses torch's default (30 min); a trainer that
+    # dies mid-broadcast closes its sockets, which ends the wait at once anyway.
+    weight_group_timeout_s: float = 300.0
     # LoRA serving, SGLang's flags (`--enable-lora`, ...; see lora_registry.py). None for rank
     # and target modules: inferred from `lora_paths` (required without them).
     enable_lora: bool | None = None

@@ -1,4 +1,5 @@
-"""Reading an HF checkpoint for a weight update, checked against the model before any copy."""
+"""Reading an HF checkpoint for a weight update; checking tensors against the model before any
+copy, so a refused update (from disk or a broadcast) leaves the old weights in place."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ class WeightLoadError(Exception):
     """A weight update was refused; `message` is SGLang's wording for the failure."""
 
 
-def read_checked(path: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors in `path`, once every name and shape matches `state` (else WeightLoadError,
-    with SGLang's messages), so a refused update leaves the old weights in place."""
-    tensors = _read_checkpoint(path)
+def check_tensors(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], *,
+                  complete: bool) -> None:  # fmt: skip
+    """Raise WeightLoadError unless every tensor names a weight of `state` with its shape and,
+    when `complete` (a whole checkpoint, not one bucket of a broadcast), every weight is there."""
     problems = []
     for name, tensor in tensors.items():
         if name not in state:
@@ -27,17 +28,16 @@ def read_checked(path: str, state: dict[str, torch.Tensor]) -> dict[str, torch.T
             )
     provided = {state[n].data_ptr() for n in tensors if n in state}
     missing = [n for n in state if n not in tensors and state[n].data_ptr() not in provided]
-    if missing:
+    if missing and complete:
         problems.append(f"missing weights {missing[:5]}")
     if problems:
         raise WeightLoadError(
             f"Failed to update weights: {'; '.join(problems[:5])}.\n"
             "Rolling back to original weights."
         )
-    return tensors
 
 
-def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     directory = Path(path)

@@ -7,6 +7,7 @@ order on every rank like the training operations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from training.backend import checkpoint as ckpt
 from training.backend import lora as lo
 from training.backend import state as st
 from training.backend.futures import BackendError, TrainFuture
+from training.backend.weight_buckets import Bucket, gathered_buckets
 
 if TYPE_CHECKING:
     from training.backend.pytorch import PyTorchTrainingBackend
@@ -143,6 +145,55 @@ class StateOps:
         return await self._submit(
             lambda: self._dispatch("export", None, {"out": out})[0][0]
         ).result()
+
+    def broadcast_weights(self, send: Callable[[list[torch.Tensor]], None], plan: list[Bucket],
+                          out: Path, *, export: bool, confirm: Callable[[], bool] = lambda: True,
+                          device: str = "cpu") -> TrainFuture[
+                              tuple[BaseException | None, Path | None]]:  # fmt: skip
+        """Queue a push of the weights by broadcast: each bucket of `plan` gathered whole (FSDP2:
+        bucket by bucket, training/backend/weight_buckets.py) and handed to `send` on rank 0.
+
+        After the first failed `send` the remaining buckets are still gathered (the other
+        ranks take part in every gather) but not sent. After the last, rank 0 asks `confirm()`
+        (did every engine take them?). Then the HF export to `out` runs when `export` (an
+        engine is out of the group and loads from disk), a send failed or `confirm` said no:
+        still in queue order, so the export holds the weights that were broadcast.
+
+        Returns (a future of):
+            (the send's failure or None, `out` if exported else None).
+        """
+        if self.lora is not None:
+            raise ValueError("broadcast_weights: LoRA adapters go through disk (export_weights)")
+
+        def run() -> tuple[BaseException | None, Path | None]:
+            # rank 0's only: functions cannot travel to the other ranks
+            self._refit_send = (send, confirm)
+            try:
+                args = {"plan": plan, "out": out, "export": export, "device": device}
+                return self._dispatch("broadcast_weights", None, args)[0][0]
+            finally:
+                self._refit_send = None
+
+        return self._submit(run)
+
+    def _local_broadcast_weights(self, plan: list[Bucket], out: Path, export: bool,
+                                 device: str) -> tuple[BaseException | None, Path | None]:  # fmt: skip
+        rank0 = self._dist is None or self._dist.rank == 0
+        send, confirm = (
+            getattr(self, "_refit_send", None) or (None, None) if rank0 else (None, None)
+        )
+        failed: BaseException | None = None
+        for tensors in gathered_buckets(self.model, plan, device):
+            if send is not None and failed is None:
+                try:
+                    send(tensors)
+                except Exception as exc:  # the engines' part: exported instead (see above)
+                    failed = exc
+        refused = confirm is not None and failed is None and not confirm()
+        _, n_failed = st.agree_counts(0, float(failed is not None or refused), self._dist)
+        if not export and n_failed == 0:
+            return failed, None
+        return failed, self._local_export(out)
 
     def _local_export(self, out: Path, checkpoint: bool = False) -> Path:
         if self.lora is not None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import trio
 
+from engines.refit import RefitGroup
 from plumbing.errors import CheckpointError, ConfigError, RolloutsError
 from plumbing.nursery import open_nursery
 from rollouts.generation import summarize_errors
@@ -65,6 +66,7 @@ async def run_rl_training(
     hooks: RLHooks = RLHooks(),
     pause_mode: str = "abort",
     resolved_config: dict[str, Any] | None = None,
+    refit: RefitGroup | None = None,
 ) -> list[dict[str, Any]]:
     """Train with RL until `config.max_steps` optimizer steps are done (or a stop hook says stop).
 
@@ -90,6 +92,8 @@ async def run_rl_training(
         pause_mode: how a weight sync pauses the engines (`engines.pause_mode` of the config:
             abort, retract or in_place).
         resolved_config: the full run config, saved with each checkpoint.
+        refit: push full weights by broadcast over this group (`engines.weight_transport:
+            distributed`, training/loops/refit_push.py) instead of through `export_dir`.
 
     Returns:
         The metrics of each step this call ran.
@@ -106,7 +110,7 @@ async def run_rl_training(
     if start > 0 and critic is not None:
         await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
-        await push_weights(backend, engines, export_root, pause_mode=pause_mode)
+        await push_weights(backend, engines, export_root, pause_mode=pause_mode, refit=refit)
     history: list[dict[str, Any]] = []
     previous = resumed_metrics(backend.checkpoint_dir) if start > 0 else {}  # holds the EMAs
     empty_total = 0
@@ -159,7 +163,7 @@ async def run_rl_training(
                     metrics["time_wait_generation_s"] = time.perf_counter() - t_trained
                 t_push = time.perf_counter()
                 pending = await start_push(backend, engines, export_root, pushes,
-                                           pause_mode=pause_mode)  # fmt: skip
+                                           pause_mode=pause_mode, refit=refit)  # fmt: skip
                 sync_s = time.perf_counter() - t_push
             metrics |= {
                 "empty_batches_skipped": skipped,

@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from engines.refit import RefitGroup
 from engines.weight_sync import (
     lora_version_name,
     pause_engines,
@@ -24,10 +25,12 @@ from engines.weight_sync import (
 )
 from plumbing.nursery import open_nursery
 from training.backend.pytorch import PyTorchTrainingBackend
+from training.loops.refit_push import start_distributed_push
 
 
 async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
-                       *, pause_mode: str = "abort", keep: int = 2) -> float:  # fmt: skip
+                       *, pause_mode: str = "abort", keep: int = 2,
+                       refit: RefitGroup | None = None) -> float:  # fmt: skip
     """Export the current weights (HF layout) and load them into every engine; with LoRA
     (`backend.lora`) export only the adapter and load it as `<name>-v<version>` (see
     `start_push`).
@@ -37,7 +40,8 @@ async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], 
     """
     t0 = time.perf_counter()
     async with open_nursery() as nursery:  # `start_push`, waiting for its background part
-        await start_push(backend, engines, export_root, nursery, pause_mode=pause_mode, keep=keep)
+        await start_push(backend, engines, export_root, nursery, pause_mode=pause_mode, keep=keep,
+                         refit=refit)  # fmt: skip
     return time.perf_counter() - t0
 
 
@@ -50,8 +54,8 @@ class PendingPush:
 
 
 async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
-                     nursery: trio.Nursery, *, pause_mode: str = "abort",
-                     keep: int = 2) -> PendingPush:  # fmt: skip
+                     nursery: trio.Nursery, *, pause_mode: str = "abort", keep: int = 2,
+                     refit: RefitGroup | None = None) -> PendingPush:  # fmt: skip
     """`push_weights` with the engines' part in `nursery`: returns once every engine is paused.
 
     From then on any request sent to the engines (the next batch, an evaluation) waits in them
@@ -64,7 +68,16 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     `/load_lora_adapter` as `<lora.name>-v<version>`, makes it the adapter its generation
     requests name, and unloads the versions beyond the newest `lora.keep`; the weight version
     label moves as for full weights, so staleness accounting is the same.
+
+    With `refit` (`engines.weight_transport: distributed`) full weights are broadcast to the
+    engines over that group instead (training/loops/refit_push.py): nothing is written unless
+    an engine needs a disk copy. LoRA adapters still travel through disk.
     """
+    if refit is not None and backend.lora is None:
+        pending = PendingPush()
+        await start_distributed_push(backend, engines, export_root, nursery, refit,
+                                     pause_mode=pause_mode, done=pending)  # fmt: skip
+        return pending
     version = backend.weight_version
     path = await backend.export_weights(export_root / f"v{version:06d}")
     lora = backend.lora

@@ -14,7 +14,7 @@ import importlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from engines.client import probe_engines
+from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
@@ -60,7 +61,7 @@ from training.rl.objective import RLObjective
 from training.rl.preference_loss import PairSelector, best_vs_worst
 from training.rl.reference import ReferenceUpdateFn, check_lora_reference_rule, frozen
 from training.rl.rollout_dump import RolloutDumpWriter
-from training.rl_config import AlgorithmSection, RLRunConfig
+from training.rl_config import AlgorithmSection, EnginesConfig, RLRunConfig
 
 log = logging.getLogger("rollouts.rl_recipe")
 
@@ -207,6 +208,24 @@ async def check_rl_inputs(config: RLRunConfig) -> None:
         await probe_engines([ec.router_url], api_key=ec.api_key, flag="--router-url")
 
 
+@contextlib.asynccontextmanager
+async def _refit_group(engines: EnginesConfig) -> AsyncIterator[RefitGroup | None]:
+    """The weight-update group of `engines.weight_transport: distributed` (None: disk), left
+    by every engine when the run ends."""
+    if engines.weight_transport != "distributed":
+        yield None
+        return
+    group = RefitGroup(master_address=engines.weight_master_address,
+                       backend=engines.weight_group_backend,
+                       timeout_s=engines.weight_group_timeout_s,
+                       bucket_mb=engines.weight_bucket_mb)  # fmt: skip
+    try:
+        yield group
+    finally:
+        with trio.CancelScope(shield=True):
+            await group.close()
+
+
 def _closing(resource: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if resource is None else contextlib.closing(resource)
 
@@ -327,11 +346,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             _closing(dump):  # fmt: skip
         for logger in loggers:
             closing.callback(logger.close)
-        async with open_engines(config, model_path, out) as (engine, clients):
+        async with open_engines(config, model_path, out) as (engine, clients), \
+                _refit_group(config.engines) as refit:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
-                await push_weights(
-                    backend, clients, out / "weights", pause_mode=config.engines.pause_mode
-                )
+                await push_weights(backend, clients, out / "weights",
+                                   pause_mode=config.engines.pause_mode, refit=refit)  # fmt: skip
 
             async def evaluate() -> dict[str, float]:
                 return await evaluate_greedy(engine, held_out, reward_fn,
@@ -357,7 +376,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     objective=rl_objective(config, schedule, reference, critic, extensions),
                     export_dir=out / "weights", hooks=hooks,
                     pause_mode=config.engines.pause_mode,
-                    resolved_config=config.model_dump(mode="json"),
+                    resolved_config=config.model_dump(mode="json"), refit=refit,
                 )  # fmt: skip
     last = history[-1] if history else {}
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)
