@@ -94,6 +94,9 @@ async def test_proxy_and_builtin_multiturn_give_identical_tokens_masks_and_logpr
         assert agent.loss_mask == builtin.loss_mask
         assert agent.rollout_logprobs == builtin.rollout_logprobs
         assert agent.reward == builtin.reward
+        assert [(c.name, c.output) for c in agent.tool_calls] == [
+            (c.name, c.output) for c in builtin.tool_calls
+        ]
         assert sum(1 for i, m in enumerate(builtin.loss_mask) if m and
                    (i == 0 or not builtin.loss_mask[i - 1])) == len(script) + 1  # fmt: skip
 

@@ -93,7 +93,7 @@ def branch_sample(session: AgentSession, branch: Branch, prompt: PromptItem, *,
         metadata={**prompt.metadata, "agent_branches": len(session.trajectory.branches),
                   "agent_calls": session.n_calls,
                   "agent_weight_spans": [list(s) for s in branch.spans]},
-        finish_reason=branch.finish,
+        tool_calls=tuple(branch.tool_calls), finish_reason=branch.finish,
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from rollouts.agent.openai_shapes import canonical
 from rollouts.chat_turns import ChatTurns
 from rollouts.prompts import encode_prompt
+from rollouts.types import ToolCallRecord
 
 Span = tuple[int, int, int]  # [start, end) in the response, weight version
 
@@ -45,13 +46,16 @@ class Branch:
     last_output: tuple[int, ...] = ()
     finish: str | None = None
     n_calls: int = 0
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    pending_calls: list[Mapping[str, Any]] = field(default_factory=list)  # last answer's calls
 
     def fork(self, n_ids: int, n_history: int) -> Branch:
         """A new branch with this one's first `n_ids` response ids and `n_history` messages."""
         return Branch(self.prompt_ids, self.tools_key, self.history[:n_history],
                       self.ids[:n_ids], self.mask[:n_ids], self.logprobs[:n_ids],
                       self.has_logprobs, [s for s in self.spans if s[1] <= n_ids],
-                      self.last_output, self.finish, self.n_calls)  # fmt: skip
+                      self.last_output, self.finish, self.n_calls,
+                      self.tool_calls[:], self.pending_calls[:])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class SessionTrajectory:
                 branch = branch.fork(plan.base_ids, plan.base_history)
                 self.branches.append(branch)
                 index = len(self.branches) - 1
+            branch.tool_calls += _tool_records(branch.pending_calls, messages[plan.base_history :])
             branch.ids += plan.appended
             branch.mask += [0] * len(plan.appended)
             branch.logprobs += [0.0] * len(plan.appended)
@@ -136,5 +141,27 @@ class SessionTrajectory:
         branch.spans += [(start + a, start + b, v) for a, b, v in versions]
         branch.history = [canonical(m) for m in messages] + [canonical(answer)]
         branch.last_output, branch.finish = tuple(output_ids), finish
+        branch.pending_calls = list(answer.get("tool_calls") or ())
         branch.n_calls += 1
         return index
+
+
+def _tool_records(calls: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]
+                  ) -> list[ToolCallRecord]:  # fmt: skip
+    """The agent's tool results for the proxy's last tool calls, as records for tool metrics.
+
+    A result is matched by `tool_call_id`, else by order; `success` is read from the text (a
+    result starting with "Error" failed, as `rollouts.tools` writes failures): the proxy does
+    not run the tools, so this is the agent's word.
+    """
+    results = [m for m in new if m.get("role") == "tool"]
+    by_id = {m.get("tool_call_id"): m for m in results if m.get("tool_call_id")}
+    out = []
+    for j, call in enumerate(calls):
+        result = by_id.get(call.get("id")) or (results[j] if j < len(results) else None)
+        if result is None:
+            continue
+        text = result.get("content") or ""
+        out.append(ToolCallRecord(call["function"]["name"], call["function"]["arguments"], text,
+                                  success=not text.lstrip().startswith("Error")))  # fmt: skip
+    return out
