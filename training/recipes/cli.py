@@ -98,15 +98,17 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
 
 def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
             description: str = "RL (GRPO family) against local or live inference engines.",
-            default_config: str | None = None) -> int:  # fmt: skip
+            default_config: str | None = None, extensions: Any = None) -> int:  # fmt: skip
     """`rollouts rl` / `examples/run_rl.py`: parse flags, run the RL recipe, print the summary.
+
+    `extensions`: an `RLExtensions` for the recipe (e.g. the agent of `examples/agent_rl.py`).
 
     Returns the exit code: 0, 2 after printing the errors, 130 after an interrupt.
     """
     import json
 
     from training.recipes.plot import print_curve, write_reward_png
-    from training.recipes.rl import run_rl_recipe
+    from training.recipes.rl import RLExtensions, run_rl_recipe
     from training.rl_config import RLRunConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -128,7 +130,8 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     config = load_or_exit(RLRunConfig, args.config, overrides_from_args(args, engine_flags))
     if config is None:
         return EXIT_ERROR
-    code, summary = run_command(argv, config, lambda p: run_rl_recipe(config, on_step=p),
+    code, summary = run_command(argv, config, lambda p: run_rl_recipe(
+        config, on_step=p, extensions=extensions or RLExtensions()),
                                 overwrite=args.overwrite, prog=prog)  # fmt: skip
     if summary is None:
         return code
