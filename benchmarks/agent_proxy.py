@@ -193,7 +193,8 @@ def main() -> None:
     parser.add_argument("--model", default="runs/tool_sft_tiny/checkpoints/step_000800")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    harness.apply_quick(args, parser, sessions=8, turns=2, repeats=1, rl_steps=0)
+    if args.quick:
+        harness.apply_quick(args, parser, sessions=8, turns=2, repeats=1, rl_steps=0)
     started = time.time()
     model_dir = ensure_tiny_model(harness.REPO / "runs" / "tiny_model")
     parts, notes = [], []

@@ -115,6 +115,7 @@ async def test_history_rewrite_starts_a_branch_and_extension_never_retokenizes(
         other = proxy.open_session(ctx, 1)
         async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
                                       max_retries=0) as client:  # fmt: skip
+            assert [m.id async for m in client.models.list()] == ["policy"]
             first = await client.chat.completions.create(model="m", messages=[user])
             said = first.choices[0].message.content
             follow = [user, {"role": "assistant", "content": said},

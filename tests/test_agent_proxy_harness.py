@@ -88,3 +88,44 @@ async def test_failed_sessions_are_counted_and_retried_not_fatal(local_engine, t
     assert result.metrics()["samples_failed"] == 1.0
     ((error, count),) = result.sample_errors.items()
     assert "ConnectionError: agent lost its network" in error and count == 1
+
+
+async def test_the_proxy_is_gone_when_its_group_is_done(local_engine, tiny_tokenizer):
+    """A harness that leaves something behind cannot reach its session after the group."""
+    import httpx
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    seen = []
+
+    async def agent(client, task):
+        seen.append(str(client.base_url))
+        return await calculator_agent(client, task)
+
+    fn = agent_generate(python_harness(agent), tokenizer=tok)
+    (sample,) = await fn(prompt_for(tok, 5, 6), 1, greedy_ctx(engine, tok, "gone"))
+    assert sample.status == "completed"
+    async with httpx.AsyncClient() as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get(seen[0] + "models")
+
+
+def test_agent_config_fails_loudly_on_unknown_keys_and_a_missing_agent():
+    from plumbing.errors import ConfigError
+    from training.recipes.rl import resolve_callable
+    from training.recipes.rl_env import build_episode_setup
+    from training.rl_config import RLRunConfig
+
+    with pytest.raises(ValueError, match="timeout"):
+        RLRunConfig.model_validate({"env": {"kind": "agent"}, "agent": {"timeout": 5}})
+    with pytest.raises(ValueError, match="command or fn, not both"):
+        RLRunConfig.model_validate({"agent": {"command": ["a"], "fn": "m:f"}})
+    config = RLRunConfig.model_validate({"env": {"kind": "agent"}})
+    with pytest.raises(ConfigError, match="set agent.command or agent.fn"):
+        build_episode_setup(config.env, config.reward, resolve=resolve_callable,
+                            agent_section=config.agent)  # fmt: skip
+    config = RLRunConfig.model_validate({"env": {"kind": "agent"},
+                                         "agent": {"command": ["./agent"], "timeout_s": 9}})  # fmt: skip
+    setup = build_episode_setup(config.env, config.reward, resolve=resolve_callable,
+                                agent_section=config.agent)  # fmt: skip
+    assert setup.reward_fn is env_reward

@@ -30,7 +30,7 @@ import re
 import secrets
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -94,7 +94,6 @@ class AgentSession:
     truncated: bool = False
     closed: bool = False
     last_branch: int | None = None  # the branch the latest call went to
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error",
