@@ -16,9 +16,6 @@ import operator
 import re
 import sys
 
-from training.recipes.cli import rl_main
-from training.recipes.rl import RLExtensions
-
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.USub: operator.neg}  # fmt: skip
 
@@ -59,6 +56,9 @@ async def calculator_agent(client, task) -> float:
     return 0.0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the trainer is imported here: calculator_agent_cli.py needs none
+    from training.recipes.cli import rl_main
+    from training.recipes.rl import RLExtensions
+
     sys.exit(rl_main(description=__doc__.splitlines()[0], default_config="configs/agent_tiny.yaml",
                      extensions=RLExtensions(agent=calculator_agent)))  # fmt: skip
