@@ -204,3 +204,33 @@ async def test_broken_harnesses_fail_their_sample_with_the_cause_and_the_group_g
     assert all(by_kind[k].status == "failed" for k in kinds[:-1])
     assert by_kind["good"].status == "completed" and by_kind["good"].error is None
     assert env_reward(by_kind["good"])["total"] in (0.0, 1.0)
+
+
+def test_two_calls_extending_one_branch_at_once_fork_it_with_the_shared_prefix(tiny_tokenizer):
+    """An agent fanning out (two calls from the same history, in flight together) gets two
+    branches, both starting with the same exact tokens; nothing is written into the other."""
+    from rollouts.agent.trajectory import SessionTrajectory
+
+    tok = tiny_tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    trajectory = SessionTrajectory(ChatTurns.from_tokenizer(tok))
+    user = {"role": "user", "content": "2*3"}
+    first = trajectory.plan([user], None)
+    answer = {"role": "assistant", "content": "hm"}
+    sampled = [*tok.encode("hm", add_special_tokens=False), eos]
+    trajectory.record(first, [user], answer, sampled, [-0.5] * len(sampled), [(0, len(sampled), 7)],
+                      "stop", None)  # fmt: skip
+    asks = [[user, answer, {"role": "user", "content": q}] for q in ("a?", "b?")]
+    plans = [trajectory.plan(m, None) for m in asks]  # both planned before either is recorded
+    for plan, messages in zip(plans, asks, strict=True):
+        assert plan.branch == 0
+        trajectory.record(plan, messages, {"role": "assistant", "content": "x"}, [eos], [-1.0],
+                          [(0, 1, 8)], "stop", None)  # fmt: skip
+    a, b = trajectory.branches
+    shared = len(first.input_ids) + len(sampled)
+    assert [*a.prompt_ids, *a.ids][:shared] == [*b.prompt_ids, *b.ids][:shared]
+    assert a.ids[: len(sampled)] == sampled and a.mask[: len(sampled)] == [1] * len(sampled)
+    for branch, q in zip((a, b), ("a?", "b?"), strict=True):
+        text = tok.decode(branch.ids)
+        assert q in text and ("b?" if q == "a?" else "a?") not in text
+        assert branch.spans == [(0, len(sampled), 7), (len(branch.ids) - 1, len(branch.ids), 8)]
