@@ -36,6 +36,7 @@ SECTIONS = (
     "grpo_learning",
     "grpo_update",
     "rollout_throughput",
+    "agent_proxy",
     "engine_throughput",
     "prefix_cache",
     "prefix_cache_small",

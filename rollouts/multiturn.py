@@ -108,7 +108,10 @@ def _turn_params(params: Mapping[str, Any], budget: int | None, used: int) -> di
     return out
 
 
-async def _generate(ctx: GenerateContext, ids: Sequence[int], params: Mapping[str, Any], rid: str):
+async def generate_turn(ctx: GenerateContext, ids: Sequence[int], params: Mapping[str, Any],
+                        rid: str):  # fmt: skip
+    """One model turn at `ctx.engine`, holding a `ctx.limiter` token and listed in
+    `ctx.in_flight` under `rid` (so surplus aborts reach it). Also the agent proxy's call."""
     async with ctx.limiter:
         ctx.in_flight.add(rid)
         try:
@@ -151,7 +154,7 @@ async def run_episode(
         if params is None:
             break
         rid = request_rid(ctx.rid_prefix, index, f"t{turn}")
-        result = await _generate(ctx, prompt_ids + tuple(response.ids), params, rid)
+        result = await generate_turn(ctx, prompt_ids + tuple(response.ids), params, rid)
         finish = result.finish_reason.type
         versions.append(oldest_version(result))
         response.add_sampled(result.output_ids, result.output_logprobs)

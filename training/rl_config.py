@@ -111,9 +111,10 @@ class RewardConfig(Strict):
 
 
 class EnvSection(Strict):
-    """How an episode runs: one assistant turn, or multi-turn with tools (rollouts.multiturn)."""
+    """How an episode runs: one assistant turn, multi-turn with tools (rollouts.multiturn), or
+    an agent written for the OpenAI API behind the agent proxy (`agent`; see AgentSection)."""
 
-    kind: Literal["single_turn", "tools"] = "single_turn"
+    kind: Literal["single_turn", "tools", "agent"] = "single_turn"
     tools: list[Literal["calculator", "python"]] = ["calculator"]
     parser: Literal["hermes", "xml"] = "hermes"
     grader: str = Field(
@@ -125,6 +126,30 @@ class EnvSection(Strict):
     max_turns: int = Field(4, ge=1)
     max_response_tokens: int | None = Field(128, ge=1, description="all turns together")
     tool_timeout_s: float = Field(10.0, gt=0)
+
+
+class AgentSection(Strict):
+    """The agent of `env.kind: agent` (rollouts.agent; docs/agents.md). `env.parser` reads its
+    tool calls, `env.max_response_tokens` bounds each session; a program may pass the agent
+    itself instead (`RLExtensions(agent=...)`)."""
+
+    command: list[str] | None = Field(
+        None, description="argv of a subprocess agent: OPENAI_BASE_URL/OPENAI_API_KEY set, "
+        "task JSON on stdin, reward as the last line of stdout",
+    )  # fmt: skip
+    fn: str | None = Field(
+        None, description="module:function, async (openai.AsyncOpenAI, task) -> reward | None"
+    )
+    timeout_s: float = Field(120.0, gt=0, description="one session's wall-clock budget")
+    max_calls: int = Field(16, ge=1, description="chat-completions calls per session")
+
+    @model_validator(mode="after")
+    def _one_program(self) -> AgentSection:
+        if self.command is not None and self.fn is not None:
+            raise ValueError("agent: give command or fn, not both")
+        if self.command is not None and not self.command:
+            raise ValueError("agent.command is empty: give the program's argv")
+        return self
 
 
 Preset = Literal[
@@ -226,6 +251,7 @@ class RLRunConfig(Strict):
     algorithm: AlgorithmSection = AlgorithmSection()
     reward: RewardConfig = RewardConfig()
     env: EnvSection = EnvSection()
+    agent: AgentSection = AgentSection()
     optim: OptimConfig = OptimConfig(lr=1e-5, schedule="constant", grad_clip=1.0)
     critic_optim: OptimConfig | None = Field(
         None,

@@ -249,7 +249,8 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    for noisy in ("httpx", "httpcore"):  # one line per request drowns the training log
+    # one line per request drowns the training log (httpx2: the openai client of agents)
+    for noisy in ("httpx", "httpcore", "httpx2", "httpcore2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if level > logging.DEBUG:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when HF loads

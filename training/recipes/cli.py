@@ -99,8 +99,10 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
 
 def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
             description: str = "RL (GRPO family) against local or live inference engines.",
-            default_config: str | None = None) -> int:  # fmt: skip
+            default_config: str | None = None, extensions: Any = None) -> int:  # fmt: skip
     """`rollouts rl` / `examples/run_rl.py`: parse flags, run the RL recipe, print the summary.
+
+    `extensions`: an `RLExtensions` for the recipe (e.g. the agent of `examples/agent_rl.py`).
 
     Returns the exit code: 0, 2 after printing the errors, 130 after an interrupt.
     """
@@ -128,9 +130,10 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     if config is None:
         return EXIT_ERROR
     from training.recipes.plot import print_curve, write_reward_png
-    from training.recipes.rl import run_rl_recipe  # torch: only once the config is valid
+    from training.recipes.rl import RLExtensions, run_rl_recipe  # torch: once the config is valid
 
-    code, summary = run_command(argv, config, lambda p: run_rl_recipe(config, on_step=p),
+    code, summary = run_command(argv, config, lambda p: run_rl_recipe(
+        config, on_step=p, extensions=extensions or RLExtensions()),
                                 overwrite=args.overwrite, prog=prog)  # fmt: skip
     if summary is None:
         return code

@@ -24,6 +24,7 @@ import trio
 from engines.client import probe_engines
 from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
+from rollouts.agent.harness import OpenAIAgent
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
@@ -269,7 +270,8 @@ class RLExtensions:
 
     `reward_fn` replaces `config.reward.fn`; `transforms` shape each scored sample (e.g.
     `rollouts.shaping.add_shaping("length", length_bonus(-0.01))`); the rest go to
-    `run_rl_training` as they are: the maths and reference rule in its `RLObjective`
+    `run_rl_training` as they are (`agent`, for `env.kind: agent`, is the program trained
+    through the agent proxy): the maths and reference rule in its `RLObjective`
     (`rl_objective`), `stop_fn` and `checkpoint_hook` in its `RLHooks`.
     """
 
@@ -282,6 +284,7 @@ class RLExtensions:
     reference_update: ReferenceUpdateFn = frozen
     stop_fn: StopFn | None = None
     checkpoint_hook: CheckpointHook | None = None
+    agent: OpenAIAgent | None = None  # env.kind agent: async (openai client, task) -> reward
 
 
 def rl_objective(config: RLRunConfig, schedule: algorithms.AlgorithmSchedule, reference: Any,
@@ -314,6 +317,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     episodes = build_episode_setup(
         config.env, config.reward, resolve=resolve_callable,
         template_kwargs={} if thinking is None else {"enable_thinking": thinking},
+        agent_section=config.agent, agent=extensions.agent,
     )  # fmt: skip
     reward_fn = extensions.reward_fn or episodes.reward_fn
     schedule = algorithm_schedule(config.algorithm, generation_budget(config))

@@ -2,7 +2,10 @@
 
 `single_turn` is the default one-assistant-turn rollout. `tools` runs multi-turn episodes
 (`rollouts.multiturn`) in a `ToolEnv` with the configured tools; the env grades the final
-answer, so the reward is `env_reward` unless the config names another.
+answer, so the reward is `env_reward` unless the config names another. `agent` runs an agent
+written for the OpenAI API (`agent.command`, `agent.fn`, or one the program passes) behind
+the agent proxy (`rollouts.agent`); the agent returns the reward, kept by `env_reward` unless
+the config names another reward.
 """
 
 from __future__ import annotations
@@ -11,13 +14,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from plumbing.errors import ConfigError
+from rollouts.agent import (
+    AgentConfig,
+    SessionLimits,
+    agent_generate,
+    python_harness,
+    subprocess_harness,
+)
+from rollouts.agent.harness import Harness, OpenAIAgent
 from rollouts.envs import env_reward, tool_env_factory
 from rollouts.generate_fn import GenerateFn, single_turn_generate
 from rollouts.multiturn import MultiTurnConfig, multiturn_generate
 from rollouts.rewards import RewardFn
 from rollouts.tools import Tool, calculator_tool, parse_hermes_tool_calls, parse_xml_tool_calls
 from rollouts.tools import python_tool as make_python_tool
-from training.rl_config import EnvSection, RewardConfig
+from training.rl_config import AgentSection, EnvSection, RewardConfig
 
 _PARSERS = {"hermes": parse_hermes_tool_calls, "xml": parse_xml_tool_calls}
 
@@ -34,13 +46,41 @@ class EpisodeSetup:
     reward_fn: RewardFn
 
 
+def build_harness(section: AgentSection, resolve: Callable[[str], Any],
+                  agent: OpenAIAgent | None) -> Harness:  # fmt: skip
+    """The agent program: the one passed in, else `agent.fn`, else `agent.command`.
+
+    Raises:
+        ConfigError: `env.kind` is agent and no agent is given.
+    """
+    if agent is not None:
+        return python_harness(agent)
+    if section.fn is not None:
+        return python_harness(resolve(section.fn))
+    if section.command is not None:
+        return subprocess_harness(section.command)
+    raise ConfigError("env.kind is agent but no agent is given: set agent.command or agent.fn "
+                      "(or pass RLExtensions(agent=...))")  # fmt: skip
+
+
 def build_episode_setup(section: EnvSection, reward: RewardConfig, *,
                         resolve: Callable[[str], Any],
-                        template_kwargs: Mapping[str, Any] | None = None) -> EpisodeSetup:  # fmt: skip
+                        template_kwargs: Mapping[str, Any] | None = None,
+                        agent_section: AgentSection | None = None,
+                        agent: OpenAIAgent | None = None) -> EpisodeSetup:  # fmt: skip
     """GenerateFn and reward for the configured env (`resolve` imports `module:function`;
-    `template_kwargs`: extra chat-template variables of multi-turn episodes)."""
+    `template_kwargs`: extra chat-template variables of multi-turn episodes; `agent_section`
+    and `agent`: the agent of `env.kind: agent`)."""
     if section.kind == "single_turn":
         return EpisodeSetup(single_turn_generate, resolve(reward.fn))
+    explicit = "fn" in reward.model_fields_set
+    if section.kind == "agent":
+        agents = agent_section or AgentSection()
+        config = AgentConfig(timeout_s=agents.timeout_s, parser=_PARSERS[section.parser],
+                             limits=SessionLimits(agents.max_calls, section.max_response_tokens),
+                             template_kwargs=dict(template_kwargs or {}))  # fmt: skip
+        generate = agent_generate(build_harness(agents, resolve, agent), config=config)
+        return EpisodeSetup(generate, resolve(reward.fn) if explicit else env_reward)
     make_env = tool_env_factory(
         build_tools(section), resolve(section.grader), parser=_PARSERS[section.parser],
         system_prompt=section.system_prompt, show_specs=section.show_specs,
@@ -48,6 +88,5 @@ def build_episode_setup(section: EnvSection, reward: RewardConfig, *,
     config = MultiTurnConfig(max_turns=section.max_turns,
                              max_response_tokens=section.max_response_tokens,
                              template_kwargs=dict(template_kwargs or {}))  # fmt: skip
-    explicit = "fn" in reward.model_fields_set
     return EpisodeSetup(multiturn_generate(make_env, config=config),
                         resolve(reward.fn) if explicit else env_reward)  # fmt: skip
