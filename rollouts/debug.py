@@ -127,11 +127,13 @@ def validate_batch(batch: RolloutBatch, *, group_size: int | None = None) -> Bat
 
     if not batch.groups:
         add("error", None, None, "no groups")
-    sizes = Counter(len(g) for g in batch.groups)
+    # An agent session's other branches (sub_index > 0) are extra samples, not group members.
+    sizes = Counter(sum(s.sub_index == 0 for s in g) for g in batch.groups)
     expected = group_size if group_size is not None else (sizes.most_common(1) or [(0, 0)])[0][0]
     for g, group in enumerate(batch.groups):
-        if len(group) != expected:
-            add("error", g, None, f"{len(group)} samples, expected {expected}")
+        n = sum(s.sub_index == 0 for s in group)
+        if n != expected:
+            add("error", g, None, f"{n} samples, expected {expected}")
         if len({s.prompt_ids for s in group}) > 1:
             add("error", g, None, "samples have different prompts")
         if len({s.group_id for s in group}) > 1:

@@ -44,7 +44,9 @@ class GenerateContext:
 
 
 GenerateFn = Callable[[PromptItem, int, GenerateContext], Awaitable[list[Sample]]]
-"""(prompt, n, ctx) -> n samples with distinct `index_in_group`. It may call `ctx.report(s)`
+"""(prompt, n, ctx) -> n samples with distinct `index_in_group` (`sub_index` 0), and any extra
+samples of the same rollouts (`sub_index` 1, 2, ...: an agent session's other branches; they
+train as samples of the group but a group is complete with its n). It may call `ctx.report(s)`
 as each sample finishes, so its reward is computed at once and the sample survives if the group
 is cut short; samples it returns without reporting are scored after it returns. Samples
 reported with no await in between are scored as one batch (`rollouts.scoring`)."""

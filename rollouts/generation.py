@@ -178,8 +178,8 @@ async def collect_groups(
     async def generate_samples(gid: int, attempt: int, prompt: PromptItem, done: list[Sample],
                                missing: list[int]) -> None:  # fmt: skip
         """Generate and score the samples at `missing` (indices in the group) into `done`."""
-        done[:] = [s for s in done if s.status != "failed"]
-        reported: set[int] = set()
+        done[:] = [s for s in done if s.index_in_group not in missing]  # a rollout is redone whole
+        reported: set[tuple[int, int]] = set()  # (index_in_group, sub_index)
         to_score: list[Sample] = []  # reported, not yet handed to a scoring task
 
         async def score_reported() -> None:
@@ -196,9 +196,10 @@ async def collect_groups(
                     # Samples reported together (no await in between, e.g. the results of one
                     # batched request) are scored together: one scoring task, one thread call.
                     sample = replace(sample, index_in_group=missing[sample.index_in_group])
-                    if sample.index_in_group in reported:
+                    key = (sample.index_in_group, sample.sub_index)
+                    if key in reported:
                         return
-                    reported.add(sample.index_in_group)
+                    reported.add(key)
                     if not to_score:
                         scoring.start_soon(score_reported)
                     to_score.append(sample)
@@ -231,7 +232,7 @@ async def collect_groups(
                 break
             kind, prompt, samples = await recv.receive()
             n_received += 1
-            group = tuple(sorted(samples, key=lambda s: s.index_in_group))
+            group = tuple(sorted(samples, key=lambda s: (s.index_in_group, s.sub_index)))
             if kind == "done" and any(s.status == "aborted" for s in group):
                 # Cut short by someone else (a pause with "abort", an abort_all): not a real
                 # outcome. Keep the finished samples for later, as for surplus groups.
@@ -250,7 +251,7 @@ async def collect_groups(
             # like a failed group, so a reward that is broken for good empties the batches and
             # ends the run naming its error (train.max_empty_batches) instead of training on 0s.
             no_signal = n_reward_failed == len(group)
-            if kind == "failed" or n_failed or no_signal or len(group) < n_samples:
+            if kind == "failed" or n_failed or no_signal or _n_rollouts(group) < n_samples:
                 result.n_failed_groups += 1
             else:
                 result.reward_sum += sum(s.reward for s in group)
@@ -282,9 +283,15 @@ async def collect_groups(
     return result
 
 
+def _n_rollouts(group: Sequence[Sample]) -> int:
+    """Rollouts in a group: its samples less the extra ones (`Sample.sub_index` > 0)."""
+    return sum(s.sub_index == 0 for s in group)
+
+
 def _missing_indices(done: Sequence[Sample], n_samples: int) -> list[int]:
-    """Indices in the group with no sample yet, or only a failed one."""
-    ok = {s.index_in_group for s in done if s.status != "failed"}
+    """Indices in the group with no sample yet, or a failed one (an extra sample included)."""
+    failed = {s.index_in_group for s in done if s.status == "failed"}
+    ok = {s.index_in_group for s in done} - failed
     return [i for i in range(n_samples) if i not in ok]
 
 

@@ -2,7 +2,8 @@
 
 Contract:
 - `await manager.generate_batch()` returns a RolloutBatch of `batch_size` groups ×
-  `n_samples_per_prompt` samples (fewer groups only if the over-sampling cap is reached, logged).
+  `n_samples_per_prompt` samples (fewer groups only if the over-sampling cap is reached, logged;
+  more samples in a group whose agent sessions branched: `Sample.sub_index`).
   Prompts come from the DataBuffer; held (partial) groups are served first.
 - Generation goes through one engine or EnginePool from token ids; sampled ids and engine
   logprobs are kept as they came (never re-tokenized). A global CapacityLimiter bounds requests

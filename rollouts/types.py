@@ -78,6 +78,9 @@ class Sample:
         status: completed / truncated (hit the length limit) / aborted (cut short, e.g. at a
             weight update) / failed (generation, tool or reward error; see `error`).
         group_id, index_in_group: position in the group of samples drawn for one prompt.
+        sub_index: 0 for the sample that stands for its `index_in_group` (one of the group's
+            n); 1, 2, ... for further samples of the same rollout, trained as samples of
+            their own but not counted toward n (an agent session's other branches).
         weight_version: version of the engine weights that generated the response.
         metadata: the prompt record's extra fields (e.g. {"answer": "46"}), for rewards.
         tool_calls: tool calls made during the trajectory, in order.
@@ -95,6 +98,7 @@ class Sample:
     error: str | None = None
     group_id: int = 0
     index_in_group: int = 0
+    sub_index: int = 0
     weight_version: int = 0
     metadata: Mapping[str, Any] = field(default_factory=dict)
     tool_calls: tuple[ToolCallRecord, ...] = ()
