@@ -95,3 +95,44 @@ def test_bad_shapes_are_explained():
     with pytest.raises(ConfigError, match="rloo"):
         rloo_advantages(torch.ones(4, 1))
     assert torch.equal(dr_grpo_advantages(torch.ones(4, 1)), torch.zeros(4, 1))
+
+
+# Groups of 5, 2 and 3 samples (an agent session's branches are extra samples of its group),
+# padded to 5 with a mask.
+RAGGED = [[1.0, 0.0, 0.0, 0.0, 1.0], [1.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+def padded(groups, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, groups))
+    rewards = torch.tensor([g + [fill] * (width - len(g)) for g in groups])
+    return rewards, torch.tensor([[i < len(g) for i in range(width)] for g in groups])
+
+
+def real(advantages_GN: torch.Tensor, groups) -> list[list[float]]:
+    return [advantages_GN[g, : len(group)].tolist() for g, group in enumerate(groups)]
+
+
+@pytest.mark.parametrize("fn", [grpo_advantages, dr_grpo_advantages, rloo_advantages,
+                                reinforce_pp_advantages, reinforce_baseline_advantages])  # fmt: skip
+def test_unequal_groups_ignore_their_padding_and_pad_with_zero_advantage(fn):
+    rewards, mask = padded(RAGGED, 0.0)
+    out = fn(rewards, mask_GN=mask)
+    assert torch.equal(out, fn(padded(RAGGED, 7.0)[0], mask_GN=mask))
+    assert torch.all(out[~mask] == 0.0) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("fn", [grpo_advantages, dr_grpo_advantages, rloo_advantages])
+def test_unequal_groups_get_each_groups_own_statistics(fn):
+    rewards, mask = padded(RAGGED, 0.0)
+    want = [fn(torch.tensor([g]))[0].tolist() for g in RAGGED]
+    for got, expected in zip(real(fn(rewards, mask_GN=mask), RAGGED), want, strict=True):
+        assert got == pytest.approx(expected, abs=1e-6)
+
+
+def test_unequal_groups_share_one_batch_baseline_over_real_samples_only():
+    rewards, mask = padded(RAGGED, 0.0)
+    flat = torch.tensor([[r for g in RAGGED for r in g]])
+    for fn in (reinforce_baseline_advantages,
+               lambda r, **kw: reinforce_pp_advantages(r, group_baseline=False, **kw)):  # fmt: skip
+        got = [a for row in real(fn(rewards, mask_GN=mask), RAGGED) for a in row]
+        assert got == pytest.approx(fn(flat)[0].tolist(), abs=1e-6)

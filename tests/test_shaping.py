@@ -5,6 +5,7 @@ values; each shaped part is kept as a named reward component."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -96,6 +97,23 @@ def test_kl_penalty_subtracts_coef_times_summed_k1_before_advantages():
     # advantages now see the penalty: group 1 had equal rewards, now it has a spread
     assert build_examples(batch, config)[2].advantage == 0.0  # group 1, sample 1
     assert build_examples(shaped, config)[2].advantage > 0  # k1 < 0 there: reward 0.5 → 1.5
+
+
+def test_kl_penalty_applies_per_sample_to_groups_of_unequal_size():
+    """An agent session's other branches make a group larger than n; each sample is still
+    penalised by its own KL (the penalty has no group structure)."""
+    branch = replace(sample([1], reward=1.0), sub_index=1)  # session 0's other branch
+    groups = (
+        (sample([1], reward=1.0), branch, sample([1], reward=0.0, i=1)),
+        (sample([1], reward=0.5, g=1),),
+    )
+    logprobs_S = [torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-3.0]),
+                  torch.tensor([-4.0])]  # fmt: skip
+    ref_S = [torch.tensor([-1.0])] * 4
+    shaped, _ = kl_penalised_batch(RolloutBatch(groups, 1, 0), grpo(kl_coef=1.0, kl_kind="k1",
+                                   kl_as_reward=True), logprobs_S, ref_S)  # fmt: skip
+    assert [len(g) for g in shaped.groups] == [3, 1]
+    assert [s.reward for s in shaped.samples] == pytest.approx([1.0, 2.0, 2.0, 3.5])
 
 
 def test_kl_penalty_is_off_unless_kl_as_reward():

@@ -107,11 +107,13 @@ from training.rl.losses import (
 
 
 def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
-                       n_tokens_GN: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                       n_tokens_GN: torch.Tensor | None = None,
+                       mask_GN: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Advantages [G, N] from rewards [G, N] with the configured estimator.
 
     `n_tokens_GN` (trained tokens of each sample) is needed only by REINFORCE++ with
-    whiten="token". GAE (PPO) advantages are per token and need a critic: see
+    whiten="token". `mask_GN` marks the real samples of groups of unequal size, padded to N
+    (`training.rl.advantages`). GAE (PPO) advantages are per token and need a critic: see
     `training.rl.gae`; this returns none for them.
 
     Raises:
@@ -120,11 +122,12 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
     """
     match config.advantage:
         case "grpo":
-            return adv.grpo_advantages(rewards_GN, scale_by_std=config.scale_by_std)
+            return adv.grpo_advantages(rewards_GN, scale_by_std=config.scale_by_std,
+                                       mask_GN=mask_GN)  # fmt: skip
         case "dr_grpo":
-            return adv.dr_grpo_advantages(rewards_GN)
+            return adv.dr_grpo_advantages(rewards_GN, mask_GN=mask_GN)
         case "rloo":
-            return adv.rloo_advantages(rewards_GN)
+            return adv.rloo_advantages(rewards_GN, mask_GN=mask_GN)
         case "reinforce_pp" | "reinforce_pp_baseline":
             weights_GN = None
             if config.whiten == "token":
@@ -133,10 +136,10 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
                 weights_GN = n_tokens_GN
             return adv.reinforce_pp_advantages(
                 rewards_GN, group_baseline=config.advantage == "reinforce_pp_baseline",
-                token_weights_GN=weights_GN,
+                token_weights_GN=weights_GN, mask_GN=mask_GN,
             )  # fmt: skip
         case "reinforce_baseline":
-            return adv.reinforce_baseline_advantages(rewards_GN)
+            return adv.reinforce_baseline_advantages(rewards_GN, mask_GN=mask_GN)
         case "gae":
             raise ConfigError(
                 f"{config.name}: GAE advantages are per token and come from a critic "

@@ -23,6 +23,7 @@ from itertools import compress, pairwise
 
 import torch
 
+from plumbing.errors import ConfigError
 from rollouts.shaping import add_reward_component
 from rollouts.types import RolloutBatch, Sample
 from training.data.packing import IGNORE_INDEX, SFTBatch
@@ -161,9 +162,27 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
     )
 
 
-def batch_rewards(batch: RolloutBatch) -> torch.Tensor:
-    """Rewards [G, N] of a batch (all groups have N samples)."""
-    return torch.tensor([[s.reward for s in g] for g in batch.groups], dtype=torch.float32)
+def batch_rewards(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rewards [G, N] of a batch, and None, or padded to the largest group with its mask.
+
+    Groups differ in size when an agent session branched (its other branches are extra
+    samples of the group, `Sample.sub_index`); the mask is True on real samples.
+    """
+    sizes = {len(g) for g in batch.groups}
+    if len(sizes) <= 1:
+        return torch.tensor([[s.reward for s in g] for g in batch.groups],
+                            dtype=torch.float32), None  # fmt: skip
+    width = max(sizes)
+    rewards_GN = torch.zeros(len(batch.groups), width)
+    mask_GN = torch.zeros(len(batch.groups), width, dtype=torch.bool)
+    for g, group in enumerate(batch.groups):
+        rewards_GN[g, : len(group)] = torch.tensor([s.reward for s in group])
+        mask_GN[g, : len(group)] = True
+    return rewards_GN, mask_GN
+
+
+def _padded(groups: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    return torch.tensor([[*g, *[0.0] * (width - len(g))] for g in groups], dtype=torch.float32)
 
 
 def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
@@ -175,19 +194,28 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
     so are truncated samples under `algorithm.mask_truncated`. For
     the pairwise loss (online DPO) each pair `pair_selector` picks in a group (default: its
     best and worst sample, none when they tie) is one unit, chosen first. `advantage_fn`,
-    when given, replaces the algorithm's estimator (rewards [G, N] → advantages [G, N]).
+    when given, replaces the algorithm's estimator (rewards [G, N] → advantages [G, N]); the
+    built-in estimators also take groups of unequal size (`batch_rewards`), it does not.
     `share_prompts` lets the trainer score a group's samples against one copy of their prompt
     (same logprobs and gradients, less compute); False gives one model row per sample.
     """
     if algorithm.loss == "pairwise":
         return _preference_pairs(batch, share_prompts, pair_selector)
-    rewards_GN = batch_rewards(batch)
+    rewards_GN, mask_GN = batch_rewards(batch)
     if advantage_fn is None and algorithm.needs_critic:  # per token, from the critic, later
         advantages_GN = torch.zeros_like(rewards_GN)
     elif advantage_fn is None:
-        n_tokens_GN = torch.tensor([[s.num_trained_tokens for s in g] for g in batch.groups],
-                                   dtype=torch.float32)  # fmt: skip
-        advantages_GN = compute_advantages(algorithm, rewards_GN, n_tokens_GN=n_tokens_GN)
+        n_tokens_GN = _padded([[s.num_trained_tokens for s in g] for g in batch.groups],
+                              rewards_GN.shape[1])  # fmt: skip
+        advantages_GN = compute_advantages(algorithm, rewards_GN, n_tokens_GN=n_tokens_GN,
+                                           mask_GN=mask_GN)  # fmt: skip
+    elif mask_GN is not None:
+        sizes = sorted({len(g) for g in batch.groups})
+        raise ConfigError(
+            f"advantage_fn: the batch's groups differ in size ({sizes} samples: agent "
+            "sessions that branched, Sample.sub_index); a custom advantage_fn takes [G, N] "
+            "rewards only: use a built-in estimator"
+        )
     else:
         advantages_GN = advantage_fn(rewards_GN)
         if advantages_GN.shape != rewards_GN.shape:
@@ -284,18 +312,16 @@ def kl_penalised_batch(batch: RolloutBatch, algorithm: AlgorithmConfig,
     lp_BT, ref_BT, mask_BT = (torch.zeros(len(samples), width) for _ in range(3))
     for i, (lp, ref) in enumerate(zip(logprobs_S, ref_logprobs_S, strict=True)):
         lp_BT[i, : len(lp)], ref_BT[i, : len(ref)], mask_BT[i, : len(lp)] = lp, ref, 1.0
-    rewards_GN = batch_rewards(batch)
-    shaped_GN, metrics = apply_kl_reward_penalty(
-        algorithm, rewards_GN, lp_BT, ref_BT, mask_BT, kl_fn=kl_fn
+    # The penalty is per sequence: one row of all samples serves groups of any sizes.
+    rewards_1B = torch.tensor([[s.reward for s in samples]], dtype=torch.float32)
+    shaped_1B, metrics = apply_kl_reward_penalty(
+        algorithm, rewards_1B, lp_BT, ref_BT, mask_BT, kl_fn=kl_fn
     )
     if not metrics:
         return batch, {}
-    penalty_GN = shaped_GN - rewards_GN
-    groups = tuple(
-        tuple(add_reward_component(s, "kl_penalty", float(p))
-              for s, p in zip(group, penalty_GN[g], strict=True))
-        for g, group in enumerate(batch.groups)
-    )  # fmt: skip
+    penalty_B = iter((shaped_1B - rewards_1B)[0].tolist())
+    groups = tuple(tuple(add_reward_component(s, "kl_penalty", next(penalty_B)) for s in group)
+                   for group in batch.groups)  # fmt: skip
     return replace(batch, groups=groups), metrics
 
 
