@@ -12,6 +12,7 @@ from rollouts.agent.generate import agent_generate as agent_generate
 from rollouts.agent.generate import agent_task as agent_task
 from rollouts.agent.generate import session_sample as session_sample
 from rollouts.agent.generate import session_samples as session_samples
+from rollouts.agent.generate import trained_session_samples as trained_session_samples
 from rollouts.agent.harness import AgentEndpoint as AgentEndpoint
 from rollouts.agent.harness import Harness as Harness
 from rollouts.agent.harness import HarnessError as HarnessError

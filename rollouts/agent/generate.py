@@ -3,19 +3,18 @@
 Per prompt group it opens one agent proxy (`rollouts.agent.proxy`) for exactly as long as
 the group runs, and runs the harness `n` times concurrently, each against its own session
 (GRPO's group = n sessions of one task); the engine requests share the manager's
-concurrency limit. Each session becomes one Sample: the branch its last call went to (exact
-tokens, masks, logprobs; `rollouts.agent.trajectory`), with the harness's reward (keep it with
-`reward_fn=env_reward`, or leave it None and let the reward function score the sample).
+concurrency limit. Each branch of a session becomes a Sample (exact tokens, masks, logprobs;
+`rollouts.agent.trajectory`), with the harness's reward (keep it with `reward_fn=env_reward`,
+or leave it None and let the reward function score each sample): the branch its last call
+went to stands for the session (`sub_index` 0, one of the group's n), every other branch is an
+extra sample of the group (`sub_index` 1, 2, ...), so a group of n sessions may train more
+than n samples. A session that failed, was aborted or was cut short gives only its one sample.
 
 Failures are data, never fatal: a harness that raises, exits non-zero, prints no number or
 passes `timeout_s`, a bad request body, and a session that made no call give a failed sample
 whose `error` names the cause (counted in `samples_failed` and the error summary, retried
 under `rollout.sample_retries` like any failed sample). An engine error the agent saw is
 re-raised after its session, so the pool's failure policy applies as to any rollout.
-
-Departure from the issue's "each branch its own sample": a GenerateFn returns exactly `n`
-samples per group, so only each session's last branch is trained; the number of branches is
-in `metadata["agent_branches"]` and every branch is available from `session_samples`.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ def _status(session: AgentSession, branch: Branch | None, outcome: HarnessOutcom
 
 def branch_sample(session: AgentSession, branch: Branch, prompt: PromptItem, *,
                   status: Status = "completed", error: str | None = None,
-                  reward: float | None = None) -> Sample:  # fmt: skip
+                  reward: float | None = None, sub_index: int = 0) -> Sample:  # fmt: skip
     """One branch of a session as a Sample (`index_in_group` = the session's index)."""
     ctx, tok = session.ctx, session.trajectory.chat.tokenizer
     return Sample(
@@ -89,7 +88,7 @@ def branch_sample(session: AgentSession, branch: Branch, prompt: PromptItem, *,
         rollout_logprobs=branch.logprobs if branch.has_logprobs else (),
         response_text=tok.decode(branch.ids, skip_special_tokens=False),
         reward=reward or 0.0, status=status, error=error, group_id=ctx.group_id,
-        index_in_group=session.index, weight_version=min((v for *_, v in branch.spans), default=0),
+        index_in_group=session.index, sub_index=sub_index, weight_version=min((v for *_, v in branch.spans), default=0),
         metadata={**prompt.metadata, "agent_branches": len(session.trajectory.branches),
                   "agent_calls": session.n_calls,
                   "agent_weight_spans": [list(s) for s in branch.spans]},
@@ -103,7 +102,7 @@ def session_samples(session: AgentSession, prompt: PromptItem) -> list[Sample]:
 
 
 def session_sample(session: AgentSession, prompt: PromptItem, outcome: HarnessOutcome) -> Sample:
-    """The Sample a session trains as: its last branch, status and reward (module docstring)."""
+    """The Sample that stands for a session: its last branch, status and reward."""
     branches = session.trajectory.branches
     branch = branches[session.last_branch] if session.last_branch is not None else None
     status, error = _status(session, branch, outcome)
@@ -113,6 +112,25 @@ def session_sample(session: AgentSession, prompt: PromptItem, outcome: HarnessOu
                       index_in_group=session.index, metadata=prompt.metadata)  # fmt: skip
     return branch_sample(session, branch, prompt, status=status, error=error,
                          reward=outcome.reward)  # fmt: skip
+
+
+def trained_session_samples(session: AgentSession, prompt: PromptItem, outcome: HarnessOutcome
+                            ) -> list[Sample]:  # fmt: skip
+    """What a session trains as: `session_sample`, then each other branch (module docstring).
+
+    The other branches come only from a session that ended well (completed or truncated): a
+    failed or aborted session is retried or held as one sample, never half-kept. Each carries
+    the session's reward.
+    """
+    main = session_sample(session, prompt, outcome)
+    if main.status not in ("completed", "truncated"):
+        return [main]
+    others = [b for i, b in enumerate(session.trajectory.branches) if i != session.last_branch]
+    return [main] + [
+        branch_sample(session, b, prompt, reward=outcome.reward, sub_index=k,
+                      status="truncated" if b.finish == "length" else "completed")
+        for k, b in enumerate(others, start=1)
+    ]  # fmt: skip
 
 
 def agent_generate(harness: Harness, *, tokenizer: Any = None,
@@ -140,7 +158,7 @@ def agent_generate(harness: Harness, *, tokenizer: Any = None,
 
     async def generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
         chat = chat_for(tokenizer if tokenizer is not None else ctx.tokenizer)
-        out: list[Sample | None] = [None] * n
+        out: list[list[Sample]] = [[] for _ in range(n)]
         task = agent_task(prompt)
         async with open_agent_proxy(chat, parser=config.parser) as proxy:
 
@@ -153,12 +171,13 @@ def agent_generate(harness: Harness, *, tokenizer: Any = None,
                     proxy.close_session(session)
                 if session.engine_error is not None:
                     raise session.engine_error
-                out[i] = session_sample(session, prompt, outcome)
-                ctx.report(out[i])
+                out[i] = trained_session_samples(session, prompt, outcome)
+                for sample in out[i]:
+                    ctx.report(sample)
 
             async with trio.open_nursery() as nursery:
                 for i in range(n):
                     nursery.start_soon(one, i)
-        return [s for s in out if s is not None]
+        return [s for samples in out for s in samples]
 
     return generate

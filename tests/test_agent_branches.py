@@ -1,0 +1,112 @@
+"""Every branch of an agent session is trained as its own sample (issue 29).
+
+A call that rewrites history starts a new branch; the group then holds more samples than its
+n sessions, each with its branch's exact tokens, and the RL step normalises advantages over
+all of them. Local engine over loopback HTTP, the real `openai` client, the tiny model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from rollouts.agent import agent_generate, python_harness
+from rollouts.envs import env_reward
+from rollouts.generation import GroupSource, collect_groups, convert_to_batch, keep_all
+from rollouts.prompts import encode_prompt, prompt_item
+from tests.rl_helpers import rl_backend
+from tests.test_agent_proxy import greedy_ctx
+from training.rl.advantages import grpo_advantages
+from training.rl.algorithms import grpo
+from training.rl.batch import build_examples
+from training.rl.step import train_on_batch
+
+openai = pytest.importorskip("openai")
+
+USER = {"role": "user", "content": "2*3"}
+AGAIN = {"role": "user", "content": "again"}
+REWRITTEN = [USER, {"role": "assistant", "content": "6"}, AGAIN]
+
+
+def branching_agent():
+    """Two calls that extend one branch; then, in the sessions the task says, a third call
+    that rewrites the first answer (a new branch). Rewards 0, 1, ... in session start order."""
+    started: dict[str, int] = {}
+
+    async def agent(client, task) -> float:
+        name = task["metadata"]["name"]
+        k = started[name] = started.get(name, -1) + 1
+        first = await client.chat.completions.create(model="policy", messages=[USER])
+        said = first.choices[0].message.content or ""
+        extended = [USER, {"role": "assistant", "content": said}, AGAIN]
+        await client.chat.completions.create(model="policy", messages=extended)
+        if k < task["metadata"]["rewriting_sessions"]:
+            await client.chat.completions.create(model="policy", messages=REWRITTEN)
+        return float(k)
+
+    return agent
+
+
+async def test_each_branch_of_a_session_trains_as_its_own_sample_with_its_exact_tokens(
+    local_engine, tiny_model_dir, tiny_tokenizer, tmp_path
+):
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    # group 0: both sessions rewrite history (4 samples); group 1: only the first (3 samples)
+    items = iter([prompt_item(tok, [USER], {"name": "all", "rewriting_sessions": 2}),
+                  prompt_item(tok, [USER], {"name": "first", "rewriting_sessions": 1})])  # fmt: skip
+    result = await collect_groups(
+        GroupSource(lambda: (next(items), [])), n_groups=2, n_samples=2, engine=engine,
+        sampling_params=greedy_ctx(engine, tok, "b").sampling_params, reward_fn=env_reward,
+        generate_fn=agent_generate(python_harness(branching_agent()), tokenizer=tok),
+        group_filter=keep_all, limiter=trio.CapacityLimiter(1),  # one request at a time: greedy
+    )  # fmt: skip
+    assert result.n_failed_groups == 0 and result.n_failed_samples == 0
+    by_name = {g[0].metadata["name"]: g for g in result.accepted}
+    rewriting, mixed = by_name["all"], by_name["first"]
+    assert [(s.index_in_group, s.sub_index) for s in rewriting] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    keys = [(s.index_in_group, s.sub_index) for s in mixed]  # which session branched: a race
+    assert keys in ([(0, 0), (0, 1), (1, 0)], [(0, 0), (1, 0), (1, 1)])
+
+    plain = next(s for s in mixed if s.metadata["agent_branches"] == 1)  # did not branch
+    for group in (rewriting, mixed):
+        for i in {s.index_in_group for s in group if s.metadata["agent_branches"] == 2}:
+            last, other = (s for s in group if s.index_in_group == i)
+            # the last call's branch stands for the session: the rewritten history, all sampled
+            assert last.prompt_ids == tuple(encode_prompt(tok, REWRITTEN))
+            assert set(last.loss_mask) == {1} and all(lp < 0 for lp in last.rollout_logprobs)
+            # the other branch: the first two calls, exactly as a session that never branched
+            assert other.prompt_ids == tuple(encode_prompt(tok, [USER]))
+            assert (other.response_ids, other.loss_mask) == (plain.response_ids, plain.loss_mask)
+            # the engine's logprobs, up to float noise between two forward passes
+            assert other.rollout_logprobs == pytest.approx(plain.rollout_logprobs, abs=1e-4)
+            assert _runs(other.loss_mask) == [1, 0, 1]
+            appended = [
+                t for t, m in zip(other.response_ids, other.loss_mask, strict=True) if not m
+            ]
+            assert tok.decode(appended).endswith("<|im_start|>user\nagain<|im_end|>\n"
+                                                 "<|im_start|>assistant\n")  # fmt: skip
+            assert last.reward == other.reward  # the session's reward, on each branch
+
+    batch = convert_to_batch([rewriting, mixed], epoch_id=0, step_id=1)
+    assert batch.metrics["n_samples"] == 7.0 and len(batch.groups) == 2
+    examples = build_examples(batch, grpo())
+    assert len(examples) == 7
+    for g, group in enumerate(batch.groups):
+        want = grpo_advantages(torch.tensor([[s.reward for s in group]]))[0].tolist()
+        assert [e.advantage for e in examples if e.group == g] == pytest.approx(want)
+        assert [e.input_ids for e in examples if e.group == g] == [
+            s.prompt_ids + s.response_ids for s in group]  # fmt: skip
+    assert any(e.advantage != 0 for e in examples)
+
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    with backend:
+        metrics = await train_on_batch(backend, batch, grpo(), temperature=1.0,
+                                       old_from_rollout=True, reference=None)  # fmt: skip
+    assert metrics["n_samples"] == 7.0 and metrics["step"] == 1
+
+
+def _runs(mask) -> list[int]:
+    """The mask's values with repeats collapsed: [1, 1, 0, 1] -> [1, 0, 1]."""
+    return [m for i, m in enumerate(mask) if i == 0 or mask[i - 1] != m]
