@@ -287,7 +287,9 @@ class AsyncRolloutManager:
             if self.config.mode == "sync":
                 oldest_ok = self.current_version()
             samples = [Sample.from_dict(d) for d in held.item["samples"]]
-            return prompt, [s for s in samples if s.weight_version >= oldest_ok]
+            # by rollout: an agent session's branches (sub_index) are kept or redone together
+            stale = {s.index_in_group for s in samples if s.weight_version < oldest_ok}
+            return prompt, [s for s in samples if s.index_in_group not in stale]
         return self.data_buffer.get_prompts(1)[0], []
 
     def _to_batch(self, result: CollectResult) -> RolloutBatch:

@@ -110,3 +110,40 @@ async def test_each_branch_of_a_session_trains_as_its_own_sample_with_its_exact_
 def _runs(mask) -> list[int]:
     """The mask's values with repeats collapsed: [1, 1, 0, 1] -> [1, 0, 1]."""
     return [m for i, m in enumerate(mask) if i == 0 or mask[i - 1] != m]
+
+
+async def test_a_held_session_is_kept_or_redone_whole_never_duplicated(
+    local_engine, tiny_tokenizer
+):
+    """A held group (cut short, served again) whose session 0 has one branch too stale to
+    reuse: that session is generated again, all of its branches, and session 1's are reused;
+    no (session, branch) appears twice."""
+    from dataclasses import replace
+
+    from rollouts.config import RolloutConfig, SamplingConfig
+    from rollouts.manager import AsyncRolloutManager
+    from training.data.buffer import DataBuffer
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    item = prompt_item(tok, [USER], {"name": "all", "rewriting_sessions": 9})
+    generate_fn = agent_generate(python_harness(branching_agent()), tokenizer=tok)
+    first = await collect_groups(
+        GroupSource(lambda: (item, [])), n_groups=1, n_samples=2, engine=engine,
+        sampling_params=greedy_ctx(engine, tok, "h").sampling_params, reward_fn=env_reward,
+        generate_fn=generate_fn, group_filter=keep_all, limiter=trio.CapacityLimiter(1),
+    )  # fmt: skip
+    (group,) = first.accepted
+    # all at version 3 but session 0's other branch, left at 0 (stale at version 3, sync mode)
+    held = [replace(s, weight_version=0 if (s.index_in_group, s.sub_index) == (0, 1) else 3)
+            for s in group]  # fmt: skip
+    buffer = DataBuffer([item], seed=0)
+    buffer.hold([{"prompt": item.to_dict(), "samples": [s.to_dict() for s in held]}], 3)
+    cfg = RolloutConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=6),
+                        batch_size=1, n_samples_per_prompt=2, filter_groups="none")  # fmt: skip
+    manager = AsyncRolloutManager(engine, buffer, cfg, reward_fn=env_reward,
+                                  generate_fn=generate_fn, current_version=lambda: 3,
+                                  tokenizer=tok)  # fmt: skip
+    (served,) = (await manager.generate_batch()).groups
+    assert [(s.index_in_group, s.sub_index) for s in served] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [s.weight_version for s in served] == [0, 0, 3, 3]  # session 0 redone, 1 reused
