@@ -147,3 +147,31 @@ async def test_a_held_session_is_kept_or_redone_whole_never_duplicated(
     (served,) = (await manager.generate_batch()).groups
     assert [(s.index_in_group, s.sub_index) for s in served] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [s.weight_version for s in served] == [0, 0, 3, 3]  # session 0 redone, 1 reused
+
+
+async def test_a_dropped_branch_sample_redoes_its_whole_session(local_engine, tiny_tokenizer):
+    """A reward's DropSample on an extra branch fails its session: under sample_retries the
+    session is generated again, all of its branches, and its old samples are not kept."""
+    from rollouts.errors import DropSample
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    item = prompt_item(tok, [USER], {"name": "all", "rewriting_sessions": 9})
+    dropped = []
+
+    def reward(sample):
+        if sample.sub_index == 1 and not dropped:
+            dropped.append(sample.index_in_group)
+            raise DropSample("the judge could not read this branch")
+        return env_reward(sample)
+
+    result = await collect_groups(
+        GroupSource(lambda: (item, [])), n_groups=1, n_samples=2, engine=engine,
+        sampling_params=greedy_ctx(engine, tok, "d").sampling_params, reward_fn=reward,
+        generate_fn=agent_generate(python_harness(branching_agent()), tokenizer=tok),
+        group_filter=keep_all, limiter=trio.CapacityLimiter(1), sample_retries=1,
+    )  # fmt: skip
+    (group,) = result.accepted
+    assert [(s.index_in_group, s.sub_index) for s in group] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert result.n_retried_samples == 1 and len(dropped) == 1
+    assert all(s.status == "completed" for s in group)
