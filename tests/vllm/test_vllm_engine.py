@@ -21,6 +21,24 @@ def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+async def until_running(engine, n: int = 1, deadline_s: float = 30.0) -> None:
+    """Wait until vLLM runs `n` requests (its /metrics gauge). A fixed sleep was not enough: an
+    abort or a pause that reaches vLLM before the request does is a no-op there (as in SGLang),
+    and `make test-vllm` failed 2 of 3 runs that way, leaving the server paused for the next."""
+    import re
+
+    import httpx
+
+    async with httpx.AsyncClient(base_url=engine._url, timeout=5) as client:
+        with trio.fail_after(deadline_s):  # waits for vLLM to start the request(s)
+            while True:
+                text = (await client.get("/metrics")).text
+                running = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M)
+                if running and float(running.group(1)) >= n:
+                    return
+                await trio.sleep(0.05)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 async def test_output_logprobs_equal_the_teacher_forced_forward(
     vllm_engine, tiny_hf_model, temperature
@@ -75,7 +93,8 @@ async def test_abort_returns_the_partial_sample_marked_aborted(vllm_engine):
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(long)
-            await trio.sleep(0.5)
+            await until_running(vllm_engine)
+            await trio.sleep(0.2)  # a few tokens
             await vllm_engine.abort("long-abort")
     assert out["r"].aborted and 0 < len(out["r"].output_ids) < 1000
     assert len(out["r"].output_logprobs) == len(out["r"].output_ids)
@@ -92,13 +111,15 @@ async def test_pause_aborts_running_requests_and_holds_new_ones_until_resume(vll
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(request, "running", 1000)
-            await trio.sleep(0.5)
+            await until_running(vllm_engine)
             await vllm_engine.pause("abort")
-            assert await vllm_engine.is_paused()
-            nursery.start_soon(request, "held", 4)
-            await trio.sleep(1.0)
-            assert out["running"].aborted and "held" not in out
-            await vllm_engine.resume()
+            try:
+                assert await vllm_engine.is_paused()
+                nursery.start_soon(request, "held", 4)
+                await trio.sleep(1.0)
+                assert out["running"].aborted and "held" not in out
+            finally:  # a failure must not leave the server paused for the next test
+                await vllm_engine.resume()
     assert out["held"].finish_reason.type == "length" and len(out["held"].output_ids) == 4
     assert not await vllm_engine.is_paused()
 
@@ -115,11 +136,13 @@ async def test_pause_in_place_freezes_running_requests_which_finish_after_resume
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(request)
-            await trio.sleep(0.3)
+            await until_running(vllm_engine)
             await vllm_engine.pause("in_place")  # vLLM's "keep"
-            await trio.sleep(1.0)
-            assert "r" not in out  # frozen, not aborted
-            await vllm_engine.resume()
+            try:
+                await trio.sleep(1.0)
+                assert "r" not in out  # frozen, not aborted
+            finally:
+                await vllm_engine.resume()
     assert out["r"].finish_reason.type == "length" and len(out["r"].output_ids) == 1000
     assert vllm_engine.kv_namespace != namespace  # later requests use a fresh cache_salt
 
@@ -133,10 +156,12 @@ async def test_an_abort_of_a_request_held_behind_a_pause_is_not_lost(vllm_engine
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             await vllm_engine.pause("abort")
-            nursery.start_soon(held)
-            await trio.sleep(0.5)
-            await vllm_engine.abort("held-abort")
-            await vllm_engine.resume()
+            try:
+                nursery.start_soon(held)
+                await trio.sleep(0.5)
+                await vllm_engine.abort("held-abort")
+            finally:
+                await vllm_engine.resume()
     assert out["r"].aborted and out["r"].output_ids == ()
 
 
