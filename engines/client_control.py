@@ -234,18 +234,4 @@ class ControlRoutesMixin:
         Raises:
             EngineUnavailableError: not healthy within `timeout_s` (names the last failure).
         """
-        deadline = trio.current_time() + timeout_s
-        last = "no answer yet"
-        while True:
-            try:
-                await self._http.request(
-                    "GET", "/health_generate", timeout=self.timeouts.health_s, retries=0
-                )
-                return
-            except EngineError as exc:
-                last = str(exc)
-            if trio.current_time() + poll_interval_s > deadline:
-                raise EngineUnavailableError(
-                    f"not healthy after {timeout_s} s; last: {last}", url=self._url
-                )
-            await trio.sleep(poll_interval_s)
+        await self._http.wait_ok("/health_generate", timeout_s, poll_interval_s)

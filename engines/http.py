@@ -123,6 +123,25 @@ class EngineHTTP:
             await self._client.aclose()
             self._client = None
 
+    async def wait_ok(self, path: str, timeout_s: float, poll_interval_s: float) -> None:
+        """Poll `GET path` until it answers 2xx (an engine's health route while it loads).
+
+        Raises:
+            EngineUnavailableError: no 2xx within `timeout_s` (names the last failure).
+        """
+        deadline = trio.current_time() + timeout_s
+        last = "no answer yet"
+        while True:
+            try:
+                await self.request("GET", path, timeout=self.timeouts.health_s, retries=0)
+                return
+            except EngineError as exc:
+                last = str(exc)
+            if trio.current_time() + poll_interval_s > deadline:
+                raise EngineUnavailableError(f"not healthy after {timeout_s} s; last: {last}",
+                                             url=self.url)  # fmt: skip
+            await trio.sleep(poll_interval_s)
+
     async def request(
         self,
         method: str,

@@ -103,6 +103,13 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             return answer(False, f"Failed to destroy custom process group: {exc}.")
         return answer(True, "Succeeded to destroy custom process group.")
 
+    def set_session(open_: bool, refusal: str) -> Response:
+        """Open or close the weight-update session; SGLang refuses a second begin or a lone end."""
+        if session["open"] == open_:
+            return answer(False, refusal)
+        session["open"] = open_
+        return answer(True, "Success")
+
     @app.route("/begin_weight_update", methods=("POST",), admin=True)
     async def begin(request: Request) -> Response:
         try:
@@ -112,11 +119,8 @@ def register_refit_routes(app: App, state: EngineState) -> None:
                                              f"'all', got {selector!r}")  # fmt: skip
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
-        if session["open"]:
-            return answer(False, "a weight-update session is already open; call "
+        return set_session(True, "a weight-update session is already open; call "
                                  "end_weight_update() first")  # fmt: skip
-        session["open"] = True
-        return answer(True, "Success")
 
     @app.route("/end_weight_update", methods=("POST",), admin=True)
     async def end(request: Request) -> Response:
@@ -124,11 +128,8 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             read_body(request)
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
-        if not session["open"]:
-            return answer(False, "no weight-update session is open; call begin_weight_update() "
-                                 "first")  # fmt: skip
-        session["open"] = False
-        return answer(True, "Success")
+        return set_session(False, "no weight-update session is open; call "
+                                  "begin_weight_update() first")  # fmt: skip
 
     @app.route("/update_weights_from_distributed", methods=("POST",), admin=True)
     async def update(request: Request) -> Response:
