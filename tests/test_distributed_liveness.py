@@ -68,3 +68,47 @@ def test_ranks_above_0_outlive_the_stop_signals_so_rank_0_alone_decides():
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+# Rank 0 under real torchrun: it kills rank 1, then fails the way its next collective would.
+# torchrun's SIGTERM lands wherever it lands; the probe also sends one itself at the point
+# where a fresh-clone `make test` saw it land (rank 0's report, after main() raised and the
+# run's own signal receiver had closed), so that window is hit every time.
+TORCHRUN_PROBE = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch.distributed as dist
+    from training.config import BackendConfig
+    from training.distributed import liveness, worker
+
+    found = liveness._dead_ranks
+    def dead_ranks_after_torchruns_stop(ctx):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return found(ctx)
+    liveness._dead_ranks = dead_ranks_after_torchruns_stop
+
+    def main():
+        store = dist.distributed_c10d._get_default_store()
+        pid = int(store.get("rollouts/process/1").decode().split()[1])
+        os.kill(pid, signal.SIGKILL)
+        while liveness._alive(pid):
+            time.sleep(0.01)
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    try:
+        worker.run_rank0(BackendConfig(), main)
+    except liveness.RankLostError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+""")
+
+
+def test_torchruns_stop_during_rank_0s_report_still_names_the_lost_rank(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(TORCHRUN_PROBE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(probe)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    # (torchrun's own SIGTERM may still end rank 0 after its report, as it exits: that is fine)
+    assert len(errors) == 1 and "lost rank 1 (pid " in errors[0], proc.stderr[-3000:]

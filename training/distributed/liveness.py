@@ -86,6 +86,37 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+class Rank0StopSignal:
+    """Rank 0's SIGTERM handler outside the run's own signal receiver (trio's, while it runs).
+
+    Why: torchrun SIGTERMs rank 0 as soon as it reaps a dead rank. When rank 0's collective had
+    already failed, the run's receiver was closed and the default action killed rank 0 in the
+    middle of its report (exit -15, no `error:` line naming the lost rank). While `main()` runs
+    a SIGTERM still stops it (`Interrupted`); once `main()` has returned or raised (`finish()`)
+    it is noted, not obeyed, so the report and the release of the other ranks complete (both
+    are bounded). torchrun SIGKILLs what is left after its grace period (30 s).
+    """
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self._stopping_main = True
+
+    def install(self) -> Rank0StopSignal:
+        import signal
+
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def finish(self) -> None:
+        """`main()` is over: from now on a SIGTERM is noted, not raised."""
+        self._stopping_main = False
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append("SIGTERM")
+        if self._stopping_main:
+            raise Interrupted("SIGTERM")
+
+
 def _dead_ranks(ctx: DistContext) -> list[tuple[int, int]]:
     """(rank, pid) of each rank on this host whose process no longer runs."""
     import torch.distributed as dist

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from training.distributed import wire
 from training.distributed.context import DistContext, init_distributed, shutdown_distributed
-from training.distributed.liveness import ignore_stop_signals, lost_rank_error
+from training.distributed.liveness import Rank0StopSignal, ignore_stop_signals, lost_rank_error
 from training.distributed.watchdog import CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -82,15 +82,20 @@ def run_rank0(backend: BackendConfig, main: Callable[[], T]) -> T | None:
         if shutdown_distributed():
             _exit_without_finalizing(0)
         return None
+    # Left installed: past main() rank 0 is on its way out, and its report (printed by the
+    # caller) must not be cut short by torchrun's SIGTERM (see Rank0StopSignal).
+    stop = Rank0StopSignal().install()
     try:
         result = main()
     except BaseException as err:
+        stop.finish()
         # first: once released, the other ranks exit, and would look lost too
         lost = lost_rank_error(ctx, err)  # gloo's "closed by peer", or torchrun's SIGTERM
         _release_workers_if_idle(ctx)
         if lost is not None:
             raise lost from None
         raise
+    stop.finish()
     shutdown_workers(ctx)
     shutdown_distributed()
     return result
