@@ -19,7 +19,7 @@ import time
 from tests.distributed_launch import ROOT
 
 PROBE = textwrap.dedent("""
-    import os, subprocess, sys, tempfile
+    import os, subprocess, sys, tempfile, threading
     import torch, torch.distributed as dist
     from plumbing.errors import Interrupted
     from training.distributed.context import DistContext
@@ -37,6 +37,13 @@ PROBE = textwrap.dedent("""
     peer.kill(); peer.wait()
     print("dead:", lost_rank_error(ctx, Interrupted("SIGTERM")))
     print("other:", lost_rank_error(ctx, ValueError("a bug")))
+    # gloo's reset can reach rank 0 before the killed rank's exit shows in /proc (under load)
+    lagging = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dist.distributed_c10d._get_default_store().set("rollouts/process/1", f"{os.uname().nodename} {lagging.pid}")
+    threading.Timer(0.3, lagging.kill).start()
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    print("lagging:", lost_rank_error(ctx, reset))
+    lagging.wait()
     dist.destroy_process_group()
 """)
 
@@ -50,6 +57,7 @@ def test_a_stop_signal_while_a_rank_is_dead_names_the_lost_rank_and_a_users_stop
     assert lines["alive"] == "None", lines  # the user's Ctrl-C / kill: a clean stop
     assert lines["dead"].startswith("lost rank 1 (pid "), lines  # torchrun's SIGTERM after a death
     assert lines["other"] == "None", lines  # any other failure keeps its own message
+    assert lines["lagging"].startswith("lost rank 1 (pid "), lines  # not "lost another rank"
 
 
 def test_ranks_above_0_outlive_the_stop_signals_so_rank_0_alone_decides():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING
 
 from plumbing.errors import Interrupted, RolloutsError, leaf_errors
@@ -33,6 +34,8 @@ log = logging.getLogger("rollouts.distributed")
 _KEY = "rollouts/process/{rank}"
 # gloo's messages when the other end of a pair went away (tcp/pair.cc)
 _PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused")
+_PF_EXITING = 0x4  # include/linux/sched.h: the process is in do_exit
+_SETTLE_S = 2.0  # how long a closed connection waits for its peer's process to be gone
 
 
 class RankLostError(RolloutsError, RuntimeError):
@@ -60,6 +63,10 @@ def lost_rank_error(ctx: DistContext, err: BaseException) -> RankLostError | Non
     if not stopped and (gone is None or any(isinstance(e, RolloutsError) for e in leaves)):
         return None
     dead = _dead_ranks(ctx)
+    settle_until = time.monotonic() + _SETTLE_S
+    while gone is not None and not dead and time.monotonic() < settle_until:
+        time.sleep(0.05)  # the connection closed first; the peer's exit may lag behind it
+        dead = _dead_ranks(ctx)
     if stopped and not dead:  # the user's own stop: every rank is still there
         return None
     if dead:
@@ -143,9 +150,12 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # a killed child not yet reaped by torchrun is a zombie: gone all the same
+    # A killed child not yet reaped by torchrun is a zombie: gone all the same. Before that it
+    # is exiting (PF_EXITING, set before its sockets close): under load rank 0 reads "reset by
+    # peer" while the killed rank is still in that state, and must already count it as gone.
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+            fields = stat.read().rsplit(")", 1)[1].split()
     except OSError:
         return True
+    return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
