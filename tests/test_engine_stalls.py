@@ -136,6 +136,8 @@ async def test_a_sync_skips_an_engine_the_pool_knows_is_down_without_paying_its_
                 await sync_weights_to_engines([a, b], tiny_model_dir, "v1", paused=True)
             took = trio.current_time() - t0
             print(f"pause + sync with one engine known down: {took:.2f} s")
-            assert took < 1.0 and (await a.model_info()).weight_version == "v1"
+            # waiting out the dead engine's retries takes 0.5 + 1 + 2 s: 3 s fails that and still
+            # leaves room for a loaded machine (xdist workers beside torchrun jobs)
+            assert took < 3.0 and (await a.model_info()).weight_version == "v1"
             assert b.expected_weights[1] == "v1"  # given on rejoin
         nursery.cancel_scope.cancel()
