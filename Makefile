@@ -17,7 +17,7 @@ BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/g
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint format test test-vllm stress demo sft rl bench wheels gpu-check clean
+.PHONY: help setup lint format test test-cpu test-vllm stress demo sft rl bench wheels gpu-check clean
 
 help:  ## list targets
 	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -67,6 +67,14 @@ $(VLLM_STAMP):
 
 test-vllm: setup $(VLLM_STAMP)  ## VLLMEngine and a short RL run against a real vLLM server (CPU)
 	ROLLOUTS_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -s tests/vllm
+
+# The same run, recording each test's CPU (its worker's and its child processes'), then the
+# table by file: on 2 cores the suite is CPU-bound, so this is where its wall time goes.
+test-cpu: setup  ## make test's suite with each test's CPU recorded; prints where it goes
+	mkdir -p runs && rm -f runs/test_cpu.jsonl
+	ROLLOUTS_TEST_CPU=$(CURDIR)/runs/test_cpu.jsonl $(PY) -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadfile -m "not stress"
+	$(PY) -m tests.cpu_usage runs/test_cpu.jsonl
 
 stress: setup  ## the long stress and generated-shape runs that `make test` leaves out
 	$(PY) -m pytest -q -m stress

@@ -71,6 +71,17 @@ def pytest_xdist_make_scheduler(config, log):
     return FilesExceptSpread(config, log)
 
 
+if os.environ.get("ROLLOUTS_TEST_CPU"):  # `make test-cpu`: where the suite's CPU goes
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+        from tests.cpu_usage import CPURecorder
+
+        done = CPURecorder(os.environ["ROLLOUTS_TEST_CPU"]).around(item.nodeid)
+        yield
+        done()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A freshly built tiny model (seed 0) shared by the whole run. Treat as read-only."""
