@@ -227,9 +227,9 @@ class EnginePool(PoolMembershipMixin):
                     failed_on.clear()
                     await trio.sleep_until(min(deadline, trio.current_time() + backoff))
                     backoff = min(2 * backoff, max(self.probe_interval_s, 0.5))
-                logger.warning("request %s failed on %s (%s, attempt %d of at most %d); retrying",
-                               _what(rids), slot.engine.url, engine_failure_kind(exc), attempt,
-                               self.max_attempts)  # fmt: skip
+                logger.warning("request %s failed on %s (%s, attempt %d of at most %d): %.300s; "
+                               "retrying", _what(rids), slot.engine.url, engine_failure_kind(exc),
+                               attempt, self.max_attempts, exc)  # fmt: skip
                 continue
             else:
                 slot.done += 1

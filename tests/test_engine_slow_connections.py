@@ -121,6 +121,7 @@ async def test_a_full_lobby_evicts_its_oldest_so_a_new_client_gets_through(tiny_
         with trio.fail_after(5):
             while server.state.http_stats.pre_auth_connections < 4:
                 await trio.sleep(0.01)
+        await trio.sleep(1.1)  # a waiter is idle once 1 s in the lobby without a whole head
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
             assert (await http.post("/generate", json=GOOD, headers=KEY)).status_code == 200
         assert await _read_until_closed(idle[0], 2) == b""  # the oldest made room
@@ -136,3 +137,34 @@ async def test_a_request_without_the_key_is_answered_401_and_its_connection_clos
         answer = await _read_until_closed(stream, 3)
         assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
         assert server.state.http_stats.open_connections == 0  # never held a slot
+
+
+async def test_a_burst_of_real_clients_larger_than_the_lobby_is_served_whole(
+    tiny_model_dir, tmp_path
+):
+    # The agent proxy sends each session's call as its own request: a batch opens up to
+    # rollout.max_concurrency (128) new connections at once, more than the lobby holds. They
+    # all send their heads at once, but an engine in its own process accepts the whole burst
+    # before it reads them. Evicting the oldest then closed real clients ("Server disconnected
+    # without sending a response"), and the pool marked the engine down at every step of
+    # examples/agent_rl.py. (An engine in this process would read each head before the next
+    # connect: the burst needs a process of its own.)
+    from engines import SGLangEngine, launch_engine
+
+    async with (
+        launch_engine(kind="local", model_path=tiny_model_dir, log_path=tmp_path / "engine.log",
+                      extra_args=["--max-pre-auth-connections", "8", "--num-threads", "1"]) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):  # fmt: skip
+        answered: list[int] = []
+
+        async def one(i: int) -> None:
+            result = await engine.generate([3, 4, 5 + i % 7], {"max_new_tokens": 2})
+            answered.append(len(result.output_ids))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(64):
+                    nursery.start_soon(one, i)
+    assert answered == [2] * 64
+    assert "lobby full" not in (tmp_path / "engine.log").read_text()

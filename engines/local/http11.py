@@ -10,8 +10,10 @@ ASGI app (`asgi.App`) and guarantees:
   than the slots is answered 503 and closed at once (it never waits in a queue);
 - before that, a connection waits in a lobby of `max_pre_auth_connections`: it must send its
   head within `pre_auth_timeout_s` of being accepted, and when the lobby is full the oldest
-  waiter is closed to let the newcomer in, so clients that send their head at once always
-  get through however many idle sockets an attacker holds (issue 26); a head that is not
+  idle waiter (1 s in the lobby without a whole head sent) is closed to let the newcomer in,
+  so clients that send their head at once always get through however many idle sockets an
+  attacker holds (issue 26), and a burst of real clients larger than the lobby is served
+  whole (`_Lobby` says how it tells them apart); a head that is not
   admitted is answered from the lobby (401, or an auth-exempt route) with `connection: close`;
 - an admitted connection keeps its slot while it idles between requests (keep-alive): its
   client proved its key, and the slot ends with `keep_alive_timeout_s`;
@@ -34,6 +36,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +50,7 @@ logger = logging.getLogger(__name__)
 Admit = Callable[[list[tuple[bytes, bytes]]], bool]
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Any]
 _RECV = 64 * 1024
+_PEEK = 16 * 1024  # h11's cap on a request head
 _MAX_UNREAD = 64 * 1024  # bytes a client may send past its request while it is answered
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 500: "Internal Server Error",
             503: "Service Unavailable"}  # fmt: skip
@@ -192,7 +197,7 @@ class _Connection:
     async def _wait_in_lobby(self, app: ASGIApp, server, admit: Admit, lobby: _Lobby):
         """The first request head if it is admitted; else None (answered or closed)."""
         with trio.CancelScope() as evicted:
-            lobby.enter(evicted)
+            lobby.enter(evicted, self.stream)
             try:
                 with trio.move_on_after(self.limits.pre_auth_timeout_s) as late:
                     request = await self._read_head(first=True)
@@ -281,20 +286,57 @@ class _Connection:
             await self._refuse(500, "The app sent no response")
 
 
+def _whole_head_pending(stream: trio.SocketStream) -> bool:
+    """Whether the client has sent a whole request head that this server has not read yet
+    (still in the kernel's buffer): a real client, about to be served, not an idle socket."""
+    try:
+        fd = stream.socket.fileno()
+        with socket.socket(fileno=os.dup(fd)) as peek:
+            pending = peek.recv(_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # nothing pending (EAGAIN), or the socket is gone
+        return False
+    return b"\r\n\r\n" in pending
+
+
 class _Lobby:
-    """Connections not yet admitted, oldest first; a newcomer over the cap evicts the oldest."""
+    """Connections not yet admitted, oldest first. A newcomer over the cap evicts the oldest
+    waiter that is idle: it has been waiting `grace_s` and has not sent a whole head.
 
-    def __init__(self, capacity: int, stats: ServerStatistics) -> None:
-        self.capacity, self.stats = capacity, stats
-        self.waiting: dict[trio.CancelScope, None] = {}  # insertion order is age
+    Why the two conditions: a burst of real clients larger than the lobby (the agent proxy
+    opens up to `rollout.max_concurrency` connections at once) reaches an engine in its own
+    process as a burst of accepts before any head is read, and each client sends its head a
+    moment after its connect. A waiter younger than `grace_s`, or whose head waits unread in
+    the kernel's buffer, is such a client: kept, and the newcomer waits beside it over the
+    cap, up to `hard_cap` waiters (the server's connection slots), past which the oldest goes
+    whatever it is. An idle socket past `grace_s` is what an attacker holds: evicted as before.
+    """
 
-    def enter(self, scope: trio.CancelScope) -> None:
+    def __init__(self, capacity: int, hard_cap: int, stats: ServerStatistics,
+                 grace_s: float = 1.0) -> None:  # fmt: skip
+        self.capacity, self.hard_cap, self.stats, self.grace_s = capacity, hard_cap, stats, grace_s
+        # insertion order is age: scope -> (stream to peek at, when it entered)
+        self.waiting: dict[trio.CancelScope, tuple[trio.SocketStream, float]] = {}
+
+    def _idle(self, stream: trio.SocketStream, entered: float, now: float) -> bool:
+        return now - entered >= self.grace_s and not _whole_head_pending(stream)
+
+    def enter(self, scope: trio.CancelScope, stream: trio.SocketStream) -> None:
+        now = trio.current_time()
         if len(self.waiting) >= self.capacity:
-            oldest = next(iter(self.waiting))
-            del self.waiting[oldest]
-            oldest.cancel()
-            self.stats.evicted_connections += 1
-        self.waiting[scope] = None
+            idle = next((s for s, (st, t) in self.waiting.items() if self._idle(st, t, now)), None)
+            if idle is None and len(self.waiting) >= self.hard_cap:
+                idle = next(iter(self.waiting))  # never more waiters than connection slots
+            if idle is not None:
+                del self.waiting[idle]
+                idle.cancel()
+                self.stats.evicted_connections += 1
+                if self.stats.evicted_connections == 1:  # then DEBUG: an attack repeats it
+                    logger.warning("lobby full (%d connections without an admitted head): closed "
+                                   "the oldest idle one", self.capacity)  # fmt: skip
+                else:
+                    logger.debug("lobby full: closed an idle connection (%d so far)",
+                                 self.stats.evicted_connections)  # fmt: skip
+        self.waiting[scope] = (stream, now)
         self.stats.pre_auth_connections = len(self.waiting)
 
     def leave(self, scope: trio.CancelScope) -> None:
@@ -325,7 +367,11 @@ async def serve_http(
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     slots = trio.Semaphore(limits.max_connections)
-    lobby = _Lobby(limits.max_pre_auth_connections, stats)
+    lobby = _Lobby(
+        limits.max_pre_auth_connections,
+        max(limits.max_pre_auth_connections, limits.max_connections),
+        stats,
+    )
 
     async def handle(stream: trio.SocketStream) -> None:
         connection = _Connection(stream, limits, stats)
