@@ -151,20 +151,21 @@ async def test_a_burst_of_real_clients_larger_than_the_lobby_is_served_whole(
     # connect: the burst needs a process of its own.)
     from engines import SGLangEngine, launch_engine
 
-    async with (
-        launch_engine(kind="local", model_path=tiny_model_dir, log_path=tmp_path / "engine.log",
-                      extra_args=["--max-pre-auth-connections", "8", "--num-threads", "1"]) as server,
-        SGLangEngine(server.url, max_retries=0) as engine,
-    ):  # fmt: skip
-        answered: list[int] = []
+    async with launch_engine(kind="local", model_path=tiny_model_dir,
+                             log_path=tmp_path / "engine.log",
+                             extra_args=["--max-pre-auth-connections", "8",
+                                         "--num-threads", "1"]) as server:  # fmt: skip
+        for burst in (9, 24, 64):  # just over the lobby, 3x, 8x: each from a new client
+            answered: list[int] = []
+            async with SGLangEngine(server.url, max_retries=0) as engine:
 
-        async def one(i: int) -> None:
-            result = await engine.generate([3, 4, 5 + i % 7], {"max_new_tokens": 2})
-            answered.append(len(result.output_ids))
+                async def one(i: int, engine=engine, answered=answered) -> None:
+                    result = await engine.generate([3, 4, 5 + i % 7], {"max_new_tokens": 2})
+                    answered.append(len(result.output_ids))
 
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for i in range(64):
-                    nursery.start_soon(one, i)
-    assert answered == [2] * 64
+                with trio.fail_after(60):
+                    async with trio.open_nursery() as nursery:
+                        for i in range(burst):
+                            nursery.start_soon(one, i)
+            assert answered == [2] * burst
     assert "lobby full" not in (tmp_path / "engine.log").read_text()

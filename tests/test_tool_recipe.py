@@ -85,14 +85,12 @@ async def test_the_agent_example_trains_through_the_proxy_in_the_rl_recipe(
     tiny_model_dir, tmp_path
 ):
     """examples/agent_rl.py's agent (the `openai` client alone) in the recipe it runs, small."""
-    import importlib.util
+    import runpy
 
     from tests.distributed_launch import ROOT
     from training.recipes.rl import RLExtensions
 
-    spec = importlib.util.spec_from_file_location("agent_rl", ROOT / "examples" / "agent_rl.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = runpy.run_path(str(ROOT / "examples" / "agent_rl.py"))  # not as __main__
     config = load_config(RLRunConfig, ROOT / "configs" / "agent_tiny.yaml", [
         f"output_dir={tmp_path / 'out'}", f"model.path={tiny_model_dir}",
         f"data.task_dir={tmp_path / 'data'}", "data.multiply.n_sft=4", "data.multiply.n_rl=16",
@@ -104,7 +102,7 @@ async def test_the_agent_example_trains_through_the_proxy_in_the_rl_recipe(
 
     async def agent(client, task):
         clients.append(type(client).__name__)
-        return await example.calculator_agent(client, task)
+        return await example["calculator_agent"](client, task)
 
     summary = await run_rl_recipe(config, extensions=RLExtensions(agent=agent))
     rows = [json.loads(r) for r in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -112,6 +110,5 @@ async def test_the_agent_example_trains_through_the_proxy_in_the_rl_recipe(
     assert [r["weight_version"] for r in rows] == [1, 2]
     assert all(r["samples_failed"] == 0 for r in rows), rows  # every session ran to its reward
     assert len(clients) >= 2 * 2 * 2 and set(clients) == {"AsyncOpenAI"}  # each a session
-    assert example.calculate("12*3") == "36" and example.calculate("__import__('os')").startswith(
-        "Error"
-    )
+    calculate = example["calculate"]
+    assert calculate("12*3") == "36" and calculate("__import__('os')").startswith("Error")

@@ -51,6 +51,7 @@ Admit = Callable[[list[tuple[bytes, bytes]]], bool]
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Any]
 _RECV = 64 * 1024
 _PEEK = 16 * 1024  # h11's cap on a request head
+_LOBBY_GRACE_S = 1.0  # a lobby waiter this old without a whole head sent is idle (`_Lobby`)
 _MAX_UNREAD = 64 * 1024  # bytes a client may send past its request while it is answered
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 500: "Internal Server Error",
             503: "Service Unavailable"}  # fmt: skip
@@ -300,25 +301,25 @@ def _whole_head_pending(stream: trio.SocketStream) -> bool:
 
 class _Lobby:
     """Connections not yet admitted, oldest first. A newcomer over the cap evicts the oldest
-    waiter that is idle: it has been waiting `grace_s` and has not sent a whole head.
+    waiter that is idle: it has been waiting `_LOBBY_GRACE_S` and has not sent a whole head.
 
     Why the two conditions: a burst of real clients larger than the lobby (the agent proxy
     opens up to `rollout.max_concurrency` connections at once) reaches an engine in its own
     process as a burst of accepts before any head is read, and each client sends its head a
-    moment after its connect. A waiter younger than `grace_s`, or whose head waits unread in
+    moment after its connect. A waiter younger than `_LOBBY_GRACE_S`, or whose head waits unread in
     the kernel's buffer, is such a client: kept, and the newcomer waits beside it over the
     cap, up to `hard_cap` waiters (the server's connection slots), past which the oldest goes
-    whatever it is. An idle socket past `grace_s` is what an attacker holds: evicted as before.
+    whatever it is. An idle socket past the grace is what an attacker holds: evicted as before.
     """
 
-    def __init__(self, capacity: int, hard_cap: int, stats: ServerStatistics,
-                 grace_s: float = 1.0) -> None:  # fmt: skip
-        self.capacity, self.hard_cap, self.stats, self.grace_s = capacity, hard_cap, stats, grace_s
+    def __init__(self, limits: ConnectionLimits, stats: ServerStatistics) -> None:
+        self.capacity, self.stats = limits.max_pre_auth_connections, stats
+        self.hard_cap = max(self.capacity, limits.max_connections)
         # insertion order is age: scope -> (stream to peek at, when it entered)
         self.waiting: dict[trio.CancelScope, tuple[trio.SocketStream, float]] = {}
 
     def _idle(self, stream: trio.SocketStream, entered: float, now: float) -> bool:
-        return now - entered >= self.grace_s and not _whole_head_pending(stream)
+        return now - entered >= _LOBBY_GRACE_S and not _whole_head_pending(stream)
 
     def enter(self, scope: trio.CancelScope, stream: trio.SocketStream) -> None:
         now = trio.current_time()
@@ -367,11 +368,7 @@ async def serve_http(
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     slots = trio.Semaphore(limits.max_connections)
-    lobby = _Lobby(
-        limits.max_pre_auth_connections,
-        max(limits.max_pre_auth_connections, limits.max_connections),
-        stats,
-    )
+    lobby = _Lobby(limits, stats)
 
     async def handle(stream: trio.SocketStream) -> None:
         connection = _Connection(stream, limits, stats)

@@ -105,7 +105,6 @@ class Rank0StopSignal:
     """
 
     def __init__(self) -> None:
-        self.received: list[str] = []
         self._stopping_main = True
 
     def install(self) -> Rank0StopSignal:
@@ -119,7 +118,6 @@ class Rank0StopSignal:
         self._stopping_main = False
 
     def _handle(self, signum: int, frame: object) -> None:
-        self.received.append("SIGTERM")
         if self._stopping_main:
             raise Interrupted("SIGTERM")
 
