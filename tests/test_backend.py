@@ -125,3 +125,32 @@ async def test_compute_logprobs_matches_a_plain_forward(tiny_model_dir, tmp_path
             full = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
             trained = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
             torch.testing.assert_close(lp, full[trained], rtol=0, atol=1e-5)
+
+
+async def test_the_loss_reads_the_batch_the_model_read(tiny_model_dir, tmp_path, samples,
+                                                       monkeypatch):  # fmt: skip
+    """The loss gets the micro-batch on the backend's device, the very one the model read: on a
+    GPU the other copy is on the CPU and the loss's gather beside CUDA logits fails (found by
+    the first run of benchmarks/gpu_check.py on an H100; this CPU cannot tell the devices apart,
+    so the test checks that the two are one batch)."""
+    import training.backend.rank_ops as rank_ops
+    from training.data.packing import sft_loss
+
+    read_by_model: list = []
+    real_forward_logits = rank_ops.forward_logits
+
+    def recording_forward_logits(model, batch):
+        read_by_model.append(batch)
+        return real_forward_logits(model, batch)
+
+    def checking_loss(logits, batch, **kw):
+        assert batch is read_by_model[-1], "the loss got another copy of the batch than the model"
+        return sft_loss(logits, batch, **kw)
+
+    monkeypatch.setattr(rank_ops, "forward_logits", recording_forward_logits)
+    with make_backend(tiny_model_dir, tmp_path, loss_fn=checking_loss,
+                      micro_batch_tokens=64) as backend:  # fmt: skip
+        trained = await backend.forward_backward(samples[:16]).result()
+        evaluated = await backend.forward(samples[16:32]).result()
+    assert trained["n_microbatches"] > 1 and trained["loss"] > 0 and evaluated["loss"] > 0
+    assert len(read_by_model) >= 2 * trained["n_microbatches"]

@@ -173,7 +173,8 @@ class RankOps:
         idle = lambda: self._idle_pass(backward=True)  # noqa: E731
         with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
             for batch in self._passes(batches, n_passes, idle):
-                logits = forward_logits(self.model, batch.to(self.device))
+                batch = batch.to(self.device)  # the loss reads it beside the logits
+                logits = forward_logits(self.model, batch)
                 loss, metrics = loss_fn(logits, batch)
                 weight = weight_fn(batch) / total_weight
                 (loss * weight).backward()
@@ -215,7 +216,8 @@ class RankOps:
         idle = lambda: self._idle_pass(backward=False)  # noqa: E731
         with torch.no_grad(), model_io.eval_mode(self.model):
             for batch in self._passes(batches, n_passes, idle):
-                loss, _ = self.loss_fn(forward_logits(self.model, batch.to(self.device)), batch)
+                batch = batch.to(self.device)
+                loss, _ = self.loss_fn(forward_logits(self.model, batch), batch)
                 loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
         return loss_sum
 
