@@ -21,7 +21,7 @@ matmul rate), writing to benchmarks/results/quick/ unless `--results` says where
 it (tests/test_gpu_check.py), so it cannot rot. DEVELOPERS.md says how to carry the
 dependencies to a GPU machine without network.
 
-    python benchmarks/gpu_check.py [--dry-run] [--results PATH]
+    python benchmarks/gpu_check.py [--dry-run] [--results PATH] [--profile PATH]
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -193,8 +195,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-async def measure(plan: Plan, tmp: Path) -> dict:
-    """Rank 0's run (world size 1): SFT, then GRPO with the engine and weight syncs."""
+async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
+    """Rank 0's run (world size 1): SFT, then GRPO with the engine and weight syncs; with
+    `profile`, one more SFT step and GRPO update under torch.profiler, after the measured ones
+    (the figures do not include them), its tables written to `profile`."""
     from engines import SGLangEngine, launch_engine
     from engines.weight_sync import sync_weights_to_engines
     from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
@@ -227,6 +231,15 @@ async def measure(plan: Plan, tmp: Path) -> dict:
         tokens.append(metrics["n_tokens"])
         flops.append(model_flops(plan.shape, n_matmul, [len(s) for s in batch]))
     figures["sft"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
+    profiles = []
+    if profile is not None:
+        batch = sft_samples(plan, rng, vocab)
+        with profiled(plan) as prof:
+            fb = sft.forward_backward(batch)
+            await sft.optim_step().result()
+            await fb.result()
+            sync(plan.device)
+        profiles.append(("SFT step", prof))
 
     reset_peak_memory(plan)
     rl = PyTorchTrainingBackend(build, tok, optim=optim, max_steps=100, checkpoint_dir=tmp / "rl",
@@ -257,7 +270,18 @@ async def measure(plan: Plan, tmp: Path) -> dict:
             path = await rl.export_weights(tmp / "weights" / f"v{rl.weight_version:04d}")
             await sync_weights_to_engines([engine], path, str(rl.weight_version))
             sync_s.append(time.perf_counter() - t0)
+        if profile is not None:
+            batch = await sample_groups(engine, plan, rng, vocab, plan.rl_steps)
+            with profiled(plan) as prof:
+                await train_on_batch(rl, batch, grpo(), temperature=1.0, old_from_rollout=False,
+                                     reference=None)  # fmt: skip
+                sync(plan.device)
+            profiles.append(("GRPO update", prof))
+            path = await rl.export_weights(tmp / "weights" / f"v{rl.weight_version:04d}")
+            await sync_weights_to_engines([engine], path, str(rl.weight_version))
         served = (await engine.model_info()).weight_version
+    if profile is not None:
+        write_profiles(plan, profiles, profile)
     w = plan.warmup
     figures["grpo"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
     figures["engine"] = {"generate_s": harness.median(gen_s[w:]),
@@ -268,6 +292,32 @@ async def measure(plan: Plan, tmp: Path) -> dict:
     return figures
 
 
+@contextmanager
+def profiled(plan: Plan) -> Iterator:
+    """torch.profiler over the block: CPU and, on CUDA, the GPU's kernels; every thread's ops
+    (the backend runs them on its own thread)."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if plan.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities,
+                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:  # fmt: skip
+        yield prof
+
+
+def write_profiles(plan: Plan, profiles: list, path: Path, rows: int = 25) -> None:
+    """Each profiled phase's top ops by self time on the device (CPU time on CPU)."""
+    key = "self_device_time_total" if plan.device == "cuda" else "self_cpu_time_total"
+    parts = []
+    for label, prof in profiles:
+        table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        parts.append(f"## {label}: top {rows} ops by {key}\n\n{table}")
+    path.write_text("\n\n".join(parts), encoding="utf-8")
+    print(f"wrote the profiles ({', '.join(label for label, _ in profiles)}) to {path}")
+
+
 def phase_figures(plan: Plan, times: list[float], tokens: list[int], flops: list[float], *,
                   loss: float) -> dict:  # fmt: skip
     w = plan.warmup
@@ -276,7 +326,7 @@ def phase_figures(plan: Plan, times: list[float], tokens: list[int], flops: list
             "peak_memory_gib": peak_memory_gib(plan), "loss": loss}  # fmt: skip
 
 
-def run(plan: Plan) -> dict:
+def run(plan: Plan, profile: Path | None = None) -> dict:
     """Join a process group of one (NCCL on CUDA, gloo on CPU) and run `measure` on rank 0."""
     import trio
 
@@ -294,7 +344,7 @@ def run(plan: Plan) -> dict:
         ctx = current()
         assert ctx is not None and ctx.world == 1, "expected a process group of one"
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-            figures = trio.run(measure, plan, Path(tmp))
+            figures = trio.run(measure, plan, Path(tmp), profile)
         import torch.distributed as dist
 
         figures["process_group"] = dist.get_backend()
@@ -355,6 +405,9 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=None,
                    help="the RESULTS.md to write (default: benchmarks/RESULTS.md; with "
                    "--dry-run benchmarks/results/quick/RESULTS.md)")  # fmt: skip
+    p.add_argument("--profile", type=Path, default=None,
+                   help="also profile one more SFT step and GRPO update (torch.profiler, after "
+                   "the measured steps) and write their top ops by device time to this file")  # fmt: skip
     args = p.parse_args()
     import torch
 
@@ -365,7 +418,7 @@ def main() -> int:
     plan = DRY if args.dry_run else GPU
     started = time.time()
     peak, peak_text = peak_flops(plan)
-    figures = run(plan)
+    figures = run(plan, args.profile)
     parts, notes = report(plan, figures, peak, peak_text)
     smoke = "Dry run (`--dry-run`: CPU, tiny model): checks the code path; not GPU figures." if args.dry_run else ""  # fmt: skip
     title = "GPU check: SFT, GRPO, FSDP2, local engine and weight sync on one GPU"

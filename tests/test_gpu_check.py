@@ -19,7 +19,7 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
-                           "--results", str(results)], cwd=tmp_path, env=env, capture_output=True,
+                           "--results", str(results), "--profile", str(tmp_path / "profile.txt")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT "))
@@ -30,8 +30,14 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
             assert math.isfinite(value) and value > 0, (phase, key, value)
         assert math.isfinite(figures[phase]["loss"])
     assert figures["engine"]["tokens_per_s"] > 0 and figures["weight_sync_s"] > 0
-    assert figures["served_version"] == figures["trained_version"] == "2"
+    assert figures["served_version"] == figures["trained_version"] == "3"  # 2 + the profiled one
     for text in (proc.stdout, results.read_text()):
         assert "| SFT step" in text and "| GRPO update" in text and "MFU" in text
     section = results.read_text()
     assert "<!-- begin gpu_check -->" in section and "Dry run" in section
+    # --profile: both phases' top ops, the backend thread's matmuls and optimizer among them
+    profile = (tmp_path / "profile.txt").read_text()
+    sft, grpo = profile.split("## GRPO update")
+    for table in (sft, grpo):
+        assert "aten::mm" in table and "Self CPU" in table, table[:2000]
+    assert "Optimizer.step" in sft
