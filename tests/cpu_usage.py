@@ -5,7 +5,8 @@ both cores busy), so its wall time is about its CPU seconds over 2, and most of 
 in the processes tests start (torchrun ranks, local engines, the CLI), which `--durations` does
 not show. Each test's row is its worker's own CPU plus that of the child processes reaped during
 it (`RUSAGE_CHILDREN`: a process counts once its parent has waited for it, which the launchers
-here do).
+here do), and that of the programs a warm interpreter forked for it (tests/warm_python.py; the
+zygote's own imports, once per worker, are not in any row).
 
     ROLLOUTS_TEST_CPU=runs/test_cpu.jsonl pytest ...   # rows, one JSON object per test
     python -m tests.cpu_usage runs/test_cpu.jsonl        # the table, heaviest files first
@@ -23,9 +24,11 @@ from pathlib import Path
 
 def cpu_seconds() -> tuple[float, float]:
     """(this process, its reaped children): user + system seconds so far."""
+    from tests.warm_python import children_cpu_s  # programs forked by a warm interpreter
+
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + children_cpu_s()
 
 
 class CPURecorder:

@@ -4,9 +4,10 @@ Why: the docs are the first code a user runs; a snippet that no longer runs, or 
 config key that was renamed, is a defect a reader finds before we do. The conventions a docs
 writer follows, all enforced here:
 
-- A ```python block is a whole program. The test writes it to a file and runs it with this
-  interpreter in a fresh temporary directory (its cwd), with `SNIPPET_TIMEOUT_S` as deadline;
-  it must exit 0. `runs/tiny_model` is already there (a copy of the session's tiny model), so a
+- A ```python block is a whole program. The test writes it to a file and runs it as `python
+  snippet.py` in a fresh temporary directory (its cwd), with `SNIPPET_TIMEOUT_S` as deadline;
+  it must exit 0. Its process is forked from a warm interpreter that has torch and
+  transformers imported (tests/warm_python.py: ~3 CPU s less per snippet). `runs/tiny_model` is already there (a copy of the session's tiny model), so a
   snippet that calls `ensure_tiny_model("runs/tiny_model")` does not spend time building it.
 - To run a long snippet small, end a line with `# docs-test: NAME=VALUE [NAME=VALUE ...]`:
   before running, the value of `NAME = <old>` (or `NAME=<old>`) on that line becomes VALUE (the
@@ -31,8 +32,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,16 +111,14 @@ def snippet_dir(tmp_path: Path, tiny_model_dir: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.where for b in PYTHON_BLOCKS])
-def test_python_snippet_runs(block: Block, snippet_dir: Path) -> None:
+def test_python_snippet_runs(block: Block, snippet_dir: Path, warm_python) -> None:
     if block.skip_reason:
         pytest.skip(f"{block.where}: {block.skip_reason}")
     program = snippet_dir / "snippet.py"
     program.write_text(apply_markers(block), encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(program)], cwd=snippet_dir, env=env, capture_output=True,
-        text=True, timeout=SNIPPET_TIMEOUT_S,
-    )  # fmt: skip
+    # `python snippet.py` in its own process, forked from a warm interpreter (tests/warm_python.py)
+    proc = warm_python.run([program], cwd=snippet_dir, env=env, timeout=SNIPPET_TIMEOUT_S)
     assert proc.returncode == 0, (
         f"{block.where}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )

@@ -1,0 +1,170 @@
+"""A warm interpreter for tests that run a whole program to completion (`make test`'s process
+start-up, issue 28).
+
+Most of what a test's Python process costs on this machine is its imports: torch, transformers
+and a model class take ~3 CPU s before the program's first line of its own (`python -X
+importtime`; `make test-cpu` shows that the suite's CPU is ~80 % in the processes it starts).
+`WarmPython` pays them once: a zygote process imports them, then for each program forks a child
+that runs it as `python PROGRAM ARGS` would — its own process and session, its own cwd,
+environment, argv, `sys.path[0]`, stdout and stderr, `__main__`, exit status and interpreter
+exit (atexit handlers, thread joins). The program imports what it needs as always; a module the
+zygote already imported is found in `sys.modules` instead of being loaded again.
+
+What a warm child cannot show, and so what stays on a fresh interpreter: anything about start-up
+itself (which modules a command loads: `test_help_and_config_errors_answer_without_loading_torch`),
+environment variables read at import by a warm module (`OMP_NUM_THREADS`, `GOMP_SPINCOUNT`: the
+zygote is started with the suite's), and programs a test signals or watches while they run (the
+child is the zygote's, not the test's: only its exit status comes back).
+
+    with WarmPython() as warm:
+        proc = warm.run(["snippet.py"], cwd=tmp, env=env, timeout=600)   # a CompletedProcess
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What the zygote imports: torch, transformers and the model classes the tiny and test models
+# use, and the project's heavy modules (each program still imports what it uses).
+WARM_MODULES = (
+    "plumbing.threads",
+    "torch",
+    "safetensors.torch",
+    "transformers",
+    "trio",
+    "httpx",
+    "training",
+    "training.backend.pytorch",
+    "training.recipes.cli",
+)
+
+_ZYGOTE = r"""
+import json, os, signal, sys, time, importlib
+sys.path[0] = ROOT
+for name in MODULES:
+    importlib.import_module(name)
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
+requests, replies = sys.stdin.buffer, sys.stdout.buffer
+
+def reply(obj):
+    replies.write((json.dumps(obj) + "\n").encode())
+    replies.flush()
+
+def serve():
+    reply({"ready": os.getpid()})
+    while True:
+        line = requests.readline()
+        if not line:
+            os._exit(0)
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            return req
+        deadline, timed_out = time.monotonic() + req["timeout"], False
+        while True:
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline and not timed_out:
+                timed_out = True
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+        reply({"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
+               "cpu_s": usage.ru_utime + usage.ru_stime})
+
+req = serve()
+# The child: from here on, the program as `python PROGRAM ARGS` would run it.
+os.setsid()
+os.chdir(req["cwd"])
+os.environ.clear()
+os.environ.update(req["env"])
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+sys.stdin = open(0, closefd=False)
+sys.stdout = open(1, "w", buffering=1, closefd=False)
+sys.stderr = open(2, "w", buffering=1, closefd=False)
+program = os.path.abspath(req["argv"][0])
+sys.argv = [program, *req["argv"][1:]]
+extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+sys.path[:1] = [os.path.dirname(program), *extra]  # as a fresh `python PROGRAM` would have it
+del req, requests, replies, null, extra
+import runpy
+runpy.run_path(program, run_name="__main__")
+"""
+
+
+_children_cpu_s = 0.0
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of every program this process's `WarmPython`s have run to completion (they
+    are the zygote's children, so this process's RUSAGE_CHILDREN does not see them;
+    tests/cpu_usage.py adds this)."""
+    return _children_cpu_s
+
+
+class WarmPython:
+    """A zygote process with the heavy modules imported; `run` forks a program from it."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        code = _ZYGOTE.replace("ROOT", repr(str(ROOT))).replace("MODULES", repr(WARM_MODULES))
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env or dict(os.environ))  # fmt: skip
+        self._lock = threading.Lock()
+        ready = self._read()
+        assert "ready" in ready, ready
+
+    def _read(self) -> dict:
+        line = self._proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"the warm interpreter exited ({self._proc.wait()})")
+        return json.loads(line)
+
+    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str] | None = None,
+            timeout: float) -> subprocess.CompletedProcess:  # fmt: skip
+        """`python *argv` in `cwd` with `env` (default: this process's), to completion; past
+        `timeout` its process group is killed and `subprocess.TimeoutExpired` raised."""
+        with self._lock, tempfile.TemporaryDirectory(prefix="warm_") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            req = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env or dict(os.environ),
+                   "timeout": timeout, "stdout": str(out), "stderr": str(err)}  # fmt: skip
+            self._proc.stdin.write((json.dumps(req) + "\n").encode())  # type: ignore[union-attr]
+            self._proc.stdin.flush()  # type: ignore[union-attr]
+            result = self._read()
+            global _children_cpu_s
+            _children_cpu_s += result["cpu_s"]
+            stdout = out.read_text(errors="replace") if out.exists() else ""
+            stderr = err.read_text(errors="replace") if err.exists() else ""
+        if result["timed_out"]:
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([sys.executable, *argv], result["returncode"],
+                                           stdout, stderr)  # fmt: skip
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.send_signal(signal.SIGKILL)
+                self._proc.wait()
+
+    def __enter__(self) -> WarmPython:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
