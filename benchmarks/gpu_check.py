@@ -215,22 +215,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
     n_matmul = matmul_params(plan.shape)
     figures: dict = {"n_params": n_matmul}
 
-    reset_peak_memory(plan)
-    sft = PyTorchTrainingBackend(build, tok, optim=optim, max_steps=100,
-                                 checkpoint_dir=tmp / "sft", pack_length=plan.pack_length,
-                                 micro_batch_tokens=plan.micro_batch_tokens)  # fmt: skip
-    times, flops, tokens = [], [], []
-    for _ in range(plan.sft_steps):
-        batch = sft_samples(plan, rng, vocab)
-        t0 = time.perf_counter()
-        fb = sft.forward_backward(batch)
-        await sft.optim_step().result()
-        metrics = await fb.result()
-        sync(plan.device)
-        times.append(time.perf_counter() - t0)
-        tokens.append(metrics["n_tokens"])
-        flops.append(model_flops(plan.shape, n_matmul, [len(s) for s in batch]))
-    figures["sft"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
+    sft, figures["sft"] = await sft_phase(plan, tmp, build, tok, n_matmul, fused=False)
     profiles = []
     if profile is not None:
         batch = sft_samples(plan, rng, vocab)
@@ -240,7 +225,13 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
             await fb.result()
             sync(plan.device)
         profiles.append(("SFT step", prof))
+    sft.close()
+    del sft
+    fused, figures["sft_fused"] = await sft_phase(plan, tmp, build, tok, n_matmul, fused=True)
+    fused.close()
+    del fused
 
+    free_device_memory(plan)
     reset_peak_memory(plan)
     rl = PyTorchTrainingBackend(build, tok, optim=optim, max_steps=100, checkpoint_dir=tmp / "rl",
                                 pack_length=None, micro_batch_tokens=plan.micro_batch_tokens,
@@ -290,6 +281,45 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
     figures["served_version"] = served
     figures["trained_version"] = str(rl.weight_version)
     return figures
+
+
+async def sft_phase(plan: Plan, tmp: Path, build, tok, n_matmul: int, *, fused: bool):
+    """(the backend, its figures) after `plan.sft_steps` SFT steps on the same batches each
+    time (seed 1), AdamW fused or not."""
+    from training.backend.pytorch import PyTorchTrainingBackend
+    from training.config import OptimConfig
+
+    optim = OptimConfig(lr=1e-5, schedule="constant", fused=fused)
+    rng = random.Random(1)
+    free_device_memory(plan)
+    reset_peak_memory(plan)
+    sft = PyTorchTrainingBackend(build, tok, optim=optim, max_steps=100,
+                                 checkpoint_dir=tmp / ("sft_fused" if fused else "sft"),
+                                 pack_length=plan.pack_length,
+                                 micro_batch_tokens=plan.micro_batch_tokens)  # fmt: skip
+    times, flops, tokens = [], [], []
+    for _ in range(plan.sft_steps):
+        batch = sft_samples(plan, rng, len(tok))
+        t0 = time.perf_counter()
+        fb = sft.forward_backward(batch)
+        await sft.optim_step().result()
+        metrics = await fb.result()
+        sync(plan.device)
+        times.append(time.perf_counter() - t0)
+        tokens.append(metrics["n_tokens"])
+        flops.append(model_flops(plan.shape, n_matmul, [len(s) for s in batch]))
+    return sft, phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
+
+
+def free_device_memory(plan: Plan) -> None:
+    """Give an earlier phase's freed memory back (its peak is not the next phase's)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 @contextmanager
@@ -361,7 +391,8 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
     import torch
 
     rows = []
-    for phase, label in (("sft", "SFT step"), ("grpo", "GRPO update")):
+    for phase, label in (("sft", "SFT step"), ("sft_fused", "SFT step, fused AdamW"),
+                         ("grpo", "GRPO update")):  # fmt: skip
         f = figures[phase]
         f["mfu"] = f["tflops"] * 1e12 / peak if peak else None
         mfu = f"{100 * f['mfu']:.1f} %" if peak else "n/a"
@@ -383,7 +414,8 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
         f"{plan.sft_sample_len} tokens per step packed into rows of {plan.pack_length}; GRPO "
         f"{plan.rl_prompts} prompts x {plan.rl_group} samples, {plan.prompt_len}-token prompts, "
         f"{plan.response_len}-token responses; micro-batches of {plan.micro_batch_tokens} "
-        f"tokens; medians over the steps after the first {plan.warmup}.",
+        f"tokens; medians over the steps after the first {plan.warmup}; the fused row runs the "
+        "same SFT steps (same batches) with `optim.fused` (one fused AdamW kernel).",
         f"- Local engine ({plan.device}, {plan.engine_dtype}): "
         f"{figures['engine']['tokens_per_s']:,.0f} generated tokens/s "
         f"({figures['engine']['generate_s']:.2f} s per batch of "
@@ -427,7 +459,7 @@ def main() -> int:
                           quick=args.dry_run, started=started, path=args.results,
                           smoke=smoke)  # fmt: skip
     harness.emit({k: v for k, v in figures.items() if k != "process_group"})
-    bad = [k for k in ("sft", "grpo") if not all(math.isfinite(v) and v > 0 for v in
+    bad = [k for k in ("sft", "sft_fused", "grpo") if not all(math.isfinite(v) and v > 0 for v in
            (figures[k]["step_s"], figures[k]["tokens_per_s"], figures[k]["tflops"]))]  # fmt: skip
     return 1 if bad else 0
 

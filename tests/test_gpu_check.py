@@ -24,15 +24,20 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT "))
     figures = json.loads(line.removeprefix("BENCH_RESULT "))
-    for phase in ("sft", "grpo"):
+    for phase in ("sft", "sft_fused", "grpo"):
         for key in ("step_s", "tokens_per_s", "tflops", "mfu", "peak_memory_gib"):
             value = figures[phase][key]
             assert math.isfinite(value) and value > 0, (phase, key, value)
         assert math.isfinite(figures[phase]["loss"])
     assert figures["engine"]["tokens_per_s"] > 0 and figures["weight_sync_s"] > 0
     assert figures["served_version"] == figures["trained_version"] == "3"  # 2 + the profiled one
+    # the fused row trains the same batches from the same weights: the same loss up to rounding
+    assert (
+        abs(figures["sft_fused"]["loss"] - figures["sft"]["loss"]) < 1e-3 * figures["sft"]["loss"]
+    )
     for text in (proc.stdout, results.read_text()):
-        assert "| SFT step" in text and "| GRPO update" in text and "MFU" in text
+        assert "| SFT step " in text and "| GRPO update" in text and "MFU" in text
+        assert "| SFT step, fused AdamW" in text
     section = results.read_text()
     assert "<!-- begin gpu_check -->" in section and "Dry run" in section
     # --profile: both phases' top ops, the backend thread's matmuls and optimizer among them
