@@ -1,13 +1,16 @@
 #!/bin/bash
 # The recipes' device paths, end to end on the tiny model, 3-4 steps each: SFT, GRPO with a KL
-# reference, PPO (critic) and LoRA GRPO (adapters hot-loaded into the engine), the trainer and
-# the launched local engine both on DEVICE. What benchmarks/gpu_check.py does not cover (it
-# calls the backend directly); run it beside that check on a GPU machine.
+# reference (prompt-shared rows: `share_prompts` is on by default), PPO (critic), LoRA GRPO
+# (adapters hot-loaded into the engine) and online DPO (pairwise loss), the trainer and the
+# launched local engine both on DEVICE: what benchmarks/gpu_check.py, which calls the backend
+# directly, does not cover. Run it beside that check on a GPU machine. Not the multi-turn tool
+# recipe: the base model calls no tool, so it would run one turn (it needs the checkpoint of
+# configs/tool_sft_tiny.yaml first).
 #
 #   PYTHON=python3 bash benchmarks/gpu_recipes.sh cuda /tmp/gpu_recipes
 #
 # Each recipe's log is OUTDIR/NAME.log and its run OUTDIR/w/NAME/ (metrics.jsonl); a line per
-# recipe says its exit status and seconds. On CPU (DEVICE=cpu) it takes about a minute here.
+# recipe says its exit status and seconds. On CPU (DEVICE=cpu) it takes ~70 s here.
 dev=${1:?usage: gpu_recipes.sh DEVICE OUTDIR}; out=${2:?usage: gpu_recipes.sh DEVICE OUTDIR}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$out/w"
@@ -34,4 +37,6 @@ run ppo rl --config configs/rl_tiny.yaml --output-dir "$out/w/ppo" --max-steps 3
     "${common[@]}" algorithm.preset=ppo
 run lora rl --config configs/rl_tiny.yaml --output-dir "$out/w/lora" --max-steps 3 \
     "${common[@]}" model.lora.rank=8
+run online_dpo rl --config configs/rl_tiny.yaml --output-dir "$out/w/online_dpo" --max-steps 3 \
+    "${common[@]}" algorithm.preset=online_dpo
 exit $failed
