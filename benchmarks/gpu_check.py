@@ -227,9 +227,12 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
         profiles.append(("SFT step", prof))
     sft.close()
     del sft
-    fused, figures["sft_fused"] = await sft_phase(plan, tmp, build, tok, n_matmul, fused=True)
-    fused.close()
-    del fused
+    try:  # never measured on a GPU yet: a failure here must not cost the rest of the run
+        fused, figures["sft_fused"] = await sft_phase(plan, tmp, build, tok, n_matmul, fused=True)
+        fused.close()
+        del fused
+    except Exception as exc:  # reported in the table; the script exits 1
+        figures["sft_fused"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
     free_device_memory(plan)
     reset_peak_memory(plan)
@@ -394,6 +397,9 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
     for phase, label in (("sft", "SFT step"), ("sft_fused", "SFT step, fused AdamW"),
                          ("grpo", "GRPO update")):  # fmt: skip
         f = figures[phase]
+        if "error" in f:
+            rows.append([label, "failed: " + f["error"], "", "", "", "", ""])
+            continue
         f["mfu"] = f["tflops"] * 1e12 / peak if peak else None
         mfu = f"{100 * f['mfu']:.1f} %" if peak else "n/a"
         rows.append([label, f["step_s"], f["tokens_per_s"], f["tflops"], mfu,
@@ -459,7 +465,8 @@ def main() -> int:
                           quick=args.dry_run, started=started, path=args.results,
                           smoke=smoke)  # fmt: skip
     harness.emit({k: v for k, v in figures.items() if k != "process_group"})
-    bad = [k for k in ("sft", "sft_fused", "grpo") if not all(math.isfinite(v) and v > 0 for v in
+    bad = [k for k in ("sft", "sft_fused", "grpo") if "error" in figures[k] or not all(
+           math.isfinite(v) and v > 0 for v in
            (figures[k]["step_s"], figures[k]["tokens_per_s"], figures[k]["tflops"]))]  # fmt: skip
     return 1 if bad else 0
 

@@ -46,3 +46,20 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
     for table in (sft, grpo):
         assert "aten::mm" in table and "Self CPU" in table, table[:2000]
     assert "Optimizer.step" in sft
+
+
+def test_a_failed_fused_phase_is_a_table_row_not_a_lost_run():
+    """The fused-AdamW phase has not run on a GPU yet: if it raises there, the other phases'
+    figures are still reported and its row names the error (the script then exits 1)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    ok = {"step_s": 1.0, "tokens_per_s": 10.0, "tflops": 0.5, "peak_memory_gib": 1.0, "loss": 2.0}
+    figures = {"n_params": 1, "process_group": "nccl", "sft": dict(ok), "grpo": dict(ok),
+               "sft_fused": {"error": "RuntimeError: no fused kernel for DTensor"},
+               "engine": {"tokens_per_s": 5.0, "generate_s": 1.0}, "weight_sync_s": 0.1,
+               "served_version": "2", "trained_version": "2"}  # fmt: skip
+    (table,), _ = gpu_check.report(gpu_check.DRY, figures, 1e12, "peak")
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "failed: RuntimeError: no fused kernel for DTensor" in rows["SFT step, fused AdamW"]
+    assert "0.5" in rows["SFT step"] and "0.5" in rows["GRPO update"]
