@@ -9,7 +9,7 @@ What runs (the project's own parts, nothing mocked):
   `fsdp.at_world_size_1`), bf16 compute over fp32 master weights (`fsdp.param_dtype`);
 - SFT steps on packed rows, then GRPO steps (`train_on_batch`, `grpo()`) on groups the local
   engine (`python -m engines.local --device cuda --dtype bfloat16`) sampled, each followed by a
-  weight sync (`export_weights` + `sync_weights_to_engines`, what the RL loop does).
+  weight sync (`push_weights`: the export and engine load the RL loop does after a step).
 
 It prints step time, tokens/s, MFU against the GPU's dense bf16 peak and peak memory per phase,
 and writes the `gpu_check` section of benchmarks/RESULTS.md. MFU counts the model's FLOPs as
@@ -80,6 +80,10 @@ GPU = Plan("cuda", "bfloat16", "bfloat16", QWEN_05B, sft_steps=6, sft_sample_len
 DRY = Plan("cpu", "bfloat16", "bfloat16", TINY, sft_steps=3, sft_sample_len=24, sft_samples=8,
            pack_length=64, rl_steps=2, rl_prompts=2, rl_group=4, prompt_len=8, response_len=8,
            micro_batch_tokens=512, warmup=1)  # fmt: skip
+
+
+# The phases the check measures: (key in the figures, row label in the table).
+PHASES = (("sft", "SFT step"), ("sft_fused", "SFT step, fused AdamW"), ("grpo", "GRPO update"))
 
 
 def build_model_dir(out: Path, shape: dict) -> Path:
@@ -200,9 +204,9 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
     `profile`, one more SFT step and GRPO update under torch.profiler, after the measured ones
     (the figures do not include them), its tables written to `profile`."""
     from engines import SGLangEngine, launch_engine
-    from engines.weight_sync import sync_weights_to_engines
     from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
     from training.config import OptimConfig
+    from training.loops.weight_push import push_weights
     from training.rl.algorithms import grpo
     from training.rl.batch import collate_rl
     from training.rl.step import train_on_batch
@@ -220,10 +224,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
     if profile is not None:
         batch = sft_samples(plan, rng, vocab)
         with profiled(plan) as prof:
-            fb = sft.forward_backward(batch)
-            await sft.optim_step().result()
-            await fb.result()
-            sync(plan.device)
+            await sft_step(sft, batch, plan)
         profiles.append(("SFT step", prof))
     sft.close()
     del sft
@@ -261,8 +262,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
             tokens.append(sum(lengths))
             flops.append(model_flops(plan.shape, n_matmul, lengths))
             t0 = time.perf_counter()
-            path = await rl.export_weights(tmp / "weights" / f"v{rl.weight_version:04d}")
-            await sync_weights_to_engines([engine], path, str(rl.weight_version))
+            await push_weights(rl, [engine], tmp / "weights")
             sync_s.append(time.perf_counter() - t0)
         if profile is not None:
             batch = await sample_groups(engine, plan, rng, vocab, plan.rl_steps)
@@ -271,8 +271,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
                                      reference=None)  # fmt: skip
                 sync(plan.device)
             profiles.append(("GRPO update", prof))
-            path = await rl.export_weights(tmp / "weights" / f"v{rl.weight_version:04d}")
-            await sync_weights_to_engines([engine], path, str(rl.weight_version))
+            await push_weights(rl, [engine], tmp / "weights")
         served = (await engine.model_info()).weight_version
     if profile is not None:
         write_profiles(plan, profiles, profile)
@@ -304,14 +303,20 @@ async def sft_phase(plan: Plan, tmp: Path, build, tok, n_matmul: int, *, fused: 
     for _ in range(plan.sft_steps):
         batch = sft_samples(plan, rng, len(tok))
         t0 = time.perf_counter()
-        fb = sft.forward_backward(batch)
-        await sft.optim_step().result()
-        metrics = await fb.result()
-        sync(plan.device)
+        metrics = await sft_step(sft, batch, plan)
         times.append(time.perf_counter() - t0)
         tokens.append(metrics["n_tokens"])
         flops.append(model_flops(plan.shape, n_matmul, [len(s) for s in batch]))
     return sft, phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
+
+
+async def sft_step(sft, batch: list, plan: Plan) -> dict:
+    """One SFT step (forward_backward + optim_step), finished on the device; its metrics."""
+    fb = sft.forward_backward(batch)
+    await sft.optim_step().result()
+    metrics = await fb.result()
+    sync(plan.device)
+    return metrics
 
 
 def free_device_memory(plan: Plan) -> None:
@@ -394,8 +399,7 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
     import torch
 
     rows = []
-    for phase, label in (("sft", "SFT step"), ("sft_fused", "SFT step, fused AdamW"),
-                         ("grpo", "GRPO update")):  # fmt: skip
+    for phase, label in PHASES:
         f = figures[phase]
         if "error" in f:
             rows.append([label, "failed: " + f["error"], "", "", "", "", ""])
@@ -429,7 +433,7 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
         "- Peak memory is the trainer process's, per phase (the engine is its own process)."
         if plan.device == "cuda"
         else "- Peak RSS is the trainer process's, since it started.",
-        f"- Weight sync (export_weights + sync_weights_to_engines): "
+        f"- Weight sync (push_weights: export + the engine's load, as the RL loop does): "
         f"{figures['weight_sync_s']:.2f} s; the engine serves version "
         f"{figures['served_version']} after {figures['trained_version']} GRPO steps.",
     ]
@@ -465,7 +469,7 @@ def main() -> int:
                           quick=args.dry_run, started=started, path=args.results,
                           smoke=smoke)  # fmt: skip
     harness.emit({k: v for k, v in figures.items() if k != "process_group"})
-    bad = [k for k in ("sft", "sft_fused", "grpo") if "error" in figures[k] or not all(
+    bad = [k for k, _ in PHASES if "error" in figures[k] or not all(
            math.isfinite(v) and v > 0 for v in
            (figures[k]["step_s"], figures[k]["tokens_per_s"], figures[k]["tflops"]))]  # fmt: skip
     return 1 if bad else 0

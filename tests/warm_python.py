@@ -48,7 +48,7 @@ WARM_MODULES = (
 )
 
 _ZYGOTE = r"""
-import json, os, signal, sys, time, importlib
+import json, os, signal, sys, importlib
 sys.path[0] = ROOT
 for name in MODULES:
     importlib.import_module(name)
@@ -69,19 +69,20 @@ def serve():
         pid = os.fork()
         if pid == 0:
             return req
-        deadline, timed_out = time.monotonic() + req["timeout"], False
-        while True:
-            done, status, usage = os.wait4(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline and not timed_out:
-                timed_out = True
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
-        reply({"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
+        timed_out = []
+
+        def past_deadline(signum, frame, pid=pid):
+            timed_out.append(True)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        signal.signal(signal.SIGALRM, past_deadline)
+        signal.setitimer(signal.ITIMER_REAL, req["timeout"])
+        _, status, usage = os.wait4(pid, 0)  # retried after the alarm's handler (PEP 475)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        reply({"returncode": os.waitstatus_to_exitcode(status), "timed_out": bool(timed_out),
                "cpu_s": usage.ru_utime + usage.ru_stime})
 
 req = serve()
@@ -90,10 +91,12 @@ os.setsid()
 os.chdir(req["cwd"])
 os.environ.clear()
 os.environ.update(req["env"])
-null = os.open(os.devnull, os.O_RDONLY)
-os.dup2(null, 0)
-for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
+                        (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                        (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+    opened = os.open(path, flags, 0o644)
+    os.dup2(opened, fd)
+    os.close(opened)
 sys.stdin = open(0, closefd=False)
 sys.stdout = open(1, "w", buffering=1, closefd=False)
 sys.stderr = open(2, "w", buffering=1, closefd=False)
@@ -101,7 +104,8 @@ program = os.path.abspath(req["argv"][0])
 sys.argv = [program, *req["argv"][1:]]
 extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 sys.path[:1] = [os.path.dirname(program), *extra]  # as a fresh `python PROGRAM` would have it
-del req, requests, replies, null, extra
+signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the zygote's deadline handler is not the program's
+del req, requests, replies, extra, fd, path, flags, opened
 import runpy
 runpy.run_path(program, run_name="__main__")
 """
