@@ -10,11 +10,9 @@ message in the text and the raw body on `.body`.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +20,7 @@ import httpx
 import trio
 
 from plumbing.errors import EngineError
+from plumbing.gc_pause import gc_paused
 
 from .types import EngineTimeoutError, EngineUnavailableError
 
@@ -225,25 +224,6 @@ class EngineHTTP:
 _LARGE_BODY = 256 * 1024  # bytes: a /generate answer of a few thousand tokens and up
 
 
-@contextlib.contextmanager
-def _gc_paused(pause: bool) -> Iterator[None]:
-    """Pause the cyclic garbage collector while a large answer is decoded.
-
-    Why: decoding allocates millions of small lists (`[logprob, id, null]` per token), which
-    triggers collections that walk every live object, the batch being built included: ~45 %
-    of the controller's decoding CPU at 2,048-token answers (issue 31). A decoded JSON tree
-    has no cycles, so nothing is left for the collector; it runs again afterwards as usual.
-    """
-    was_enabled = pause and gc.isenabled()
-    if was_enabled:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def decode_json(response: httpx.Response, what: str, url: str) -> Any:
     """The body as JSON, or an `EngineError` naming the call (a 200 that is not JSON: a proxy's
     page, a truncated body) instead of a bare `JSONDecodeError` that skips error handling.
@@ -253,7 +233,7 @@ def decode_json(response: httpx.Response, what: str, url: str) -> Any:
     largest CPU cost at cluster scale (issue 31, benchmarks/controller_scale.py)."""
     content = response.content
     try:
-        with _gc_paused(len(content) >= _LARGE_BODY):
+        with gc_paused(len(content) >= _LARGE_BODY):  # its objects are acyclic
             return _loads(content)
     except ValueError:  # orjson refuses NaN/Infinity literals, which Python's json writes
         pass

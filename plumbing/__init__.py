@@ -10,4 +10,5 @@ or httpx; keep it small: only what every package needs goes here.
   replace; users catch them from `rollouts.errors` / `rollouts`, which re-export them.
 - `nursery`: `open_nursery()`, a trio nursery that raises a lone error as itself.
 - `threads`: OpenMP spin settings applied on import, before torch loads.
+- `gc_pause`: `gc_paused()`, the cyclic collector off while imports or a load build live objects.
 """

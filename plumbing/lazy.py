@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from plumbing.gc_pause import gc_paused
+
 
 def lazy_exports(package: str, init_file: str) -> tuple[Callable[[str], Any], list[str]]:
     """(`__getattr__`, `__all__`) for the package whose `__init__.py` is `init_file`: every
@@ -37,7 +39,8 @@ def lazy_exports(package: str, init_file: str) -> tuple[Callable[[str], Any], li
     def __getattr__(name: str) -> Any:
         if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(where[name]), name)
+        with gc_paused():  # the first use imports torch and more: plumbing/gc_pause.py
+            value = getattr(importlib.import_module(where[name]), name)
         setattr(module, name, value)
         return value
 

@@ -150,3 +150,13 @@ async def local_engine(tiny_model_dir: Path):
         SGLangEngine(server.url, max_retries=0) as engine,
     ):
         yield server, engine
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection built — torch, transformers, every test module — to the collector's
+    permanent generation: the full passes that hundreds of tests trigger later then walk only
+    what the tests themselves allocate (plumbing/gc_pause.py has the figures for imports)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

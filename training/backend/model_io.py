@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from plumbing.errors import ModelLoadError
+from plumbing.gc_pause import gc_paused
 
 
 def check_model_path(path: str | Path) -> None:
@@ -42,11 +43,12 @@ def load_tokenizer(path: str | Path) -> Any:
     Raises:
         ModelLoadError: the path does not hold a loadable tokenizer (names the path).
     """
-    from transformers import AutoTokenizer
-
     check_model_path(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        with gc_paused():  # transformers' import and the load: ~0.5 CPU s of collector passes
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load a tokenizer from {path!s}: {err}") from err
     if tokenizer.pad_token_id is None:
@@ -60,11 +62,12 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
     Raises:
         ModelLoadError: the path does not hold a loadable model (names the path).
     """
-    from transformers import AutoModelForCausalLM
-
     check_model_path(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        with gc_paused():  # the model's code and modules: plumbing/gc_pause.py
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load model from {path!s}: {err}") from err
     return model.to(device)

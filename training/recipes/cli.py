@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from plumbing.errors import RolloutsError
+from plumbing.gc_pause import gc_paused
 from training.recipes.cli_run import EXIT_ERROR, run_command, run_without_run_dir
 
 
@@ -88,7 +89,8 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     config = load_or_exit(SFTRunConfig, args.config, overrides_from_args(args, data_flags))
     if config is None:
         return EXIT_ERROR
-    from training.recipes.sft import run_sft_recipe  # torch: only once the config is valid
+    with gc_paused(freeze=True):  # torch: only once the config is valid (plumbing/gc_pause.py)
+        from training.recipes.sft import run_sft_recipe
 
     code, summary = run_command(argv, config, lambda p: run_sft_recipe(config, on_step=p),
                                 overwrite=args.overwrite, prog=prog)  # fmt: skip
@@ -129,8 +131,9 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     config = load_or_exit(RLRunConfig, args.config, overrides_from_args(args, engine_flags))
     if config is None:
         return EXIT_ERROR
-    from training.recipes.plot import print_curve, write_reward_png
-    from training.recipes.rl import RLExtensions, run_rl_recipe  # torch: once the config is valid
+    with gc_paused(freeze=True):  # torch: once the config is valid
+        from training.recipes.plot import print_curve, write_reward_png
+        from training.recipes.rl import RLExtensions, run_rl_recipe
 
     code, summary = run_command(argv, config, lambda p: run_rl_recipe(
         config, on_step=p, extensions=extensions or RLExtensions()),
@@ -166,7 +169,8 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     _setup_logging(args)
-    from training.recipes.evaluate import evaluate_model  # torch: not for --help
+    with gc_paused(freeze=True):  # torch: not for --help
+        from training.recipes.evaluate import evaluate_model
 
     code, result = run_without_run_dir(lambda: evaluate_model(
         args.model, args.data, args.reward, max_new_tokens=args.max_new_tokens,
@@ -180,14 +184,16 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
 
 def generate_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """`rollouts generate`: a model's answers to a prompts or chat file (recipes/generate.py)."""
-    from training.recipes.generate import generate_main as main
+    with gc_paused(freeze=True):
+        from training.recipes.generate import generate_main as main
 
     return main(argv, prog=prog)
 
 
 def serve_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """`rollouts serve`: the local engine (`python -m engines.local`)."""
-    from engines.local.__main__ import main
+    with gc_paused(freeze=True):
+        from engines.local.__main__ import main
 
     return main(None if argv is None else list(argv), prog=prog or "rollouts serve")
 
