@@ -48,11 +48,14 @@ WARM_MODULES = (
 )
 
 _ZYGOTE = r"""
-import json, os, signal, sys, importlib
+import gc, json, os, signal, sys, importlib
 sys.path[0] = ROOT
+gc.disable()  # as plumbing/gc_pause.py does for a process's imports
 for name in MODULES:
     importlib.import_module(name)
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
+gc.freeze()  # the imports' objects: never walked again here nor in any forked program
+gc.enable()
 requests, replies = sys.stdin.buffer, sys.stdout.buffer
 
 def reply(obj):
