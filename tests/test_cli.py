@@ -249,10 +249,12 @@ async def test_abort_all_on_an_unreachable_engine_fails_at_once_without_retries(
 
 def test_help_and_config_errors_answer_without_loading_torch(tmp_path):
     # `rollouts --help` or a misspelt key used to load torch and transformers first (~2.5 s of
-    # CPU per call, the package imported every export); they need neither.
+    # CPU per call, the package imported every export); they need neither. `serve --help` loaded
+    # torch through the engine's weight-push routes until they imported it when a group is made.
     probe = ("import sys, contextlib, io\n"
              "from training.recipes.cli import main\n"
              "for argv in (['--help'], ['sft', '--help'], ['rl', '--help'], ['eval', '--help'],\n"
+             "             ['serve', '--help'], ['generate', '--help'],\n"
              "             ['sft', 'optim.lrr=1'], ['rl', 'algorithm.name=nope']):\n"
              "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()),"
              " contextlib.redirect_stderr(io.StringIO()):\n"

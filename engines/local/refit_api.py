@@ -32,8 +32,6 @@ from typing import Any
 
 import trio
 
-from plumbing.process_group import destroy_process_group, init_custom_process_group
-
 from .asgi import App, Request, Response, json_response, object_error
 from .route_helpers import as_bool, not_ready, read_body
 from .sampling_params import RequestValidationError
@@ -74,6 +72,9 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             return answer(False, "Failed to initialize custom process group: the nccl backend "
                                  f"needs CUDA and this engine runs on {state.config.device}; "
                                  "use backend gloo.")  # fmt: skip
+        # torch only now: importing the engine's package must not load it (`rollouts serve -h`)
+        from plumbing.process_group import destroy_process_group, init_custom_process_group
+
         if name in groups:  # a restarted trainer's group of the same name: leave the old one
             await trio.to_thread.run_sync(destroy_process_group, groups.pop(name))
         logger.info("init custom process group: master_address=%s, master_port=%s, "
@@ -97,6 +98,8 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             return object_error(str(exc), 400, "Bad Request")
         if name not in groups:
             return answer(False, "The group to be destroyed does not exist.")
+        from plumbing.process_group import destroy_process_group
+
         try:
             await trio.to_thread.run_sync(destroy_process_group, groups.pop(name))
         except Exception as exc:

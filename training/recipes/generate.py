@@ -22,14 +22,15 @@ import trio
 from rollouts.generation import GenerateContext, single_turn_generate
 from rollouts.prompts import PromptItem, checked_prompts, encode_prompt, iter_prompt_records
 from rollouts.types import Sample
-from training.backend.checkpoint import resolve_checkpoint
-from training.backend.lora import loadable_model_dir
 
 EXPECTED = "expected"  # metadata key: the reference answer a chat or prompts file carries
 
 
 def model_directory(model: str) -> str:
     """`model`, or the checkpoint its `latest` file names when it is a checkpoints directory."""
+    from training.backend.checkpoint import resolve_checkpoint  # torch: not for `--help`
+    from training.backend.lora import loadable_model_dir
+
     if (Path(model) / "latest").is_file():
         return str(loadable_model_dir(resolve_checkpoint(model)))
     if Path(model).is_dir():  # a LoRA checkpoint: its merged model
