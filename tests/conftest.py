@@ -9,6 +9,7 @@ asks first, in the run's shared temp folder, and read by the others (`_built_onc
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -152,11 +153,15 @@ async def local_engine(tiny_model_dir: Path):
         yield server, engine
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Move what collection built — torch, transformers, every test module — to the collector's
-    permanent generation: the full passes that hundreds of tests trigger later then walk only
-    what the tests themselves allocate (plumbing/gc_pause.py has the figures for imports)."""
-    import gc
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Collection imports every test module (torch, transformers, ...) with the cyclic collector
+    off, as the project's processes import (plumbing/gc_pause.py); see the next hook."""
+    gc.disable()
 
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection built to the collector's permanent generation, then turn it back on:
+    the full passes that hundreds of tests trigger later walk only what the tests allocate."""
     gc.collect()
     gc.freeze()
+    gc.enable()
