@@ -47,3 +47,28 @@ def test_loading_a_model_and_tokenizer_leaves_the_collector_on(tiny_model_dir):
     with pytest.raises(Exception, match="no such directory"):
         load_model(tiny_model_dir / "missing")
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("first_out", ["worker", "main"])
+def test_overlapping_pauses_on_two_threads_end_with_the_collector_on(first_out):
+    """An engine's `_load` on a worker thread while the main thread loads a lazy export: either
+    pause may end first, and whichever order they end in, the collector is on afterwards."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def worker():
+        with gc_paused():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert entered.wait(10)
+    with gc_paused():  # entered while the worker's pause holds
+        if first_out == "worker":
+            release.set()
+            thread.join(10)
+    release.set()
+    thread.join(10)
+    assert gc.isenabled()

@@ -48,14 +48,13 @@ WARM_MODULES = (
 )
 
 _ZYGOTE = r"""
-import gc, json, os, signal, sys, importlib
+import json, os, signal, sys, importlib
 sys.path[0] = ROOT
-gc.disable()  # as plumbing/gc_pause.py does for a process's imports
-for name in MODULES:
-    importlib.import_module(name)
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
-gc.freeze()  # the imports' objects: never walked again here nor in any forked program
-gc.enable()
+from plumbing.gc_pause import gc_paused
+with gc_paused(freeze=True):  # the imports' objects: never walked here nor in a forked program
+    for name in MODULES:
+        importlib.import_module(name)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
 requests, replies = sys.stdin.buffer, sys.stdout.buffer
 
 def reply(obj):
