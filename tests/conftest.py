@@ -92,11 +92,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def distributed_grads(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One step's gradients at world 1 and 2 for every mode (tests/distributed_launch.py)."""
+def distributed_grads(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                      warm_python) -> Path:  # fmt: skip
+    """One step's gradients at world 1 and 2 for every mode (tests/distributed_launch.py), the
+    ranks forked from the warm interpreter: these tests are about what ranks compute; torchrun
+    itself is run by test_distributed's, test_two_nodes' and test_torchrun_exit's jobs."""
     from tests.distributed_launch import gradient_runs
 
-    return _built_once(tmp_path_factory, "grads", lambda d: gradient_runs(tiny_model_dir, d))
+    return _built_once(tmp_path_factory, "grads",
+                       lambda d: gradient_runs(tiny_model_dir, d, warm=warm_python))  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -13,19 +13,21 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import trio
-from safetensors.torch import save_file
+from plumbing.gc_pause import gc_paused
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # rl_helpers
+with gc_paused(freeze=True):  # torch, transformers, the project: plumbing/gc_pause.py
+    import trio
+    from safetensors.torch import save_file
 
-from rl_helpers import batch_of
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # rl_helpers
+    from rl_helpers import batch_of
 
-from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import BackendConfig, LoraSettings, OptimConfig
-from training.data.tokenize import tokenize_conversation
-from training.distributed import run_rank0
-from training.rl.algorithms import grpo
-from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.config import BackendConfig, LoraSettings, OptimConfig
+    from training.data.tokenize import tokenize_conversation
+    from training.distributed import run_rank0
+    from training.rl.algorithms import grpo
+    from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
 
 def sft_samples(tokenizer) -> list:

@@ -11,6 +11,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.warm_python import WarmPython
 
 ROOT = Path(__file__).parent.parent
 # Every mode `tests/distributed_grads.py` runs; one launch per world size computes them all, and
@@ -22,12 +26,19 @@ class LaunchTimeout(AssertionError):
     """A launch ran past its deadline (a hang): it and every rank it started were killed."""
 
 
-def launch(script: str, *args: str, world: int, cwd: Path, timeout: float = 300):
+def launch(script: str, *args: str, world: int, cwd: Path, timeout: float = 300,
+           warm: WarmPython | None = None):  # fmt: skip
     """Run `script` under plain python (world 1) or torchrun (world ≥ 2), one thread per rank.
 
     The launch has a deadline: past `timeout` seconds torchrun and every rank (which would
     otherwise outlive it) are killed and `LaunchTimeout` raised, with the output so far.
+
+    `warm`: fork the process (or each rank, with torchrun's variables) from this warm
+    interpreter instead (tests/warm_python.py), for tests of what the ranks compute rather than
+    of how they are launched; the deadline is the same.
     """
+    if warm is not None:
+        return _launch_warm(warm, script, *args, world=world, cwd=cwd, timeout=timeout)
     prefix = [sys.executable]
     if world > 1:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
@@ -44,6 +55,21 @@ def launch(script: str, *args: str, world: int, cwd: Path, timeout: float = 300)
             f"killed. stderr tail:\n{stderr[-3000:]}"
         ) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _launch_warm(warm: WarmPython, script: str, *args: str, world: int, cwd: Path,
+                 timeout: float) -> subprocess.CompletedProcess:  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [str(ROOT / script), *args]
+    try:
+        if world == 1:
+            return warm.run(argv, cwd=cwd, env=env, timeout=timeout)
+        return warm.run_ranks(argv, world, cwd=cwd, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise LaunchTimeout(
+            f"{script} at world {world} did not finish within {timeout:.0f} s (a hang?); "
+            f"killed. stderr tail:\n{(err.stderr or '')[-3000:]}"
+        ) from None
 
 
 def descendants(pid: int) -> list[int]:
@@ -72,11 +98,11 @@ def kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
 
 
-def gradient_runs(model_dir: Path, out: Path) -> Path:
+def gradient_runs(model_dir: Path, out: Path, warm: WarmPython | None = None) -> Path:
     """`distributed_grads.py` for every GRAD_MODES mode at world 1 and 2: out/w{1,2}/MODE/."""
     for world in (1, 2):
         proc = launch("tests/distributed_grads.py", str(model_dir), str(out / f"w{world}"),
-                      ",".join(GRAD_MODES), world=world, cwd=out)  # fmt: skip
+                      ",".join(GRAD_MODES), world=world, cwd=out, warm=warm)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

@@ -16,18 +16,21 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-import trio
-from safetensors.torch import save_file
+from plumbing.gc_pause import gc_paused
 
-from rollouts.types import RolloutBatch, Sample
-from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import BackendConfig, LoraSettings, OptimConfig
-from training.data.tokenize import TokenizedSample
-from training.distributed import current, run_rank0
-from training.distributed.split import rank_shares
-from training.rl.algorithms import grpo
-from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
+with gc_paused(freeze=True):  # torch, transformers, the project: plumbing/gc_pause.py
+    import torch
+    import trio
+    from safetensors.torch import save_file
+
+    from rollouts.types import RolloutBatch, Sample
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.config import BackendConfig, LoraSettings, OptimConfig
+    from training.data.tokenize import TokenizedSample
+    from training.distributed import current, run_rank0
+    from training.distributed.split import rank_shares
+    from training.rl.algorithms import grpo
+    from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
 
 def rl_batch(case: dict[str, Any]) -> RolloutBatch:

@@ -13,13 +13,16 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch.distributed as dist
-import trio
+from plumbing.gc_pause import gc_paused
 
-from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-from training.config import BackendConfig, OptimConfig
-from training.data.tokenize import tokenize_conversation
-from training.distributed import init_distributed, run_rank0
+with gc_paused(freeze=True):  # torch, transformers, the project: plumbing/gc_pause.py
+    import torch.distributed as dist
+    import trio
+
+    from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+    from training.config import BackendConfig, OptimConfig
+    from training.data.tokenize import tokenize_conversation
+    from training.distributed import init_distributed, run_rank0
 
 KEPT = []  # what holds the group here: a module global that outlives the job
 

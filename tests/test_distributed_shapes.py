@@ -28,15 +28,16 @@ pytestmark = pytest.mark.slow  # one launch per world size (1, 2, 3) for the fas
 WORLDS = (1, 2, 3)
 
 
-def run_cases(model_dir: Path, out: Path, cases: list[dict], timeout: float) -> dict:
-    """{world: {case name: (result, tensors)}}, each world size in one launch."""
+def run_cases(model_dir: Path, out: Path, cases: list[dict], timeout: float, warm=None) -> dict:
+    """{world: {case name: (result, tensors)}}, each world size in one launch (its ranks forked
+    from `warm`, a warm interpreter, when given; else under torchrun)."""
     spec = out / "cases.json"
     spec.write_text(json.dumps(cases))
     runs = {}
     for world in WORLDS:
         where = out / f"w{world}"
         proc = launch("tests/distributed_shapes.py", str(model_dir), str(where), str(spec),
-                      world=world, cwd=out, timeout=timeout)  # fmt: skip
+                      world=world, cwd=out, timeout=timeout, warm=warm)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = json.loads((where / "results.json").read_text())
         runs[world] = {r["name"]: (r, load_file(str(where / f"{r['name']}.safetensors")))
@@ -66,8 +67,11 @@ def mismatches(runs: dict, name: str, world: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def fast_runs(tiny_model_dir, tmp_path_factory):
-    return run_cases(tiny_model_dir, tmp_path_factory.mktemp("shapes"), FAST, timeout=120)
+def fast_runs(tiny_model_dir, tmp_path_factory, warm_python):
+    """The ranks forked from a warm interpreter (~3 CPU s of imports less each, and no torchrun
+    agent); `make stress` runs its 60 seeds under torchrun itself."""
+    return run_cases(tiny_model_dir, tmp_path_factory.mktemp("shapes"), FAST, timeout=120,
+                     warm=warm_python)  # fmt: skip
 
 
 def test_unequal_micro_batch_counts_at_world_2_give_the_one_process_gradient(fast_runs):

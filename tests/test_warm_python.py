@@ -74,3 +74,40 @@ def test_a_program_past_its_deadline_is_killed_with_its_children(warm_python, tm
     ok = tmp_path / "ok.py"
     ok.write_text("print('next')\n")
     assert warm_python.run([ok], cwd=tmp_path, timeout=60).stdout == "next\n"
+
+
+RANK_PROBE = """
+import os
+import torch
+import torch.distributed as dist
+print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"])
+dist.init_process_group("gloo")  # the env:// rendezvous that torchrun's variables describe
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+print("sum", int(t.item()))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_forked_together_form_one_gloo_job(warm_python, tmp_path):
+    """run_ranks gives each rank torchrun's variables: three ranks rendezvous and all-reduce."""
+    program = tmp_path / "ranks.py"
+    program.write_text(RANK_PROBE)
+    proc = warm_python.run_ranks([program], 3, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines == ["rank 0 of 3 0", "sum 6", "rank 1 of 3 1", "sum 6", "rank 2 of 3 2", "sum 6"]
+
+
+def test_a_failed_rank_ends_the_others_as_torchrun_does(warm_python, tmp_path):
+    """Rank 1 exits 3 while rank 0 would wait 60 s (in a collective, say): the job ends at
+    once with rank 1's status, as torchrun ends a job one of whose workers failed."""
+    program = tmp_path / "fail.py"
+    program.write_text("import os, sys, time\n"
+                       "if os.environ['RANK'] == '1':\n"
+                       "    sys.exit(3)\n"
+                       "time.sleep(60)\n")  # fmt: skip
+    t0 = time.monotonic()
+    proc = warm_python.run_ranks([program], 2, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 3
+    assert time.monotonic() - t0 < 20

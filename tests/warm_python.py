@@ -16,8 +16,14 @@ environment variables read at import by a warm module (`OMP_NUM_THREADS`, `GOMP_
 zygote is started with the suite's), and programs a test signals or watches while they run (the
 child is the zygote's, not the test's: only its exit status comes back).
 
+Ranks too: `run_ranks` forks the processes of one standalone torchrun job at once, each with
+torchrun's variables, for the tests of what ranks compute (gradients and shapes at world 2 and
+3); the tests of launching them (resume across world sizes, exit, two nodes, a killed rank) keep
+torchrun.
+
     with WarmPython() as warm:
         proc = warm.run(["snippet.py"], cwd=tmp, env=env, timeout=600)   # a CompletedProcess
+        proc = warm.run_ranks(["tests/distributed_grads.py", ...], 2, cwd=tmp, timeout=300)
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,34 +75,51 @@ def serve():
         if not line:
             os._exit(0)
         req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            return req
+        running = {}  # pid: index in req["procs"]
+        for i, proc in enumerate(req["procs"]):
+            pid = os.fork()
+            if pid == 0:
+                return req, proc
+            running[pid] = i
+
+        def kill_all():
+            for pid in running:
+                for kill in (os.killpg, os.kill):  # os.kill: before the child's setsid
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
         timed_out = []
 
-        def past_deadline(signum, frame, pid=pid):
+        def past_deadline(signum, frame):
             timed_out.append(True)
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_all()
 
         signal.signal(signal.SIGALRM, past_deadline)
         signal.setitimer(signal.ITIMER_REAL, req["timeout"])
-        _, status, usage = os.wait4(pid, 0)  # retried after the alarm's handler (PEP 475)
+        codes, cpu_s, first_failure = [None] * len(req["procs"]), 0.0, 0
+        while running:
+            pid, status, usage = os.wait4(-1, 0)  # retried after the alarm's handler (PEP 475)
+            i = running.pop(pid)
+            codes[i] = os.waitstatus_to_exitcode(status)
+            cpu_s += usage.ru_utime + usage.ru_stime
+            if codes[i] != 0 and not first_failure:
+                first_failure = codes[i]
+                kill_all()  # as torchrun does: one failed process ends the others
         signal.setitimer(signal.ITIMER_REAL, 0)
-        reply({"returncode": os.waitstatus_to_exitcode(status), "timed_out": bool(timed_out),
-               "cpu_s": usage.ru_utime + usage.ru_stime})
+        reply({"returncode": first_failure, "timed_out": bool(timed_out), "cpu_s": cpu_s})
 
-req = serve()
+
+req, proc = serve()
 # The child: from here on, the program as `python PROGRAM ARGS` would run it.
 os.setsid()
 os.chdir(req["cwd"])
 os.environ.clear()
-os.environ.update(req["env"])
+os.environ.update(proc["env"])
 for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
-                        (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                        (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+                        (1, proc["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                        (2, proc["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
     opened = os.open(path, flags, 0o644)
     os.dup2(opened, fd)
     os.close(opened)
@@ -107,7 +131,7 @@ sys.argv = [program, *req["argv"][1:]]
 extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 sys.path[:1] = [os.path.dirname(program), *extra]  # as a fresh `python PROGRAM` would have it
 signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the zygote's deadline handler is not the program's
-del req, requests, replies, extra, fd, path, flags, opened
+del req, proc, requests, replies, extra, fd, path, flags, opened
 import runpy
 runpy.run_path(program, run_name="__main__")
 """
@@ -121,6 +145,16 @@ def children_cpu_s() -> float:
     are the zygote's children, so this process's RUSAGE_CHILDREN does not see them;
     tests/cpu_usage.py adds this)."""
     return _children_cpu_s
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class WarmPython:
@@ -144,17 +178,39 @@ class WarmPython:
             timeout: float) -> subprocess.CompletedProcess:  # fmt: skip
         """`python *argv` in `cwd` with `env` (default: this process's), to completion; past
         `timeout` its process group is killed and `subprocess.TimeoutExpired` raised."""
+        return self._run(argv, [env or dict(os.environ)], cwd=cwd, timeout=timeout)
+
+    def run_ranks(self, argv: list[str], world: int, *, cwd: Path,
+                  env: dict[str, str] | None = None, timeout: float) -> subprocess.CompletedProcess:  # fmt: skip
+        """`python *argv` as the `world` ranks of one standalone torchrun job would run it: one
+        process per rank, each with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
+        LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free loopback port). As torchrun does,
+        a rank that fails ends the others; the returncode is the first to fail's (else 0)
+        and stdout/stderr are the ranks' in rank order. For tests of what the ranks compute
+        (gradients, shapes); tests of the launcher itself keep torchrun."""
+        port = _free_port()
+        base = env or dict(os.environ)
+        envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                 "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)} for r in range(world)]  # fmt: skip
+        return self._run(argv, envs, cwd=cwd, timeout=timeout)
+
+    def _run(self, argv: list[str], envs: list[dict[str, str]], *, cwd: Path,
+             timeout: float) -> subprocess.CompletedProcess:  # fmt: skip
+        """One process per entry of `envs`, all started at once and waited for together."""
         with self._lock, tempfile.TemporaryDirectory(prefix="warm_") as tmp:
-            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            req = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env or dict(os.environ),
-                   "timeout": timeout, "stdout": str(out), "stderr": str(err)}  # fmt: skip
+            outs = [(Path(tmp, f"stdout{i}"), Path(tmp, f"stderr{i}")) for i in range(len(envs))]
+            procs = [{"env": e, "stdout": str(o), "stderr": str(r)}
+                     for e, (o, r) in zip(envs, outs, strict=True)]  # fmt: skip
+            req = {"argv": [str(a) for a in argv], "cwd": str(cwd), "procs": procs,
+                   "timeout": timeout}  # fmt: skip
             self._proc.stdin.write((json.dumps(req) + "\n").encode())  # type: ignore[union-attr]
             self._proc.stdin.flush()  # type: ignore[union-attr]
             result = self._read()
             global _children_cpu_s
             _children_cpu_s += result["cpu_s"]
-            stdout = out.read_text(errors="replace") if out.exists() else ""
-            stderr = err.read_text(errors="replace") if err.exists() else ""
+            stdout = "".join(_text(o) for o, _ in outs)
+            stderr = "".join(_text(r) for _, r in outs)
         if result["timed_out"]:
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
         return subprocess.CompletedProcess([sys.executable, *argv], result["returncode"],
