@@ -113,13 +113,12 @@ def tiny_model_dir_seed1(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def warm_python():
-    """A warm interpreter (tests/warm_python.py) for this worker's tests that run a whole
+    """This worker's warm interpreter (tests/warm_python.py) for its tests that run a whole
     program to completion: each is forked from a process that has torch and transformers
     imported, instead of paying ~3 CPU s of imports."""
-    from tests.warm_python import WarmPython
+    from tests.warm_python import shared
 
-    with WarmPython() as warm:
-        yield warm
+    return shared()
 
 
 @pytest.fixture(scope="session")

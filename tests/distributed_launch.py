@@ -28,15 +28,21 @@ class LaunchTimeout(AssertionError):
 
 def launch(script: str, *args: str, world: int, cwd: Path, timeout: float = 300,
            warm: WarmPython | None = None):  # fmt: skip
-    """Run `script` under plain python (world 1) or torchrun (world ≥ 2), one thread per rank.
+    """Run `script` as `python script` (world 1) or under torchrun (world ≥ 2), one thread per
+    rank.
 
     The launch has a deadline: past `timeout` seconds torchrun and every rank (which would
     otherwise outlive it) are killed and `LaunchTimeout` raised, with the output so far.
 
-    `warm`: fork the process (or each rank, with torchrun's variables) from this warm
-    interpreter instead (tests/warm_python.py), for tests of what the ranks compute rather than
-    of how they are launched; the deadline is the same.
+    World 1 is forked from this worker's warm interpreter (tests/warm_python.py: a process of
+    its own, ~3 CPU s of imports sooner). `warm` forks the ranks of world ≥ 2 from it too, with
+    torchrun's variables, for tests of what the ranks compute rather than of how they are
+    launched; the deadline is the same.
     """
+    if world == 1 and warm is None:
+        from tests.warm_python import shared
+
+        warm = shared()
     if warm is not None:
         return _launch_warm(warm, script, *args, world=world, cwd=cwd, timeout=timeout)
     prefix = [sys.executable]

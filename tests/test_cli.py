@@ -14,6 +14,7 @@ import pytest
 
 from engines import find_free_port
 from rollouts.errors import DataError, EngineError
+from tests import warm_python
 from tests.test_embed_example import engine_processes_for
 from training.recipes.cli_run import EXIT_INTERRUPTED, print_errors, run_command
 
@@ -21,7 +22,12 @@ ROOT = Path(__file__).parent.parent
 ROLLOUTS = Path(sys.executable).with_name("rollouts")
 
 
-def rollouts(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def rollouts(*args: str, cwd: Path, fresh: bool = False) -> subprocess.CompletedProcess:
+    """The `rollouts` script with `args`, to completion: forked from the warm interpreter
+    (tests/warm_python.py), or as its own fresh process when `fresh` (what the installed
+    script itself does on start-up is the test)."""
+    if not fresh:
+        return warm_python.run([ROLLOUTS, *args], cwd=cwd, timeout=300)
     return subprocess.run([str(ROLLOUTS), *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
 
@@ -193,18 +199,18 @@ def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, own_mode
 
 
 def test_rollouts_script_runs_each_command(tmp_path):
-    usage = rollouts("--help", cwd=tmp_path)
+    usage = rollouts("--help", cwd=tmp_path, fresh=True)
     assert usage.returncode == 0
     for command in ("sft", "rl", "serve", "eval", "plot", "generate"):
         assert command in usage.stdout
-        assert rollouts(command, "--help", cwd=tmp_path).returncode == 0
-    assert_error_only(rollouts("trian", cwd=tmp_path), "unknown command 'trian'")
+        assert rollouts(command, "--help", cwd=tmp_path, fresh=True).returncode == 0
+    assert_error_only(rollouts("trian", cwd=tmp_path, fresh=True), "unknown command 'trian'")
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "loss": 1 / s}) + "\n" for s in range(1, 4)))  # fmt: skip
     pytest.importorskip("matplotlib")
-    plotted = rollouts("plot", str(run), cwd=tmp_path)
+    plotted = rollouts("plot", str(run), cwd=tmp_path, fresh=True)
     assert plotted.returncode == 0 and (run / "curves.png").is_file()
 
 

@@ -1,11 +1,12 @@
 """examples/demo.py: SFT, then RL and continued SFT from the same checkpoint, one verdict."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import warm_python
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -64,8 +65,7 @@ def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
           "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.filter_groups=none"]  # fmt: skip
     args = ["--out", str(out), "--continued-steps", "2"]
     args += [a for kv in sft for a in ("--sft", kv)] + [a for kv in rl for a in ("--rl", kv)]
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = warm_python.run([ROOT / "examples" / "demo.py", *args], cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / "rl" / "stale.txt").exists()
     summary = json.loads((out / "summary.json").read_text())

@@ -1,12 +1,11 @@
 """examples/embed_in_trio_app.py: a host trio app cancels training and exits cleanly."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests import warm_python
 from training.backend.checkpoint import find_latest_checkpoint
 from training.backend.pytorch import load_model_and_tokenizer
 
@@ -30,11 +29,8 @@ def engine_processes_for(marker: str) -> list[int]:
 def test_host_app_cancels_training_and_leaves_no_process_and_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "embed"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "embed_in_trio_app.py"), "--steps", "3",
-         "--output-dir", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = warm_python.run([ROOT / "examples" / "embed_in_trio_app.py", "--steps", "3",
+                            "--output-dir", out], cwd=tmp_path, env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training cancelled after 3 steps" in proc.stdout
     heartbeats = int(proc.stdout.split("heartbeats=")[1].split(";")[0])

@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
+from tests import warm_python
 from tests.distributed_launch import ROOT
 
 
@@ -18,9 +17,9 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
-                           "--results", str(results), "--profile", str(tmp_path / "profile.txt")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=180)  # fmt: skip
+    proc = warm_python.run([ROOT / "benchmarks" / "gpu_check.py", "--dry-run", "--results", results,
+                            "--profile", tmp_path / "profile.txt"], cwd=tmp_path, env=env,
+                           timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT "))
     figures = json.loads(line.removeprefix("BENCH_RESULT "))

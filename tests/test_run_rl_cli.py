@@ -2,22 +2,20 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import trio
 
 from engines import launch_engine
+from tests import warm_python
 
 ROOT = Path(__file__).parent.parent
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "run_rl.py"), *args],
-        cwd=cwd, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    """`python examples/run_rl.py ARGS`, forked from the warm interpreter (tests/warm_python.py)."""
+    return warm_python.run([ROOT / "examples" / "run_rl.py", *args], cwd=cwd, timeout=600)
 
 
 def two_step_run(model_dir: Path, tmp_path: Path, *engine_args: str) -> subprocess.CompletedProcess:

@@ -2,17 +2,16 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from tests import warm_python
 
 ROOT = Path(__file__).parent.parent
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "run_sft.py"), *args],
-        cwd=cwd, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    """`python examples/run_sft.py ARGS`, forked from the warm interpreter (tests/warm_python.py)."""
+    return warm_python.run([ROOT / "examples" / "run_sft.py", *args], cwd=cwd, timeout=300)
 
 
 def test_malformed_jsonl_fails_before_training_naming_line_and_field(tmp_path, tiny_model_dir):

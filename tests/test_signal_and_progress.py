@@ -5,10 +5,10 @@ import json
 import logging
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+from tests import warm_python
 from tests.rl_helpers import batch_of
 from training.loops.progress import Eta, console_logging_if_unconfigured, format_duration
 from training.recipes.quick import heldout_split
@@ -84,9 +84,11 @@ def test_console_handler_is_added_only_when_nothing_is_configured_and_removed_af
 
 
 def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`code` in a fresh interpreter with stdout and stderr piped (not a terminal)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    """`code` as a program of its own with stdout and stderr piped (not a terminal), forked
+    from the warm interpreter (tests/warm_python.py)."""
+    program = cwd / "program.py"
+    program.write_text(textwrap.dedent(code))
+    return warm_python.run([program], cwd=cwd, timeout=600)
 
 
 def step_lines(text: str) -> list[tuple[int, int]]:
@@ -128,12 +130,12 @@ def test_sft_piped_prints_one_line_per_step_with_eta_and_no_save_bars(tiny_model
     data = tmp_path / "train.jsonl"
     rows = [{"prompt": f"{i}+1", "completion": str(i + 1)} for i in range(40)]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "run_sft.py"),
-         "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--data", str(data),
-         "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "out"),
+    proc = warm_python.run(
+        [ROOT / "examples" / "run_sft.py",
+         "--config", ROOT / "configs" / "sft_tiny.yaml", "--data", data,
+         "--model", tiny_model_dir, "--output-dir", tmp_path / "out",
          "--max-steps", "4", "train.batch_size=8", "train.checkpoint_every=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert step_lines(proc.stderr) == [(1, 4), (2, 4), (3, 4), (4, 4)]

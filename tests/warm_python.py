@@ -138,6 +138,7 @@ runpy.run_path(program, run_name="__main__")
 
 
 _children_cpu_s = 0.0
+_shared: WarmPython | None = None
 
 
 def children_cpu_s() -> float:
@@ -230,3 +231,23 @@ class WarmPython:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def shared() -> WarmPython:
+    """This process's warm interpreter (a pytest worker's: started at first use, closed at
+    exit), for tests and helpers that run a program to completion."""
+    global _shared
+    if _shared is None:
+        import atexit
+
+        _shared = WarmPython()
+        atexit.register(_shared.close)
+    return _shared
+
+
+def run(argv: list[str | Path], *, cwd: Path, env: dict[str, str] | None = None,
+        timeout: float = 600) -> subprocess.CompletedProcess:  # fmt: skip
+    """`python *argv` to completion, forked from this process's warm interpreter: what
+    `subprocess.run([sys.executable, *argv], capture_output=True, text=True)` gives, for a
+    program that imports torch and transformers, ~3 CPU s sooner."""
+    return shared().run([str(a) for a in argv], cwd=cwd, env=env, timeout=timeout)
