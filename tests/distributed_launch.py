@@ -1,5 +1,6 @@
-"""Launching scripts under plain python (world 1), torchrun (world ≥ 2) or as two torchrun
-nodes, for the FSDP2 tests."""
+"""Launching scripts as `python script` (world 1, forked from the warm interpreter), under
+torchrun (world ≥ 2), as ranks forked from the warm interpreter with torchrun's variables, or as
+two torchrun nodes, for the FSDP2 tests."""
 
 from __future__ import annotations
 
