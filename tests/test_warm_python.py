@@ -111,3 +111,18 @@ def test_a_failed_rank_ends_the_others_as_torchrun_does(warm_python, tmp_path):
     proc = warm_python.run_ranks([program], 2, cwd=tmp_path, timeout=120)
     assert proc.returncode == 3
     assert time.monotonic() - t0 < 20
+
+
+def test_ranks_that_hang_are_all_killed_at_the_deadline(warm_python, tmp_path):
+    """A deadlocked job (issue 24's shape before its fix): every rank is killed at the deadline
+    and the test hears TimeoutExpired, not gloo's own 30-minute timeout."""
+    program = tmp_path / "hang.py"
+    program.write_text("import os, time\n"
+                       "open(f\"rank{os.environ['RANK']}.pid\", 'w').write(str(os.getpid()))\n"
+                       "time.sleep(60)\n")  # fmt: skip
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm_python.run_ranks([program], 2, cwd=tmp_path, timeout=3)
+    for rank in (0, 1):
+        pid = int((tmp_path / f"rank{rank}.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
