@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engines import find_free_port
 
 if TYPE_CHECKING:
     from tests.warm_python import WarmPython
@@ -124,7 +125,7 @@ def launch_two_nodes(script: str, *args: str, cwd: Path, timeout: float = 300):
     Returns:
         The two nodes' CompletedProcess, node 0 first.
     """
-    port = _free_port()
+    port = find_free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs, logs = [], []
     for node in (0, 1):
@@ -155,9 +156,3 @@ def launch_two_nodes(script: str, *args: str, cwd: Path, timeout: float = 300):
             f.close()
         done.append(subprocess.CompletedProcess(proc.args, proc.returncode, *texts))
     return done
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -31,12 +31,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
+
+from engines import find_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,12 +76,12 @@ def serve():
         if not line:
             os._exit(0)
         req = json.loads(line)
-        running = {}  # pid: index in req["procs"]
-        for i, proc in enumerate(req["procs"]):
+        running = set()
+        for proc in req["procs"]:
             pid = os.fork()
             if pid == 0:
                 return req, proc
-            running[pid] = i
+            running.add(pid)
 
         def kill_all():
             for pid in running:
@@ -98,14 +99,14 @@ def serve():
 
         signal.signal(signal.SIGALRM, past_deadline)
         signal.setitimer(signal.ITIMER_REAL, req["timeout"])
-        codes, cpu_s, first_failure = [None] * len(req["procs"]), 0.0, 0
+        cpu_s, first_failure = 0.0, 0
         while running:
             pid, status, usage = os.wait4(-1, 0)  # retried after the alarm's handler (PEP 475)
-            i = running.pop(pid)
-            codes[i] = os.waitstatus_to_exitcode(status)
+            running.discard(pid)
             cpu_s += usage.ru_utime + usage.ru_stime
-            if codes[i] != 0 and not first_failure:
-                first_failure = codes[i]
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0 and not first_failure:
+                first_failure = code
                 kill_all()  # as torchrun does: one failed process ends the others
         signal.setitimer(signal.ITIMER_REAL, 0)
         reply({"returncode": first_failure, "timed_out": bool(timed_out), "cpu_s": cpu_s})
@@ -152,12 +153,6 @@ def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class WarmPython:
     """A zygote process with the heavy modules imported; `run` forks a program from it."""
 
@@ -189,7 +184,7 @@ class WarmPython:
         a rank that fails ends the others; the returncode is the first to fail's (else 0)
         and stdout/stderr are the ranks' in rank order. For tests of what the ranks compute
         (gradients, shapes); tests of the launcher itself keep torchrun."""
-        port = _free_port()
+        port = find_free_port()
         base = env or dict(os.environ)
         envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                  "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
