@@ -46,6 +46,25 @@ def test_two_process_gradient_equals_the_one_process_gradient(distributed_grads,
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
 
 
+def test_a_closed_backend_frees_its_model_on_every_rank_before_the_next_is_built(
+    tiny_model_dir, tmp_path, warm_python
+):
+    """Found on the H100 (benchmarks/RESULTS.md, gpu_check): under torchrun a closed, dropped
+    backend stayed registered with the job on every rank, so a second backend's phase peaked
+    5.6 GiB higher: the first one's fp32 weights and AdamW state. Now close() releases it on
+    each rank, and a closed backend refuses work instead of sending ops no rank can run."""
+    proc = warm_python.run_ranks(["tests/distributed_release.py", str(tiny_model_dir),
+                                  str(tmp_path)], 2, cwd=ROOT, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for rank in (0, 1):
+        events = [line for line in lines if line.startswith(f"rank {rank} ") and "model" in line]
+        assert events[:3] == [f"rank {rank} built model 0", f"rank {rank} freed model 0",
+                              f"rank {rank} built model 1"], (rank, events)  # fmt: skip
+    closed = [line for line in lines if line.startswith("rank 0 closed backend")]
+    assert len(closed) == 2 and all("closed" in line.split(":", 1)[1] for line in closed), lines
+
+
 def sft(world: int, out: Path, steps: int, *extra: str):
     proc = launch("examples/run_sft.py", "--config", str(ROOT / "configs" / "sft_tiny.yaml"),
                   "--output-dir", str(out), "--max-steps", str(steps), "train.log_every=1",

@@ -124,6 +124,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         """
         self._dist = dctx.current()
         self._failed: BaseException | None = None
+        self._closed = False
         self._own_executor: ThreadPoolExecutor | None = None
         if self._dist is None:
             self._own_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
@@ -223,10 +224,25 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         return self._dist is not None
 
     def close(self) -> None:
-        """Wait for queued work to finish and stop the worker thread (the shared one under
-        torchrun stays until the job ends)."""
+        """Wait for queued work to finish, then let this backend go: its own worker thread
+        stops; under torchrun every rank unregisters it (the job's shared thread stays), so
+        its model and optimizer are freed once the caller drops it, not at the job's end.
+        Later operations raise BackendError. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._own_executor is not None:
             self._own_executor.shutdown(wait=True)
+        elif self._dist is not None and self._dist.backends.get(self.backend_id) is self:
+            self._executor.submit(self._release).result()  # type: ignore[union-attr]
+
+    def _release(self) -> None:
+        """Rank 0, on the job's thread: tell the other ranks to drop this backend, and drop it.
+        Not the other ranks after a failure: they may be gone, and the job is ending."""
+        assert self._dist is not None
+        if self._failed is None:
+            issue(self._dist, "release", self.backend_id, {})
+        self._dist.backends.pop(self.backend_id, None)
 
     def __enter__(self) -> PyTorchTrainingBackend:
         return self
@@ -235,6 +251,9 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         self.close()
 
     def _submit(self, fn: Callable[[], R]) -> TrainFuture[R]:
+        if self._closed:
+            raise BackendError("this backend was closed (close()): build another to go on")
+
         def guarded() -> R:
             if self._failed is not None:
                 raise BackendError(f"an earlier backend operation failed: {self._failed!r}")

@@ -13,6 +13,7 @@ ends with an error after `fsdp.command_timeout_s`, or at once when its socket cl
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -146,6 +147,10 @@ def serve_commands(ctx: DistContext) -> None:
         )
         if op == "create":  # args["build"]: the backend class's builder, sent by import path
             args["build"](args["spec"], backend_id)
+            continue
+        if op == "release":  # rank 0 closed it: free its model and optimizer here now
+            ctx.backends.pop(backend_id, None)
+            gc.collect()
             continue
         result = ctx.backends[backend_id].run_local(op, rows, args)
         if header["gather"]:
