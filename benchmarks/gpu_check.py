@@ -228,7 +228,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
         profiles.append(("SFT step", prof))
     sft.close()
     del sft
-    try:  # never measured on a GPU yet: a failure here must not cost the rest of the run
+    try:  # an optional kernel: its failure on some GPU or torch must not cost the other rows
         fused, figures["sft_fused"] = await sft_phase(plan, tmp, build, tok, n_matmul, fused=True)
         fused.close()
         del fused

@@ -48,8 +48,8 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
 
 
 def test_a_failed_fused_phase_is_a_table_row_not_a_lost_run(monkeypatch):
-    """The fused-AdamW phase has not run on a GPU yet: if it raises there, the other phases'
-    figures are still reported and its row names the error (the script then exits 1)."""
+    """If the fused-AdamW phase raises on some GPU or torch, the other phases' figures are
+    still reported and its row names the error (the script then exits 1)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_check
 
