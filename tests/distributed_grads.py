@@ -2,14 +2,22 @@
 writes the whole gradients and the loss metrics. `tests/test_distributed.py` runs it under
 plain python and under `torchrun --nproc_per_node 2` and compares the two.
 
+Each mode builds its backend, uses it, closes and drops it, as a sweep or a notebook would; every
+rank appends to OUT_DIR/models-rank{R}.txt when it builds a model and when that model is
+collected, so the test can check that each rank freed one mode's model before the next was built.
+
     python tests/distributed_grads.py MODEL_DIR OUT_DIR MODE[,MODE...]   # OUT_DIR/MODE/...
     modes: sft, grpo-token-mean, grpo-seq-mean, and each with `-lora` (LoRA adapters, rank 4)
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 import json
+import os
 import sys
+import weakref
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +38,23 @@ with gc_paused(freeze=True):  # torch, transformers, the project: plumbing/gc_pa
     from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
 
+_BUILT = itertools.count()
+
+
+def watched_model(model_dir: str, log_dir: str):
+    """load_model, recording in log_dir/models-rank{R}.txt its build and its collection."""
+    model = load_model(model_dir)
+    n, log = next(_BUILT), Path(log_dir, f"models-rank{os.environ.get('RANK', '0')}.txt")
+    _note(log, f"built {n}")
+    weakref.finalize(model, _note, log, f"freed {n}")
+    return model
+
+
+def _note(log: Path, line: str) -> None:
+    with log.open("a") as f:
+        f.write(line + "\n")
+
+
 def sft_samples(tokenizer) -> list:
     out = []
     for i in range(13):  # odd count, varied lengths: ranks get unequal shares and micro-batches
@@ -41,13 +66,16 @@ def sft_samples(tokenizer) -> list:
 
 
 async def one_step(model_dir: str, out: Path, mode: str) -> dict:
+    import distributed_grads as me  # by import path, so that the other ranks build it too
+
+    build = partial(me.watched_model, model_dir, str(out.parent))
     tokenizer = load_tokenizer(model_dir)
     optim = OptimConfig(lr=1e-3, schedule="constant")
     mode, with_lora, _ = mode.partition("-lora")
     lora = LoraSettings(rank=4) if with_lora else None
     if mode == "sft":
         backend = PyTorchTrainingBackend(
-            partial(load_model, model_dir), tokenizer, optim=optim, max_steps=2,
+            build, tokenizer, optim=optim, max_steps=2,
             checkpoint_dir=out / "ckpt", pack_length=64, micro_batch_tokens=128, lora=lora,
         )  # fmt: skip
         if lora is not None:  # a first step makes B ≠ 0, so that A's gradient is not 0 either
@@ -58,7 +86,7 @@ async def one_step(model_dir: str, out: Path, mode: str) -> dict:
         aggregation = "token-mean" if mode == "grpo-token-mean" else "seq-mean-token-mean"
         algorithm = grpo(aggregation=aggregation)
         backend = PyTorchTrainingBackend(
-            partial(load_model, model_dir), tokenizer, optim=optim, max_steps=2,
+            build, tokenizer, optim=optim, max_steps=2,
             checkpoint_dir=out / "ckpt", pack_length=None, micro_batch_tokens=96,
             collate_fn=partial(collate_rl, pad_id=tokenizer.pad_token_id), lora=lora,
         )  # fmt: skip
@@ -76,6 +104,7 @@ async def one_step(model_dir: str, out: Path, mode: str) -> dict:
     grads = await backend.full_grads().result()
     save_file({k: v.contiguous() for k, v in grads.items()}, str(out / "grads.safetensors"))
     (out / "metrics.json").write_text(json.dumps(metrics))
+    backend.close()
     return metrics
 
 
@@ -83,6 +112,7 @@ async def all_modes(model_dir: str, out: Path, modes: list[str]) -> None:
     for mode in modes:
         (out / mode).mkdir(parents=True, exist_ok=True)
         await one_step(model_dir, out / mode, mode)
+        gc.collect()  # the dropped backend's cycles (FSDP's hooks): its model goes now
 
 
 def main() -> int:

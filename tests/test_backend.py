@@ -78,6 +78,15 @@ async def test_failed_operation_refuses_later_ones(tiny_model_dir, tmp_path, sam
             await step.result()
 
 
+async def test_a_closed_backend_refuses_work_with_a_clear_error(tiny_model_dir, tmp_path, samples):
+    backend = make_backend(tiny_model_dir, tmp_path)
+    await backend.forward_backward(samples[:4]).result()
+    backend.close()
+    backend.close()  # idempotent: a `with` block around an explicit close() is fine
+    with pytest.raises(BackendError, match=r"closed \(close\(\)\)"):
+        backend.optim_step()
+
+
 async def test_checkpoints_are_complete_pruned_and_reload(tiny_model_dir, tmp_path, samples):
     with make_backend(tiny_model_dir, tmp_path, keep_last=2) as backend:
         for step in range(1, 4):
