@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import resource
 import sys
 import time
@@ -41,7 +42,8 @@ class CPURecorder:
     def record(self, nodeid: str, before: tuple[float, float], wall_s: float) -> None:
         own, children = (after - b for after, b in zip(cpu_seconds(), before, strict=True))
         row = {"id": nodeid, "self_s": round(own, 3), "children_s": round(children, 3),
-               "wall_s": round(wall_s, 3)}  # fmt: skip
+               "wall_s": round(wall_s, 3), "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+               "end": round(time.time(), 2)}  # fmt: skip
         with self.path.open("a") as out:
             out.write(json.dumps(row) + "\n")
 
