@@ -1,9 +1,10 @@
 """FSDP2 under torchrun, for real: two gloo processes on this machine against one process.
 
 The properties: the gradient of a step is the one-process gradient (SFT and the RL
-aggregations), the CLI's losses are the one-process losses, a checkpoint written at one world
-size resumes at the other, RL driven from rank 0 pushes weights to the engine, and a rank that
-dies ends the job quickly, naming it.
+aggregations), a closed backend is freed on every rank, an RL checkpoint written by two ranks
+resumes in one, RL driven from rank 0 pushes weights to the engine, and a rank that dies ends
+the job quickly, naming it. SFT resumed across world sizes, with the one-process losses, is
+tests/test_two_nodes.py's (1 → 2 → 1, the 2 as two torchrun nodes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.distributed_launch import GRAD_MODES, ROOT, launch
@@ -60,39 +60,6 @@ def test_a_closed_backend_frees_its_model_on_every_rank_before_the_next_is_built
             # each model goes before the next is built (the last one may outlive the job's end)
             expected = [e for n in range(n_modes) for e in (f"built {n}", f"freed {n}")]
             assert events.splitlines()[: 2 * n_modes - 1] == expected[:-1], (world, rank, events)
-
-
-def sft(world: int, out: Path, steps: int, *extra: str):
-    proc = launch("examples/run_sft.py", "--config", str(ROOT / "configs" / "sft_tiny.yaml"),
-                  "--output-dir", str(out), "--max-steps", str(steps), "train.log_every=1",
-                  "train.eval_every=1000", "train.checkpoint_every=2", "train.eval_samples=16",
-                  "train.greedy_eval_samples=0", "backend.num_threads=1", "train.batch_size=16",
-                  *SMALL_DATA, *extra, world=world, cwd=out.parent)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())}
-
-
-@pytest.mark.slow
-def test_torchrun_sft_resumes_a_one_process_run_with_the_same_losses(tiny_model_dir, tmp_path):
-    """1 → 2 processes here; the RL test below resumes 2 → 1."""
-    from transformers import AutoModelForCausalLM
-
-    model = f"model.path={tiny_model_dir}"
-    data = f"data.task_dir={tmp_path / 'data'}"
-    straight = sft(1, tmp_path / "one", 4, model, data)
-    mixed = sft(1, tmp_path / "mixed", 2, model, data)  # saved by 1 process ...
-    mixed |= sft(2, tmp_path / "mixed", 4, model, data, "--resume")  # ... resumed by 2
-    assert (tmp_path / "mixed" / "checkpoints" / "step_000004" / "dcp").is_dir()
-    assert sorted(mixed) == sorted(straight) == [1, 2, 3, 4]
-    for step, loss in straight.items():
-        assert mixed[step] == pytest.approx(loss, rel=1e-4), step
-    final = tmp_path / "mixed" / "checkpoints" / "step_000004"  # HF layout, written by rank 0
-    loaded = AutoModelForCausalLM.from_pretrained(final)
-    reference = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "one" / "checkpoints" / "step_000004"
-    )
-    for (name, a), b in zip(loaded.named_parameters(), reference.parameters(), strict=True):
-        assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), name
 
 
 @pytest.mark.slow
