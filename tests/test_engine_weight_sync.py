@@ -1,4 +1,6 @@
-"""`sync_weights_to_engines` over two local engine processes (started with `launch_engine`)."""
+"""`sync_weights_to_engines` over two local engines on loopback HTTP, served from this test's
+process (`open_local_engine`: the same server as `rollouts serve`, without ~3.5 CPU s of
+imports for each process; engine processes are tests/test_engine_launch.py's)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ from engines import (
     SGLangEngine,
     WeightSyncError,
     find_free_port,
-    launch_engine,
     pause_engines,
     sync_weights_to_engines,
 )
+from engines.local import open_local_engine
 
 
 async def test_sync_updates_both_engines_and_a_failure_names_the_engine_and_leaves_none_paused(
@@ -23,17 +25,15 @@ async def test_sync_updates_both_engines_and_a_failure_names_the_engine_and_leav
     launched: dict[int, object] = {}
     both_up = trio.Event()
 
-    async def run_engine(i: int) -> None:  # each process lives in its own task until cancelled
-        async with launch_engine(
-            kind="local", model_path=tiny_model_dir, log_path=tmp_path / f"e{i}.log"
-        ) as engine:
+    async def run_engine(i: int) -> None:  # each engine lives in its own task until cancelled
+        async with open_local_engine(tiny_model_dir, num_threads=1) as engine:
             launched[i] = engine
             if len(launched) == 2:
                 both_up.set()
             await trio.sleep_forever()
 
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
-        for i in range(2):  # start both processes at once
+        for i in range(2):  # start both at once
             nursery.start_soon(run_engine, i)
         await both_up.wait()
         launched_engines = [launched[0], launched[1]]

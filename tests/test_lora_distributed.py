@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed_launch import ROOT, launch
+from tests.warm_python import shared
 
 pytestmark = pytest.mark.slow  # three process launches besides the shared gradient runs
 
@@ -41,13 +42,16 @@ def test_two_process_adapter_gradient_equals_the_one_process_gradient(distribute
 
 
 def sft(world: int, out: Path, steps: int, *extra: str) -> dict[int, float]:
+    """The SFT recipe at `world` ranks, forked from the warm interpreter with torchrun's
+    variables (tests/warm_python.py): what is checked is what the ranks write; torchrun itself
+    is tested by tests/test_distributed.py, test_two_nodes.py and test_torchrun_exit.py."""
     proc = launch("examples/run_sft.py", "--config", str(ROOT / "configs" / "sft_tiny.yaml"),
                   "--output-dir", str(out), "--max-steps", str(steps), "train.log_every=1",
                   "train.eval_every=1000", "train.checkpoint_every=2", "train.eval_samples=16",
                   "train.greedy_eval_samples=0", "backend.num_threads=1", "train.batch_size=16",
                   "model.lora.rank=4", "optim.lr=1e-2", "data.arithmetic.n_sft=400",
-                  "data.arithmetic.n_eval=50", *extra, world=world,
-                  cwd=out.parent)  # fmt: skip
+                  "data.arithmetic.n_eval=50", *extra, world=world, cwd=out.parent,
+                  warm=shared())  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())}
 

@@ -1,4 +1,6 @@
-"""run_rl_training end to end against a launched local engine process (real HTTP, real weights)."""
+"""run_rl_training end to end against a local engine on loopback HTTP, real weights: served
+from this test's process for the three steps (no ~3.5 CPU s of an engine process's imports), a
+launched engine process for cancellation, which must leave no process behind."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import trio
 
 from engines import EnginePool, SGLangEngine, WeightSyncError, launch_engine
+from engines.local import open_local_engine
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -51,13 +54,8 @@ async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
     logger = JsonlLogger(tmp_path / "out" / "metrics.jsonl")
     with backend:
         async with (
-            launch_engine(
-                kind="local",
-                model_path=tiny_model_dir,
-                extra_args=["--weight-version", "0", "--num-threads", "1"],
-                startup_timeout_s=120,
-            ) as launched,  # fmt: skip
-            SGLangEngine(launched.url) as engine,
+            open_local_engine(tiny_model_dir, weight_version="0", num_threads=1) as server,
+            SGLangEngine(server.url) as engine,
             EnginePool([engine]) as pool,
         ):
             before = await engine.score(probe, len(prompts[0].prompt_ids))
@@ -76,7 +74,7 @@ async def test_three_rl_steps_advance_engine_version_and_change_its_outputs(
 
             # an engine that fails to load during a step: the loop stops with the engine's
             # message, raised as itself, and the engine is left serving its old weights
-            async with BadPathEngine(launched.url, max_retries=0) as broken:
+            async with BadPathEngine(server.url, max_retries=0) as broken:
                 with pytest.raises(WeightSyncError, match="Failed to get weights iterator"):
                     await run_rl_training(
                         backend, buffer, manager, [broken], RLLoopConfig(max_steps=1),

@@ -1,4 +1,9 @@
-"""examples/run_rl.py paths a user takes: --engine-url against a live server, bad config."""
+"""examples/run_rl.py paths a user takes: --engine-url against a live server, bad config.
+
+The live server is a local engine served from this test's process (`open_local_engine`, the
+server `rollouts serve` runs, on loopback HTTP): the CLI is another process either way, and an
+engine process of its own would add ~3.5 CPU s of imports and nothing these tests check.
+Launching engine processes is tests/test_engine_launch.py's."""
 
 import json
 import subprocess
@@ -7,7 +12,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from engines import launch_engine
+from engines.local import open_local_engine
 from tests import warm_python
 
 ROOT = Path(__file__).parent.parent
@@ -31,8 +36,7 @@ def two_step_run(model_dir: Path, tmp_path: Path, *engine_args: str) -> subproce
 
 
 async def test_engine_url_trains_against_a_live_server_and_pushes_weights(tiny_model_dir, tmp_path):
-    async with launch_engine(kind="local", model_path=tiny_model_dir,
-                             extra_args=["--num-threads", "1"], startup_timeout_s=120) as server:  # fmt: skip
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
         proc = await trio.to_thread.run_sync(
             lambda: two_step_run(tiny_model_dir, tmp_path, "--engine-url", server.url)
         )
@@ -71,8 +75,7 @@ async def test_engine_url_without_model_trains_the_engines_model_or_exits_2_nami
 
     served = tmp_path / "served_model"
     shutil.copytree(tiny_model_dir, served)
-    async with launch_engine(kind="local", model_path=served,
-                             extra_args=["--num-threads", "1"], startup_timeout_s=120) as server:  # fmt: skip
+    async with open_local_engine(served, num_threads=1) as server:
         shutil.rmtree(served)  # the engine keeps serving it; this machine has no copy now
         gone = await trio.to_thread.run_sync(no_model_run, tmp_path / "gone", server.url)
         shutil.copytree(tiny_model_dir, served)
