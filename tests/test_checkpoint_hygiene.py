@@ -116,7 +116,8 @@ def test_a_disk_that_fills_during_the_run_gives_one_error_line_naming_it(
     code = sft_main(["--config", str(Path(__file__).parents[1] / "configs" / "sft_tiny.yaml"), "--output-dir", str(disk / "out"),
                      "--max-steps", "1", "train.checkpoint_every=1", f"model.path={tiny_model_dir}",
                      f"data.task_dir={tmp_path / 'data'}", "backend.num_threads=1",
-                     "train.greedy_eval_samples=0"])  # fmt: skip
+                     "train.greedy_eval_samples=0", "data.arithmetic.n_sft=400",
+                     "data.arithmetic.n_eval=50"])  # fmt: skip
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if not line[:4].isdigit()]  # log lines aside
     assert code == EXIT_ERROR, err[-3000:]
