@@ -167,7 +167,8 @@ def test_a_signal_mid_rl_stops_cleanly_and_says_how_to_resume(tmp_path, own_mode
             "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "train.eval_samples=4",
             "train.eval_every=4", "train.checkpoint_every=3", "backend.num_threads=1",
             "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
-            f"data.task_dir={tmp_path / 'data'}"]  # fmt: skip
+            f"data.task_dir={tmp_path / 'data'}", "data.arithmetic.n_rl=64",
+            "data.arithmetic.n_eval=16"]  # fmt: skip
     proc = subprocess.Popen([str(ROLLOUTS), *base, "--max-steps", "500"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip

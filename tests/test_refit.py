@@ -197,7 +197,8 @@ def test_torchrun_fsdp2_run_pushes_by_broadcast_bucket_by_bucket_and_writes_no_w
                   "rollout.batch_size=2", "rollout.n_samples_per_prompt=2",
                   "rollout.filter_groups=none", "train.eval_samples=4", "train.eval_every=1000",
                   "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
-                  f"data.task_dir={tmp_path / 'data'}", "engines.weight_transport=distributed",
+                  f"data.task_dir={tmp_path / 'data'}", "data.arithmetic.n_rl=64",
+                  "data.arithmetic.n_eval=16", "engines.weight_transport=distributed",
                   "engines.weight_bucket_mb=1", world=2, cwd=Path(__file__).parent.parent)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -31,7 +31,8 @@ def two_step_run(model_dir: Path, tmp_path: Path, *engine_args: str) -> subproce
         "--max-steps", "2", "rollout.batch_size=2", "rollout.n_samples_per_prompt=2",
         "rollout.filter_groups=none", "train.eval_samples=8", "backend.num_threads=1",
         "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
-        f"data.task_dir={tmp_path / 'data'}", cwd=tmp_path,
+        f"data.task_dir={tmp_path / 'data'}", "data.arithmetic.n_rl=64",
+        "data.arithmetic.n_eval=16", cwd=tmp_path,
     )  # fmt: skip
 
 
@@ -63,7 +64,8 @@ def no_model_run(tmp_path: Path, url: str) -> subprocess.CompletedProcess:
         "--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--engine-url", url,
         "--output-dir", str(tmp_path / "out"), "--max-steps", "1", "rollout.batch_size=2",
         "rollout.n_samples_per_prompt=2", "train.eval_samples=4", "backend.num_threads=1",
-        f"data.task_dir={tmp_path / 'data'}", f"sft_config={ROOT / 'configs' / 'sft_tiny.yaml'}",
+        f"data.task_dir={tmp_path / 'data'}", "data.arithmetic.n_rl=64",
+        "data.arithmetic.n_eval=16", f"sft_config={ROOT / 'configs' / 'sft_tiny.yaml'}",
         cwd=tmp_path,
     )  # fmt: skip
 
