@@ -234,7 +234,8 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         if self._own_executor is not None:
             self._own_executor.shutdown(wait=True)
         elif self._dist is not None and self._dist.backends.get(self.backend_id) is self:
-            self._executor.submit(self._release).result()  # type: ignore[union-attr]
+            assert self._executor is not None, "ranks ≥ 1 release through serve_commands"
+            self._executor.submit(self._release).result()
 
     def _release(self) -> None:
         """Rank 0, on the job's thread: tell the other ranks to drop this backend, and drop it.
@@ -242,7 +243,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         assert self._dist is not None
         if self._failed is None:
             issue(self._dist, "release", self.backend_id, {})
-        self._dist.backends.pop(self.backend_id, None)
+        self._dist.unregister(self.backend_id)
 
     def __enter__(self) -> PyTorchTrainingBackend:
         return self

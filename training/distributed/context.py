@@ -60,6 +60,11 @@ class DistContext:
         self.backends[backend_id] = backend
         return backend_id
 
+    def unregister(self, backend_id: int) -> None:
+        """Forget a closed backend (every rank), so that its model and optimizer are freed when
+        nothing else holds them, not at the job's end."""
+        self.backends.pop(backend_id, None)
+
     def close(self) -> list[str]:
         """End this rank's part of the job; returns the gloo threads still alive (empty: every
         process group was destroyed and its threads joined; see training/distributed/teardown.py).

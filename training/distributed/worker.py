@@ -149,8 +149,8 @@ def serve_commands(ctx: DistContext) -> None:
             args["build"](args["spec"], backend_id)
             continue
         if op == "release":  # rank 0 closed it: free its model and optimizer here now
-            ctx.backends.pop(backend_id, None)
-            gc.collect()
+            ctx.unregister(backend_id)
+            gc.collect()  # its FSDP hooks hold cycles; no caller here will drop it later
             continue
         result = ctx.backends[backend_id].run_local(op, rows, args)
         if header["gather"]:
