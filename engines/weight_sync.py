@@ -12,7 +12,9 @@ from_disk(dir, version, flush_cache=False)` → read `/model_info` and check it 
 - "in_place": requests keep running on their KV, so SGLang refuses any flush (and an update
   that asks for one fails without setting the version). The cache is namespaced instead:
   every request the client sends carries `extra_key = engine.kv_namespace`, which `pause()`
-  renews, so nothing sent after the pause matches a prefix cached before it. The in-place
+  renews, so nothing sent after the pause matches a prefix cached before it (the local engine
+  also keys its cache by its own weight generation, so there a request queued before the
+  pause, or sent without that key, reuses nothing of the old weights either). The in-place
   requests themselves finish on KV that mixes old and new weights; their
   `meta_info.weight_versions` spans say so.
 - Every engine that was paused is resumed, whatever happened: a failure, another engine's
