@@ -24,6 +24,7 @@ import trio
 from engines.client import probe_engines
 from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
+from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
@@ -122,8 +123,8 @@ def algorithm_schedule(section: AlgorithmSection, budget: int) -> algorithms.Alg
 async def resolve_start_model(config: RLRunConfig) -> str:
     """`model.path`, the model live engines serve, or the SFT recipe's latest checkpoint
     (running the SFT recipe if missing: only for engines launched here)."""
-    if config.model.path is not None:
-        return config.model.path
+    if config.model.path is not None:  # a run or checkpoints directory: its latest model
+        return resolve_model_dir(config.model.path)
     if config.engines.urls or config.engines.router_url:  # never an SFT run nobody asked for
         return await model_served_by(config.engines)
     if config.sft_config is None:
