@@ -17,8 +17,8 @@ from rollouts.evaluation import evaluate_greedy
 from rollouts.prompts import PromptItem, load_prompt_jsonl
 from rollouts.types import Sample
 from training.backend.model_io import check_model_path, load_tokenizer
+from training.recipes.callables import resolve_callable
 from training.recipes.generate import format_sample, model_directory, open_model_engine
-from training.recipes.rl import resolve_callable
 from training.recipes.sft import check_input_file
 
 
