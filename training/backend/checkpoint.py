@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 
+from plumbing import model_paths as _paths
 from plumbing.errors import CheckpointError
 from training.backend.hf_progress import hf_progress_bars_off
 
-LATEST = "latest"
-STATE_JSON = "trainer_state.json"
+LATEST = _paths.LATEST  # plumbing/model_paths.py reads the layout by these names
+STATE_JSON = _paths.STATE_JSON
 STATE_PT = "trainer_state.pt"
 DCP_DIR = "dcp"  # model + optimizer shards (torch.distributed.checkpoint), any world size
 

@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from plumbing.errors import RolloutsError
@@ -135,8 +136,9 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         from training.recipes.plot import print_curve, write_reward_png
         from training.recipes.rl import RLExtensions, run_rl_recipe
 
+    config_dir = None if args.config is None else Path(args.config).parent
     code, summary = run_command(argv, config, lambda p: run_rl_recipe(
-        config, on_step=p, extensions=extensions or RLExtensions()),
+        config, on_step=p, extensions=extensions or RLExtensions(), config_dir=config_dir),
                                 overwrite=args.overwrite, prog=prog)  # fmt: skip
     if summary is None:
         return code
@@ -156,11 +158,16 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Greedy held-out accuracy of a model (or checkpoint) on prompts with answers, through a "
         "local engine launched for the purpose (or --engine-url)."))  # fmt: skip
-    parser.add_argument("--model", required=True, help="HF model or checkpoint directory")
-    parser.add_argument("--data", required=True,
-                        help='prompts JSONL: {"messages" or "prompt", "answer"} per line')  # fmt: skip
+    parser.add_argument("--model", required=True,
+                        help="HF model directory, run directory, its checkpoints/ or a checkpoint")  # fmt: skip
+    parser.add_argument("--data", required=True, help='any JSONL rollouts rl or sft reads, with '
+                        'the ground truth: {"messages" or "prompt", "answer"} per line')  # fmt: skip
     parser.add_argument("--reward", default="rollouts.tasks.arithmetic:correctness_reward",
-                        help="module:function scoring a sample (default: arithmetic exact match)")  # fmt: skip
+                        help="module:function scoring a sample (default: arithmetic exact "
+                             "match); the module is looked for in the working directory first")  # fmt: skip
+    parser.add_argument("--overlong", choices=("drop", "truncate"), default="drop",
+                        help="a prompt too long for the context: skip it (default), or keep its "
+                             "last tokens")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
     parser.add_argument("--engine-url", default=None, help="a live server (default: launch one)")
@@ -175,7 +182,7 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     code, result = run_without_run_dir(lambda: evaluate_model(
         args.model, args.data, args.reward, max_new_tokens=args.max_new_tokens,
         limit=args.limit, engine_url=args.engine_url, answer_field=args.answer_field,
-        show=args.show))  # fmt: skip
+        show=args.show, overlong=args.overlong))  # fmt: skip
     if code == 0:
         metrics, shown = result
         print("\n".join([*shown, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))]))

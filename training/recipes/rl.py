@@ -10,12 +10,12 @@ evaluate → `run_rl_training(objective=..., hooks=...)` → summary.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import trio
 from engines.client import probe_engines
 from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
+from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
@@ -48,6 +49,7 @@ from training.loops.loggers import (
 )
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import push_weights
+from training.recipes.callables import resolve_callable as resolve_callable
 from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
 from training.recipes.rl_env import build_episode_setup
@@ -65,17 +67,6 @@ from training.rl.rollout_dump import RolloutDumpWriter
 from training.rl_config import AlgorithmSection, EnginesConfig, RLRunConfig
 
 log = logging.getLogger("rollouts.rl_recipe")
-
-
-def resolve_callable(spec: str) -> Callable[..., Any]:
-    """Import `module:function` once, at the edge (config files name extension points so)."""
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ConfigError(f"{spec!r}: expected 'module:function'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"cannot resolve {spec!r}: {err}") from err
 
 
 def generation_budget(config: RLRunConfig) -> int:
@@ -122,8 +113,8 @@ def algorithm_schedule(section: AlgorithmSection, budget: int) -> algorithms.Alg
 async def resolve_start_model(config: RLRunConfig) -> str:
     """`model.path`, the model live engines serve, or the SFT recipe's latest checkpoint
     (running the SFT recipe if missing: only for engines launched here)."""
-    if config.model.path is not None:
-        return config.model.path
+    if config.model.path is not None:  # a run or checkpoints directory: its latest model
+        return resolve_model_dir(config.model.path)
     if config.engines.urls or config.engines.router_url:  # never an SFT run nobody asked for
         return await model_served_by(config.engines)
     if config.sft_config is None:
@@ -301,13 +292,16 @@ def rl_objective(config: RLRunConfig, schedule: algorithms.AlgorithmSchedule, re
 
 
 async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
-                        extensions: RLExtensions = RLExtensions()) -> RLSummary:  # fmt: skip
+                        extensions: RLExtensions = RLExtensions(),
+                        config_dir: str | Path | None = None) -> RLSummary:  # fmt: skip
     """Everything `examples/run_rl.py` does.
 
     Args:
         on_step: an extra logger called after every step (e.g. a host app watching progress).
         extensions: custom reward, shaping, advantage, loss, KL, reference update, stop
             condition and checkpoint hook (defaults: as configured).
+        config_dir: the config file's directory: `module:function` references in the config
+            are looked for in the working directory, then there (training/recipes/callables.py).
     """
     t0 = time.perf_counter()
     await check_rl_inputs(config)
@@ -315,7 +309,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     out = Path(config.output_dir)
     thinking = config.model.enable_thinking  # checked against the template by load_prompts
     episodes = build_episode_setup(
-        config.env, config.reward, resolve=resolve_callable,
+        config.env, config.reward, resolve=partial(resolve_callable, config_dir=config_dir),
         template_kwargs={} if thinking is None else {"enable_thinking": thinking},
         agent_section=config.agent, agent=extensions.agent,
     )  # fmt: skip

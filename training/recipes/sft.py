@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import trio
 
 from plumbing.errors import ConfigError
+from plumbing.model_paths import resolve_model_dir
 from rollouts.tasks.arithmetic import is_correct
 from rollouts.thinking import thinking_template_kwargs
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
@@ -44,9 +45,10 @@ log = logging.getLogger("rollouts.recipes")
 
 
 def resolve_model_path(config: ModelConfig) -> str:
-    """The model to load: `config.path`, or the tiny local model (built on first use)."""
+    """The model to load: the HF model directory `config.path` names (a run or checkpoints
+    directory: its latest checkpoint), or the tiny local model (built on first use)."""
     if config.path is not None:
-        return config.path
+        return resolve_model_dir(config.path)
     return str(ensure_tiny_model(config.tiny_dir, seed=config.tiny_seed, size=config.tiny_size))
 
 
