@@ -99,14 +99,17 @@ def test_a_trl_key_as_an_override_names_the_override_and_the_trainers_meaning():
 
 def test_a_misspelt_key_suggests_the_nearest_key_of_the_config(tmp_path):
     path = tmp_path / "typo.yaml"
-    path.write_text("train:\n  batch_size: 4\n  max_stepz: 3\nlr: 0.1\n")
+    path.write_text("train:\n  batch_size: 4\n  max_stepz: 3\n  lr: 1\nlr: 0.1\n")
     with pytest.raises(ConfigError) as err:
-        load_config(SFTRunConfig, path, ["optim.lrr=1"])
+        load_config(SFTRunConfig, path, ["optim.lrr=1", "logging.tensorboard.path=tb"])
     lines = [line.strip() for line in str(err.value).splitlines()[1:]]
     assert sorted(lines) == sorted([
         f"{path}:3: unknown key 'train.max_stepz'; did you mean 'train.max_steps'?",
-        f"{path}:4: unknown key 'lr'; did you mean 'optim.lr'?",
+        f"{path}:4: unknown key 'train.lr'; did you mean 'optim.lr'?",
+        f"{path}:5: unknown key 'lr'; did you mean 'optim.lr'?",
         "override 'optim.lrr=1': unknown key 'optim.lrr'; did you mean 'optim.lr'?",
+        "override 'logging.tensorboard.path=tb': unknown key 'logging.tensorboard.path'; "
+        "did you mean 'logging.tensorboard.dir'?",
     ])  # fmt: skip
 
 

@@ -107,8 +107,8 @@ def _trl_hints(found: list[tuple[str, TRLKey]]) -> str:
 
 
 def _near_keys(key: str, keys: set[str]) -> list[str]:
-    """Our keys `key` probably meant: a close sibling, the same name in another section, or a
-    close dotted path."""
+    """Our keys `key` probably meant: a close name in its section, a close dotted path, or (for
+    a key at most one section deep: `lr`, `train.lr`) the same name in another section."""
     parent, _, leaf = key.rpartition(".")
     prefix = parent + "." if parent else ""
     siblings = sorted(k[len(prefix) :] for k in keys if k.startswith(prefix))
@@ -116,7 +116,10 @@ def _near_keys(key: str, keys: set[str]) -> list[str]:
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)
     if close:
         return [prefix + close[0]]
-    same_name = sorted(k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != key)
-    if same_name:
-        return same_name[:3]
-    return difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.8)
+    others = sorted(k for k in keys if not key.startswith(k + "."))  # not its own sections
+    close = difflib.get_close_matches(key, others, n=1, cutoff=0.8)
+    if close:
+        return close
+    if key.count(".") > 1:  # deep in a section: a same-named key elsewhere is a guess too far
+        return []
+    return sorted(k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != key)[:3]
