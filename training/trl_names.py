@@ -1,9 +1,9 @@
 """TRL's config names and the rollouts keys that do the same job (docs/from-trl.md).
 
 One table per TRL class. `config_hints` reads it when a config has an unknown key, so a TRL
-YAML fed to `rollouts sft|rl` is answered with the rollouts name; tests/test_config_hints.py
-checks that every rollouts key named here exists in the config models and that
-docs/from-trl.md lists the same pairs. Pure data: no torch, no pydantic.
+YAML fed to `rollouts sft|rl` is answered with the rollouts name. tests/test_config.py checks
+that every rollouts key named here exists in the config models, tests/test_docs.py that
+docs/from-trl.md lists the same rows. Pure data: no torch, no pydantic.
 """
 
 from __future__ import annotations
