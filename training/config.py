@@ -7,14 +7,17 @@ is logged at start and saved with every checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from plumbing.errors import ConfigError
 from rollouts.config import Strict
+from training.config_hints import locate, trl_hint, unknown_key_hint
+from training.trl_names import SFT_TABLES
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -287,6 +290,7 @@ class LoggingConfig(Strict):
 
 
 class SFTRunConfig(Strict):
+    trl_tables: ClassVar[tuple[str, ...]] = SFT_TABLES  # TRL names an unknown key is matched to
     output_dir: str = "runs/sft"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -330,23 +334,31 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _format_validation_error(err: ValidationError, source: str, cls: type[BaseModel],
+                             path: Path | None, overrides: Sequence[str]) -> str:  # fmt: skip
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        where = locate(key, path, overrides) or source
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key {key!r}")
+            lines.append(f"{where}: unknown key {key!r}{unknown_key_hint(key, cls)}")
         else:
-            lines.append(f"{source}: {key}: {e['msg']} (got {e.get('input')!r})")
+            hint = trl_hint(key, cls)
+            lines.append(f"{where}: {key}: {e['msg']} (got {e.get('input')!r}){hint}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def build_config(cls: type[C], data: dict[str, Any], *, source: str = "<config>") -> C:
-    """Validate a plain dict into `cls`, turning pydantic errors into ConfigError naming keys."""
+def build_config(cls: type[C], data: dict[str, Any], *, source: str = "<config>",
+                 path: Path | None = None, overrides: Sequence[str] = ()) -> C:  # fmt: skip
+    """Validate a plain dict into `cls`, turning pydantic errors into ConfigError naming keys.
+
+    `path` and `overrides`, where `data` came from them, let the error say `file:line` or the
+    override that set a bad key (training/config_hints.py).
+    """
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, cls, path, overrides)) from None
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
@@ -357,8 +369,8 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     """
     data: dict[str, Any] = {}
     source = "<defaults>"
-    if path is not None:
-        p = Path(path)
+    p = None if path is None else Path(path)
+    if p is not None:
         source = str(p)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
@@ -372,7 +384,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     if overrides:
         data = apply_overrides(data, list(overrides))
         source = f"{source} + overrides"
-    return build_config(cls, data, source=source)
+    return build_config(cls, data, source=source, path=p, overrides=list(overrides))
 
 
 def config_to_yaml(config: BaseModel) -> str:

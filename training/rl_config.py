@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,6 +14,7 @@ from training.config import (
     OptimConfig,
     TaskDataSource,
 )
+from training.trl_names import RL_TABLES
 
 
 class RLDataConfig(TaskDataSource):
@@ -239,6 +240,7 @@ class RLLoopConfig(Strict):
 
 
 class RLRunConfig(Strict):
+    trl_tables: ClassVar[tuple[str, ...]] = RL_TABLES  # TRL names an unknown key is matched to
     output_dir: str = "runs/rl"
     sft_config: str | None = Field(
         "configs/sft_tiny.yaml",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -52,10 +53,13 @@ def overrides_from_args(args: argparse.Namespace, extra: Mapping[str, Any] = {})
 
 
 def load_or_exit(config_cls: type, path: str | None, overrides: list[str]) -> Any:
-    """The validated config, or None after printing `error: ...` (then exit 2)."""
+    """The validated config, or None after printing `error: ...` (then exit 2): a bad config,
+    or a launcher the run cannot join (an `accelerate launch` that is not a torchrun job)."""
     from training.config import load_config
+    from training.recipes.launcher import check_launcher
 
     try:
+        check_launcher(os.environ, sys.argv)
         return load_config(config_cls, path, overrides)
     except RolloutsError as err:
         print(f"error: {err}", file=sys.stderr)
