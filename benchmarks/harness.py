@@ -53,6 +53,7 @@ SECTIONS = (
     "demo_history",  # written by hand, not by a script: how the demo's settings were chosen
     "gpu_check",
     "controller_scale",
+    "fault_matrix",
 )
 
 

@@ -14,7 +14,10 @@ test can place one fault exactly; the seeded draws take over after it.
 
 One request per connection (`Connection: close` both ways), so a fault hits exactly one request.
 Every wait is bounded (`io_timeout_s` per read, `hang_s`); `counts` tallies each fault and each
-forwarded request. Only bodies with `Content-Length` are read (what httpx sends).
+forwarded request, and `longest_s` the longest time a request of each path was outstanding at
+the proxy (head read to answer sent or connection closed). `on_request(path)`, if set, is called
+as each request's head arrives (before its fault), e.g. to kill the client mid-weight-push.
+Only bodies with `Content-Length` are read (what httpx sends).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import trio
@@ -52,6 +55,8 @@ class FaultProxy:
         self.upstream = (host, int(port))
         self.plan = plan
         self.counts: Counter[str] = Counter()
+        self.longest_s: dict[str, float] = {}
+        self.on_request: Callable[[str], None] | None = None
         self.enabled = True
         self._rng = random.Random(plan.seed)
         self._n_drawn = 0
@@ -85,31 +90,41 @@ class FaultProxy:
             except (trio.TooSlowError, trio.BrokenResourceError, ValueError):
                 return
             path = head.split(b" ", 2)[1].split(b"?")[0].decode("latin-1")
-            fault = self._draw(path)
-            self.counts[fault or "forwarded"] += 1
-            if fault == "reset":
-                return
-            if fault == "hang":
-                await trio.sleep(self.plan.hang_s)
-                return
-            if fault == "500":
-                await _send(client, b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
-                            b"application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-                            % len(_ERROR) + _ERROR)  # fmt: skip
-                return
-            if fault == "nonjson":
-                await _send(client, b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\n"
-                            b"content-length: %d\r\nconnection: close\r\n\r\n"
-                            % len(_HTML) + _HTML)  # fmt: skip
-                return
-            if fault == "delay":
-                await trio.sleep(self.plan.delay_s)
+            if self.on_request is not None:
+                self.on_request(path)
+            started = trio.current_time()
             try:
-                with trio.fail_after(self.plan.io_timeout_s):
-                    answer = await self._forward(head, body)
-            except (trio.TooSlowError, OSError, trio.BrokenResourceError):
-                return  # the engine is gone or stuck: the client sees a dropped connection
-            await _send(client, answer[: len(answer) // 2] if fault == "truncate" else answer)
+                await self._answer(client, head, body, path)
+            finally:
+                took = trio.current_time() - started
+                self.longest_s[path] = max(self.longest_s.get(path, 0.0), took)
+
+    async def _answer(self, client: trio.SocketStream, head: bytes, body: bytes, path: str) -> None:
+        fault = self._draw(path)
+        self.counts[fault or "forwarded"] += 1
+        if fault == "reset":
+            return
+        if fault == "hang":
+            await trio.sleep(self.plan.hang_s)
+            return
+        if fault == "500":
+            await _send(client, b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
+                        b"application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                        % len(_ERROR) + _ERROR)  # fmt: skip
+            return
+        if fault == "nonjson":
+            await _send(client, b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\n"
+                        b"content-length: %d\r\nconnection: close\r\n\r\n"
+                        % len(_HTML) + _HTML)  # fmt: skip
+            return
+        if fault == "delay":
+            await trio.sleep(self.plan.delay_s)
+        try:
+            with trio.fail_after(self.plan.io_timeout_s):
+                answer = await self._forward(head, body)
+        except (trio.TooSlowError, OSError, trio.BrokenResourceError):
+            return  # the engine is gone or stuck: the client sees a dropped connection
+        await _send(client, answer[: len(answer) // 2] if fault == "truncate" else answer)
 
     async def _forward(self, head: bytes, body: bytes) -> bytes:
         lines = [line for line in head.split(b"\r\n") if line]
