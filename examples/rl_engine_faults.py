@@ -6,13 +6,13 @@ dropped and relaunched, and checks that no trained sample was lost, duplicated o
         [--seed N] [--model DIR] [--output-dir runs/engine_faults]
 
 The engines are supervised here (relaunched on their port when they die) and reached through
-`engines.testing.fault_proxy` (faults on `/generate` only with --faults), so the run uses
+`engines.testing.fault_proxy` (faults on `/generate` only with --faults), both set up by
+`engines.testing.fault_fleet`, so the run uses
 `configs/rl_tiny.yaml` with `engines.urls` set to the proxies: the same pool, weight sync and
 rejoin as `engines.n_local=2`. Without --model it trains a fresh tiny model (seed 0).
 """
 
 import argparse
-import contextlib
 import os
 import signal
 import threading
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import trio
 
-from engines.supervisor import supervise_engine
-from engines.testing.fault_proxy import FaultPlan, FaultProxy
+from engines.testing.fault_fleet import open_faulty_fleet
+from engines.testing.fault_proxy import FaultPlan
 from training.backend.tiny_model import build_tiny_model
 from training.config import load_config
 from training.recipes.rl import run_rl_recipe
@@ -37,15 +37,12 @@ async def main(args: argparse.Namespace) -> None:
     out = Path(args.output_dir)
     model = args.model or str(build_tiny_model(out / "model", seed=0))
     rows: list[tuple[int, dict]] = []
-    async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(supervise_engine(
-            kind="local", model_path=model, log_path=out / f"engine_{i}.log", relaunch_delay_s=0.5,
-            extra_args=["--weight-version", "0", "--num-threads", "1"]))
-            for i in range(2)]  # fmt: skip
-        proxies = [FaultProxy(e.url, FaultPlan(rates=FAULTS if args.faults else {}, delay_s=1.0,
-                                               hang_s=8.0, seed=args.seed + i))
-                   for i, e in enumerate(engines)]  # fmt: skip
-        urls = [await nursery.start(p.serve) for p in proxies]
+    plans = [FaultPlan(rates=FAULTS if args.faults else {}, delay_s=1.0, hang_s=8.0,
+                       seed=args.seed + i) for i in range(2)]  # fmt: skip
+    async with open_faulty_fleet(model, plans, out) as fleet:
+        engines = [m.engine for m in fleet]
+        proxies = [m.proxy for m in fleet]
+        urls = [m.proxy_url for m in fleet]
         config = load_config(RLRunConfig, "configs/rl_tiny.yaml", [
             f"engines.urls={urls}".replace("'", '"'), f"model.path={model}",
             f"output_dir={out}", f"train.max_steps={args.max_steps}", "train.eval_samples=0",
@@ -63,8 +60,6 @@ async def main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         summary = await run_rl_recipe(config, on_step=on_step)
         wall = time.perf_counter() - t0
-        await stack.aclose()  # stop the engines, then the proxies
-        nursery.cancel_scope.cancel()
     report(out, rows, summary.steps, wall, engines, proxies, config)
 
 
