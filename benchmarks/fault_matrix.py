@@ -2,7 +2,7 @@
 
     python benchmarks/fault_matrix.py [--paths async-disk,sync-distributed,...] [--engines 1,2]
         [--faults a,b,c,d,e] [--steps 6] [--jobs 1] [--timeout-s 300] [--json PATH]
-        [--write-results] [--out runs/fault_matrix]
+        [--write-results [--results benchmarks/RESULTS.md]] [--out runs/fault_matrix]
 
 Paths: `{sync,overlap,async}-{disk,distributed}` (rollout.mode, engines.weight_transport) on
 configs/rl_tiny.yaml, and `agent` (configs/agent_tiny.yaml: env.kind=agent, the calculator agent
@@ -14,8 +14,9 @@ supervised local engines (relaunched on their port when they die), each behind a
 - a: one reset: the 5th /generate through engine 0's proxy is closed without an answer.
 - b: a 10 % fault mix on every /generate: 2 % each of reset, 500, truncated, non-JSON, hang (8 s).
 - c: an engine kill: SIGKILL to the last engine's process once step 2 is dumped.
-- d: a hung weight update: engine 0's proxy holds the first /update_weights_from_disk
-  (/update_weights_from_distributed with distributed transport) for HANG_S, then closes it.
+- d: a hung weight update: engine 0's proxy holds the third /update_weights_from_disk
+  (/update_weights_from_distributed with distributed transport; the first is the push at start)
+  for HANG_S (150 s) or until the trainer closes it, then closes it.
 - e: a trainer SIGKILL mid-push: when a weight-push request (/update_weights_from_disk,
   /init_weights_update_group, /update_weights_from_distributed) reaches a proxy after step 2 is
   dumped, the trainer gets SIGKILL; the same command with --resume then finishes the run
@@ -36,8 +37,8 @@ per-attempt deadline (`--timeout-s`; past it the trainer gets SIGKILL and its ex
   1 overlap, rollout.max_staleness=1 async).
 - wait: the longest time any single request (generate or weight push) was outstanding at a
   proxy, and gap: the longest time between consecutive dumped steps (from the trainer's start),
-  both in seconds (the gap leaves out the trainer's start-up, and includes a resume); the goal
-  for both is under a minute.
+  both in seconds (the gap counts from each trainer start, so a start-up or a resume is in it);
+  the goal for both is under a minute.
 - versions: each engine's weight_version from GET /model_info (directly, after the trainer
   exited) and whether they are one value equal to the trainer's (its last step: the loop pushes
   version N after step N).
@@ -120,7 +121,7 @@ def plans(cell: Cell) -> list[FaultPlan]:
         plain = [FaultPlan(rates=MIX, hang_s=8.0, seed=i) for i in range(cell.engines)]
     elif cell.fault == "d":
         route = PUSHES[2] if cell.path.endswith("distributed") else PUSHES[0]
-        plain[0] = FaultPlan(script=("hang",), paths=(route,), hang_s=HANG_S)
+        plain[0] = FaultPlan(script=("pass", "pass", "hang"), paths=(route,), hang_s=HANG_S)
     return plain
 
 
@@ -141,10 +142,11 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
                 trainer_command(cell, urls, model, out, args, resume=attempt > 0),
                 cwd=harness.REPO, env=env, stdout=(out / f"trainer_{attempt}.log").open("wb"),
                 stderr=subprocess.STDOUT)  # fmt: skip
+            arrivals.append(time.perf_counter())  # the gap counts each start-up
             killed = {"done": False}
 
             def kill_trainer(path: str, trainer=trainer, killed=killed) -> None:
-                if path in PUSHES and not killed["done"] and len(arrivals) >= KILL_AFTER_STEP:
+                if path in PUSHES and not killed["done"] and _count_lines(dump) >= KILL_AFTER_STEP:
                     killed["done"] = True
                     trainer.send_signal(signal.SIGKILL)
 
@@ -158,7 +160,7 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
                     await trio.sleep(0.2)
                     trainer.poll()
                     n = _count_lines(dump)
-                    arrivals.extend([time.perf_counter()] * (n - len(arrivals)))
+                    arrivals.extend([time.perf_counter()] * (n + attempt + 1 - len(arrivals)))
                     if cell.fault == "c" and not engine_killed and n >= KILL_AFTER_STEP:
                         os.kill(fleet[-1].engine.current.pid, signal.SIGKILL)
                         engine_killed = True
@@ -248,8 +250,17 @@ def cells(args) -> list[Cell]:
 
 async def run_matrix(args) -> list[dict]:
     from training.backend.tiny_model import ensure_tiny_model
+    from training.config import load_config
+    from training.rl_config import RLRunConfig
 
     model = ensure_tiny_model(args.out / "model", seed=0)
+    for config, task in (
+        ("configs/rl_tiny.yaml", "arithmetic"),
+        ("configs/agent_tiny.yaml", "multiply"),
+    ):
+        # the task files once, before runs that share them start (with --jobs > 1)
+        load_config(RLRunConfig, config, [f"data.task_dir={args.out / 'data' / task}",
+                                          f"model.path={model}"]).data.write_task_files()  # fmt: skip
     todo, rows = cells(args), {}
     limiter = trio.CapacityLimiter(args.jobs)
 
@@ -276,7 +287,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/fault_matrix"))
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--write-results", action="store_true",
-                   help="replace the fault_matrix section of benchmarks/RESULTS.md")  # fmt: skip
+                   help="replace the fault_matrix section of RESULTS.md (--results)")  # fmt: skip
+    p.add_argument("--results", type=Path, default=harness.BENCH_DIR / "RESULTS.md",
+                   help="the RESULTS.md --write-results writes")  # fmt: skip
     args = p.parse_args(argv)
     bad = [x for x in args.paths if x not in ALL_PATHS] + [
         x for x in args.faults if x not in FAULTS
@@ -307,7 +320,7 @@ def main() -> int:
         args.json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     if args.write_results:
         harness.write_section("fault_matrix", title, table + "\n\n" + "\n".join(notes),
-                              quick=False, started=started)  # fmt: skip
+                              quick=False, started=started, path=args.results)  # fmt: skip
     return 0 if all(r["ok"] for r in rows) else 1
 
 

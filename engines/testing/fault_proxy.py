@@ -6,7 +6,7 @@ Each request whose path is in `FaultPlan.paths` draws one fault (seeded, so runs
 - "delay": forwarded after `delay_s`;
 - "truncate": forwarded, and half of the answer's bytes are sent before the connection closes;
 - "500": answered `500 {"error": {"message": "injected fault"}}` without forwarding;
-- "hang": no answer for `hang_s`, then the connection closes;
+- "hang": no answer for `hang_s` (or until the client closes), then the connection closes;
 - "nonjson": answered `200` with an HTML body (a misrouted load balancer) without forwarding;
 - otherwise the request is forwarded as is. Every other path is always forwarded.
 `FaultPlan.script` names the faults of the first requests in order ("pass": forwarded), so a
@@ -104,8 +104,13 @@ class FaultProxy:
         self.counts[fault or "forwarded"] += 1
         if fault == "reset":
             return
-        if fault == "hang":
-            await trio.sleep(self.plan.hang_s)
+        if fault == "hang":  # until hang_s, or until the client gives up and closes
+            with (
+                trio.move_on_after(self.plan.hang_s),
+                contextlib.suppress(trio.BrokenResourceError),
+            ):
+                while await client.receive_some(65536):
+                    pass
             return
         if fault == "500":
             await _send(client, b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
