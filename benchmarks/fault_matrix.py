@@ -37,8 +37,8 @@ per-attempt deadline (`--timeout-s`; past it the trainer gets SIGKILL and its ex
   1 overlap, rollout.max_staleness=1 async).
 - wait: the longest time any single request (generate or weight push) was outstanding at a
   proxy, and gap: the longest time between consecutive dumped steps (from the trainer's start),
-  both in seconds (the gap counts from each trainer start, so a start-up or a resume is in it);
-  the goal for both is under a minute.
+  both in seconds (the gap runs from each trainer start to its exit, so a start-up, a resume
+  and a stall before a crash or the deadline are in it); the goal for both is under a minute.
 - versions: each engine's weight_version from GET /model_info (directly, after the trainer
   exited) and whether they are one value equal to the trainer's (its last step: the loop pushes
   version N after step N).
@@ -133,16 +133,17 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
     dump.unlink(missing_ok=True)
     started = time.perf_counter()
     exits: list[str] = []
-    arrivals: list[float] = []
+    ticks: list[float] = []  # each trainer start, each dumped step, each trainer exit
+    seen = 0
     async with open_faulty_fleet(model, plans(cell), out) as fleet:
         urls = [m.proxy_url for m in fleet]
         env = {**os.environ, "PYTHONPATH": str(harness.REPO), "OMP_NUM_THREADS": "1"}
         for attempt in range(2):
+            log_file = (out / f"trainer_{attempt}.log").open("wb")
             trainer = await trio.lowlevel.open_process(
                 trainer_command(cell, urls, model, out, args, resume=attempt > 0),
-                cwd=harness.REPO, env=env, stdout=(out / f"trainer_{attempt}.log").open("wb"),
-                stderr=subprocess.STDOUT)  # fmt: skip
-            arrivals.append(time.perf_counter())  # the gap counts each start-up
+                cwd=harness.REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+            ticks.append(time.perf_counter())
             killed = {"done": False}
 
             def kill_trainer(path: str, trainer=trainer, killed=killed) -> None:
@@ -160,13 +161,18 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
                     await trio.sleep(0.2)
                     trainer.poll()
                     n = _count_lines(dump)
-                    arrivals.extend([time.perf_counter()] * (n + attempt + 1 - len(arrivals)))
+                    ticks.extend([time.perf_counter()] * (n - seen))
+                    seen = max(seen, n)
                     if cell.fault == "c" and not engine_killed and n >= KILL_AFTER_STEP:
                         os.kill(fleet[-1].engine.current.pid, signal.SIGKILL)
                         engine_killed = True
             if deadline.cancelled_caught:
                 trainer.kill()
             code = await trainer.wait()
+            log_file.close()
+            n = _count_lines(dump)
+            ticks.extend([time.perf_counter()] * (n - seen + 1))  # its last steps, its exit
+            seen = max(seen, n)
             exits.append("timeout" if deadline.cancelled_caught else str(code))
             if not (cell.fault == "e" and killed["done"] and attempt == 0):
                 break
@@ -175,7 +181,7 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
         counts = [dict(m.proxy.counts) for m in fleet]
     row = {"run": cell.name, "path": cell.path, "engines": cell.engines, "fault": cell.fault,
            "exit": exits, "wait_s": round(wait, 1),
-           "gap_s": round(max((b - a for a, b in itertools.pairwise(arrivals)), default=0.0), 1),
+           "gap_s": round(max((b - a for a, b in itertools.pairwise(ticks)), default=0.0), 1),
            "versions": versions, "proxy": counts,
            "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     try:
