@@ -32,7 +32,9 @@ per-attempt deadline (`--timeout-s`; past it the trainer gets SIGKILL and its ex
 - lost / twice / stale: from the rollout dump, as defined in training/rl/dump_audit.py: lost =
   samples of prompts the run had taken from its data by its checkpoint SETTLE_STEPS (2) steps
   before its last step (every checkpoint is kept), neither trained, nor held at the end, nor
-  accounted as failed or filtered (so a prompt skipped by a resume is lost); twice = extra trainings of one generation (same prompt, index, response tokens and
+  accounted as failed or filtered: what a resume from the final checkpoint would never train
+  (so a prompt skipped by a resume is lost, and so is one the final checkpoint dropped from its
+  held groups while it was in flight); twice = extra trainings of one generation (same prompt, index, response tokens and
   engine logprobs); stale = trained with a weight version older than step - 1 - max lag (0 sync,
   1 overlap, rollout.max_staleness=1 async).
 - wait: the longest time any single request (generate or weight push) was outstanding at a

@@ -14,7 +14,8 @@ surviving lineage of steps:
   that was trained or is still held at the end (`held`: the final checkpoint's held groups), that
   were neither trained, held, nor accounted as dropped (`groups_failed` + `groups_filtered` of
   the kept lines), times the group size. Prompts drawn after that last one were in flight when
-  the run ended and are not counted.
+  the run ended and are not counted. With `held` from the final checkpoint this is what a resume
+  from it would never train.
 - twice: extra occurrences of a sample identity among the trained samples: the same generation
   (prompt tokens, index and sub-index in its group, response tokens, engine logprobs) trained
   in two steps (or twice in one).
