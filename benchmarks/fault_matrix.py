@@ -198,7 +198,8 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
         audit = None
     row.update(steps=audit.steps if audit else 0, lost=audit.lost if audit else None,
                twice=audit.twice if audit else None, stale=audit.stale if audit else None,
-               rerun_steps=audit.rerun_steps if audit else 0)  # fmt: skip
+               rerun_steps=audit.rerun_steps if audit else 0,
+               dropped=audit.dropped if audit else None)  # fmt: skip
     row["versions_ok"] = len(set(versions)) == 1 and versions[0] == str(row["steps"])
     row["ok"] = (exits[-1] == "0" and row["steps"] == args.steps and row["lost"] == 0
                  and row["twice"] == 0 and row["stale"] == 0 and row["versions_ok"])  # fmt: skip

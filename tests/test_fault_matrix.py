@@ -69,6 +69,10 @@ def test_dump_audit_accounts_failed_held_and_resumed_steps_as_not_lost(tmp_path)
         (3, [sample(6, 2)], {}),
     ])  # fmt: skip
     assert audit_rollout_dump(dump, max_lag=0, drawn=PROMPTS, held=[PROMPTS[5]]).lost == 1
+    # a group that failed after the prompts `drawn` names (a crash cut the run short) hides no
+    # lost prompt there and makes nothing negative
+    failed_late = tmp_path / "rollouts.jsonl"  # the first dump: its failed group is prompt 4
+    assert audit_rollout_dump(failed_late, max_lag=0, drawn=PROMPTS[:4], held=[]).lost == 0
 
 
 def run_cell(tmp_path: Path, path: str, fault: str) -> dict:

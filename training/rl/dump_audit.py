@@ -15,7 +15,9 @@ surviving lineage of steps:
   were neither trained, held, nor accounted as dropped (`groups_failed` + `groups_filtered` of
   the kept lines), times the group size. Prompts drawn after that last one were in flight when
   the run ended and are not counted. With `held` from the final checkpoint this is what a resume
-  from it would never train.
+  from it would never train. The dump does not name the prompts of failed groups, so every
+  failed or filtered group of the lineage is subtracted, also one drawn after the cut-off of
+  `drawn` (it then hides one lost group; `lost` is never negative).
 - twice: extra occurrences of a sample identity among the trained samples: the same generation
   (prompt tokens, index and sub-index in its group, response tokens, engine logprobs) trained
   in two steps (or twice in one).
@@ -106,5 +108,5 @@ def audit_rollout_dump(path: str | Path, *, max_lag: int, drawn: Sequence[Sequen
     last = max((i for i, p in enumerate(drawn) if p in done), default=-1)
     missing = sum(1 for p in drawn[: last + 1] if p not in done)
     return DumpAudit(steps=kept[-1][0] if kept else 0, rerun_steps=rerun, trained=trained,
-                     dropped=dropped_groups * size, lost=(missing - dropped_groups) * size,
+                     dropped=dropped_groups * size, lost=max(0, missing - dropped_groups) * size,
                      twice=sum(n - 1 for n in seen.values()), stale=stale)  # fmt: skip
