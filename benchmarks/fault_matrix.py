@@ -318,7 +318,7 @@ def main() -> int:
     notes = ["- Faults: " + "; ".join(f"{k} = {v}" for k, v in FAULTS.items()) + ".",
              "- lost / twice / stale: samples, from the rollout dump (training/rl/dump_audit.py); "
              "wait: the longest single request at a proxy; gap: the longest time between "
-             "dumped steps; versions: each engine's GET /model_info after the run, `one true` "
+             "dumped steps, trainer starts and exits; versions: each engine's GET /model_info after the run, `one true` "
              f"when all equal the trainer's last step. {args.steps} steps, 4 prompts x 4 "
              "samples per step; definitions in benchmarks/fault_matrix.py's docstring.",
              f"- {sum(r['ok'] for r in rows)} of {len(rows)} runs ok; runs took "
