@@ -42,7 +42,11 @@ class EngineTimeouts:
     connect_s: float = 10.0
     generate_s: float | None = 3600.0
     control_s: float = 120.0  # pause, abort, flush, info
-    weight_update_s: float = 1800.0
+    weight_update_s: float = 1800.0  # the HTTP limit; a sync bounds a load far sooner:
+    # `weight_update_floor_s + weight_update_s_per_gb × GB` of the weights it loads
+    # (engines/sync_steps.py `update_bound_s`), then counts that engine down
+    weight_update_floor_s: float = 30.0
+    weight_update_s_per_gb: float = 10.0
     health_s: float = 10.0
 
 

@@ -14,9 +14,11 @@ Contract (the membership half of `EnginePool`'s):
   the current weights by a full sync (pause → flush → update → version check → continue), and
   the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
   marked up; if the last push went by broadcast (`expected_weights` without a path) it stays
-  down until a push writes a copy for it (engines/refit.py). Engines this client has paused (a weight sync in progress) are never
-  marked down by a probe. A down engine's `known_down` is set: weight syncs skip it without
-  trying (its retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
+  down until a push writes a copy for it (engines/refit.py). It stays `known_down` until then:
+  a push meanwhile only records its weights, which the rejoin gives it before it is marked up.
+  Engines this client has paused (a weight sync in progress) are never marked down by a
+  probe. A down engine's `known_down` is set: weight syncs skip it without trying (its
+  retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
@@ -177,15 +179,28 @@ class PoolMembershipMixin:
             # it stays down, and the next push writes one for it (an engine out of the group)
             slot.rejoining = False
             return
-        _set_known_down(engine, False)  # it answers: the sync below must not skip it
         try:
             with trio.fail_after(self.rejoin_timeout_s):
-                if expected is not None and expected[0] is not None:
-                    await sync_weights_to_engines([engine], expected[0], expected[1])
-                if expected is not None and lora is not None:
-                    await sync_lora_to_engines([engine], lora[1], lora[0], expected[1])
+                # Still `known_down` meanwhile, so a push skips it and only records its weights
+                # (`expected_weights`) instead of syncing it at the same time: given again here
+                # until no push changed them during the sync (issue 49 item D1).
+                while True:
+                    if expected is not None and expected[0] is None and lora is None:
+                        return  # a broadcast since: as above, it waits for a copy on disk
+                    if expected is not None and expected[0] is not None:
+                        await sync_weights_to_engines([engine], expected[0], expected[1],
+                                                      skip_known_down=False)  # fmt: skip
+                    if expected is not None and lora is not None:
+                        await sync_lora_to_engines([engine], lora[1], lora[0], expected[1],
+                                                   skip_known_down=False)  # fmt: skip
+                    now = (getattr(engine, "expected_weights", None),
+                           getattr(engine, "expected_lora", None))  # fmt: skip
+                    if now == (expected, lora):
+                        break
+                    expected, lora = now
             logger.info("engine %s is back%s", engine.url,
                         f" and serves weights {expected[1]}" if expected else "")  # fmt: skip
+            _set_known_down(engine, False)  # weight syncs reach it again
             slot.healthy = True
             slot.rejoined += 1
             self._notify()

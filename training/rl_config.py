@@ -55,7 +55,8 @@ class EnginesConfig(Strict):
         60.0,
         gt=0,
         description="how long a request waits for an engine to come back after a transient "
-        "failure (reset, 5xx, truncated body, timeout) before its group fails",
+        "failure (reset, 5xx, truncated body, timeout) before its group fails, and a weight "
+        "push whose engines are all down waits for one before the run fails",
     )
     stall_floor_s: float | None = Field(
         60.0,
@@ -65,6 +66,15 @@ class EnginesConfig(Strict):
         "The time includes queueing in the engine: the defaults allow 5 tokens/s per sequence",
     )
     stall_s_per_token: float | None = Field(0.2, gt=0, description="see stall_floor_s")
+    weight_update_floor_s: float = Field(
+        30.0,
+        gt=0,
+        description="a weight load (/update_weights_from_disk, /load_lora_adapter) unanswered "
+        "after weight_update_floor_s + weight_update_s_per_gb × the weights' GB is given up: "
+        "that engine counts as down (one WARNING), is no longer held paused, and is given the "
+        "weights when it loads them in time. Raise both where loads are slow (network disks)",
+    )
+    weight_update_s_per_gb: float = Field(10.0, ge=0, description="see weight_update_floor_s")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort",
         description=(

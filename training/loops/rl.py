@@ -67,6 +67,7 @@ async def run_rl_training(
     pause_mode: str = "abort",
     resolved_config: dict[str, Any] | None = None,
     refit: RefitGroup | None = None,
+    unavailable_timeout_s: float = 60.0,
 ) -> list[dict[str, Any]]:
     """Train with RL until `config.max_steps` optimizer steps are done (or a stop hook says stop).
 
@@ -94,6 +95,9 @@ async def run_rl_training(
         resolved_config: the full run config, saved with each checkpoint.
         refit: push full weights by broadcast over this group (`engines.weight_transport:
             distributed`, training/loops/refit_push.py) instead of through `export_dir`.
+        unavailable_timeout_s: how long a weight push whose engines are all down waits for one
+            to come back before the run fails (`engines.unavailable_timeout_s`, the bound a
+            request waits too).
 
     Returns:
         The metrics of each step this call ran.
@@ -110,7 +114,8 @@ async def run_rl_training(
     if start > 0 and critic is not None:
         await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
-        await push_weights(backend, engines, export_root, pause_mode=pause_mode, refit=refit)
+        await push_weights(backend, engines, export_root, pause_mode=pause_mode, refit=refit,
+                           unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip
     history: list[dict[str, Any]] = []
     previous = resumed_metrics(backend.checkpoint_dir) if start > 0 else {}  # holds the EMAs
     empty_total = 0
@@ -163,7 +168,8 @@ async def run_rl_training(
                     metrics["time_wait_generation_s"] = time.perf_counter() - t_trained
                 t_push = time.perf_counter()
                 pending = await start_push(backend, engines, export_root, pushes,
-                                           pause_mode=pause_mode, refit=refit)  # fmt: skip
+                                           pause_mode=pause_mode, refit=refit,
+                                           unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip
                 sync_s = time.perf_counter() - t_push
             metrics |= {
                 "empty_batches_skipped": skipped,

@@ -353,8 +353,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         async with open_engines(config, model_path, out) as (engine, clients), \
                 _refit_group(config.engines) as refit:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
-                await push_weights(backend, clients, out / "weights",
-                                   pause_mode=config.engines.pause_mode, refit=refit)  # fmt: skip
+                await push_weights(
+                    backend, clients, out / "weights", pause_mode=config.engines.pause_mode,
+                    refit=refit, unavailable_timeout_s=config.engines.unavailable_timeout_s)  # fmt: skip
 
             async def evaluate() -> dict[str, float]:
                 return await evaluate_greedy(engine, held_out, reward_fn,
@@ -381,6 +382,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     export_dir=out / "weights", hooks=hooks,
                     pause_mode=config.engines.pause_mode,
                     resolved_config=config.model_dump(mode="json"), refit=refit,
+                    unavailable_timeout_s=config.engines.unavailable_timeout_s,
                 )  # fmt: skip
     last = history[-1] if history else {}
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)
