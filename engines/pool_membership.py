@@ -18,7 +18,9 @@ Contract (the membership half of `EnginePool`'s):
   a push meanwhile only records its weights, which the rejoin gives it before it is marked up.
   Engines this client has paused (a weight sync in progress) are never marked down by a
   probe. A down engine's `known_down` is set: weight syncs skip it without trying (its
-  retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
+  retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin. A sync that gave
+  up on an engine's load (it hangs: engines/sync_steps.py) sets it too, and the next probe marks
+  that engine down.
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
@@ -136,6 +138,10 @@ class PoolMembershipMixin:
 
     async def _probe_one(self, slot: _Slot) -> None:
         engine = slot.engine
+        if slot.healthy and getattr(engine, "known_down", False):  # a sync gave up on its load
+            self._mark_down(slot, EngineUnavailableError(
+                "a weight sync gave up on its load (it hangs)", url=engine.url))  # fmt: skip
+            return
         if getattr(engine, "paused", False):
             return  # a weight sync is in progress: its own steps say whether it failed
         if not slot.healthy:

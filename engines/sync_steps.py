@@ -10,11 +10,12 @@ Contract:
   the sync gives up on it: `timeouts.weight_update_floor_s + timeouts.weight_update_s_per_gb ×
   gb` (`engines.weight_update_floor_s`, `engines.weight_update_s_per_gb`; defaults 30 s +
   10 s/GB: 30 s for a small model, 190 s for 16 GB), far below the HTTP limit
-  (`weight_update_s`, 1800 s). An engine past it counts as down for that sync, not failed:
-  `give_up_message` says so and names the bound, the sync logs it in one WARNING, and the
-  client stops holding the engine's pause (no more lease renewals: a hung engine no longer
-  holds the requests sent to it). It then answers with its old weights, so an `EnginePool`
-  marks it down and gives it the weights once it loads them in time (issue 49 item D3).
+  (`weight_update_s`, 1800 s). An engine past it counts as down, not failed (`give_up`): the
+  sync logs one WARNING naming it and the bound, and the client stops holding its pause (no
+  more lease renewals: a hung engine no longer holds the requests sent to it). It is marked
+  `known_down`, as a pool marks a dead engine: later syncs skip it instead of paying the bound
+  again, and its `EnginePool` marks it down at its next probe and gives it the weights once it
+  loads them in time (without a pool, clear `known_down` to try it again) (issue 49 item D3).
 - `wait_until_one_back(...)`: when every engine of a sync is down, wait up to `wait_s`
   (`engines.unavailable_timeout_s`, as a request waits) for one to take the weights instead of
   failing at once: an engine the pool knows is down is left to the pool, whose rejoin gives
@@ -59,16 +60,19 @@ def update_bound_s(engine: Any, gb: float) -> float:
     return floor_s + per_gb_s * gb
 
 
-def give_up_message(engine: Any, route: str, bound_s: float, gb: float) -> str:
-    """Why a sync counts `engine` down after its load went past `bound_s`."""
+def give_up(engine: Any, down: dict[str, str], route: str, bound_s: float, gb: float) -> None:
+    """Count `engine` down after its load went past `bound_s`: noted in `down` with the bound,
+    and `known_down`, so later syncs skip it and its `EnginePool` marks it down."""
     timeouts = getattr(engine, "timeouts", None)
-    return (
+    down[engine.url] = (
         f"no answer to {route} within {bound_s:.1f} s (engines.weight_update_floor_s="
         f"{getattr(timeouts, 'weight_update_floor_s', 30.0)} + engines.weight_update_s_per_gb="
-        f"{getattr(timeouts, 'weight_update_s_per_gb', 10.0)} × {gb:.2f} GB): it hangs, and "
-        "counts as down: no longer paused by this client, and given these weights before it "
-        "serves again (raise the bound if its loads are this slow)"
+        f"{getattr(timeouts, 'weight_update_s_per_gb', 10.0)} × {gb:.2f} GB): it hangs; marked "
+        "down, no longer paused by this client, and given these weights before it serves again "
+        "(raise the bound if its loads are this slow)"
     )
+    with contextlib.suppress(AttributeError):  # as the pool marks it (pool_membership.py)
+        engine.known_down = True
 
 
 async def wait_until_one_back(engines: Sequence[Any], weight_version: str, down: dict[str, str],

@@ -59,7 +59,7 @@ from plumbing.errors import EngineError
 from .lora import LoraAdapterError
 from .pause_renewal import renewing_pauses
 from .sync_steps import flush as _flush
-from .sync_steps import give_up_message, update_bound_s, wait_until_one_back, weights_gb
+from .sync_steps import give_up, update_bound_s, wait_until_one_back, weights_gb
 from .sync_steps import raise_failures as _raise_failures
 from .sync_steps import resume_noting as _resume_noting
 from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
@@ -126,7 +126,7 @@ async def sync_weights_to_engines(
             with trio.move_on_after(bound_s) as load:
                 await engine.update_weights_from_disk(path, weight_version, flush_cache=False)
             if load.cancelled_caught:  # it hangs: down, not failed (engines/sync_steps.py)
-                down[engine.url] = give_up_message(engine, "/update_weights_from_disk", bound_s, gb)
+                give_up(engine, down, "/update_weights_from_disk", bound_s, gb)
                 return
             info = await engine.model_info()
             if info.weight_version != weight_version:
@@ -282,7 +282,7 @@ async def sync_lora_to_engines(
                 raise
             loaded = exc.loaded_adapters  # already there from this path: a retry or a rejoin
         if load.cancelled_caught:  # it hangs: down, not failed (engines/sync_steps.py)
-            down[engine.url] = give_up_message(engine, "/load_lora_adapter", bound_s, gb)
+            give_up(engine, down, "/load_lora_adapter", bound_s, gb)
             return False
         if lora_name not in loaded:
             failures.setdefault(engine.url, []).append(
