@@ -18,6 +18,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from lora_helpers import adapters_fixture, loaded_on  # noqa: F401  (fixture)
+from lora_helpers import run_engine as run_lora_engine
 from rl_helpers import batch_of, rl_backend
 from test_engine_pool import run_engine, wait_for
 
@@ -27,7 +29,7 @@ from engines.refit import RefitGroup
 from engines.sync_steps import update_bound_s, weights_gb
 from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from engines.types import WeightSyncError
-from engines.weight_sync import pause_engines, sync_weights_to_engines
+from engines.weight_sync import pause_engines, sync_lora_to_engines, sync_weights_to_engines
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -57,9 +59,9 @@ async def train_step(backend) -> str:
 class Killable:
     """An in-process local engine on a fixed port that can be killed and started again."""
 
-    def __init__(self, nursery: trio.Nursery, model_dir, port: int | None = None) -> None:
-        self.nursery, self.model_dir = nursery, model_dir
-        self.port = port or find_free_port()
+    def __init__(self, nursery: trio.Nursery, model_dir, run=run_engine) -> None:
+        self.nursery, self.model_dir, self.run = nursery, model_dir, run
+        self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.scope = trio.CancelScope()
         self.server = None
@@ -70,7 +72,7 @@ class Killable:
 
     async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.scope:
-            await run_engine(self.model_dir, self.port, task_status=task_status)
+            await self.run(self.model_dir, self.port, task_status=task_status)
 
     def kill(self) -> None:
         self.scope.cancel()
@@ -168,6 +170,30 @@ async def test_a_push_with_every_engine_down_waits_for_one_to_come_back(
                     await push_weights(backend, [a, b], tmp_path / "w", refit=refit,
                                        unavailable_timeout_s=1.5)  # fmt: skip
             nursery.cancel_scope.cancel()
+
+
+async def test_a_lora_sync_with_its_only_engine_down_waits_for_it_to_come_back(
+    tiny_model_dir, adapters
+):
+    async with trio.open_nursery() as nursery:
+        engine = Killable(nursery, tiny_model_dir, run=run_lora_engine)
+        await engine.start()
+        async with client(engine.url) as a, EnginePool([a], probe_interval_s=0.2) as pool:
+            await sync_lora_to_engines([a], adapters["a1"], "policy-v1", "v1")
+            engine.kill()
+            await wait_for(lambda: not pool.statistics().engines[0].healthy)
+
+            async def back_in_a_second() -> None:
+                await trio.sleep(1.0)
+                await engine.start()  # back without adapters
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as syncing:
+                    syncing.start_soon(back_in_a_second)
+                    await sync_lora_to_engines([a], adapters["a2"], "policy-v2", "v2", wait_s=30)
+            assert await loaded_on(a.url) == {"policy-v2": str(adapters["a2"])}
+            assert (await a.model_info()).weight_version == "v2"
+        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.slow
