@@ -57,6 +57,22 @@ def test_eta_is_the_mean_step_time_since_the_first_step_seen():
     assert format_duration(3725) == "1:02:05"
 
 
+def test_a_time_capped_phase_estimates_the_time_left_before_its_cap():
+    # continued SFT in the demo: 100,000 steps capped at RL's 120 s of wall time
+    now = [0.0]
+    eta = Eta(100_000, max_wall_s=120.0, clock=lambda: now[0])
+    now[0] += 10.0
+    eta.describe(1)
+    now[0] += 1.0
+    assert eta.describe(2) == "elapsed 0:11, ~1:49 left (time cap)"  # 120 - 11 s, not 27.8 h
+    now[0] += 200.0  # past the cap (the step that crosses it is the last): nothing negative
+    assert eta.describe(3) == "elapsed 3:31, ~0:00 left (time cap)"
+    uncapped = Eta(10, max_wall_s=3600.0, clock=lambda: now[0])
+    uncapped.describe(1)
+    now[0] += 2.0
+    assert uncapped.describe(2) == "elapsed 0:02, ~0:16 left"  # the steps end first: no note
+
+
 def test_heldout_split_is_deterministic_a_tenth_capped_and_disjoint():
     records = [{"prompt": str(i)} for i in range(100)]
     train, held = heldout_split(records)
