@@ -52,8 +52,8 @@ from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
 from training.recipes.rl_env import build_episode_setup
 from training.recipes.rl_models import build_rl_models
+from training.recipes.rl_summary import EngineWatch, rl_console_keys
 from training.recipes.rl_summary import RLSummary as RLSummary
-from training.recipes.rl_summary import rl_console_keys
 from training.recipes.sft import check_input_file, sft_data_files
 from training.recipes.sft_preamble import run_sft_preamble, same_recipe
 from training.rl import algorithms
@@ -337,7 +337,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
 
-            hooks = RLHooks(logger=fan_out(*loggers, *([on_step] if on_step else [])),
+            watch = EngineWatch(engine)  # the engines lost, for the summary
+            hooks = RLHooks(logger=fan_out(*loggers, watch, *([on_step] if on_step else [])),
                             evaluate_fn=evaluate if held_out else None,
                             stop_fn=extensions.stop_fn,
                             checkpoint_hook=extensions.checkpoint_hook, on_batch=dump)  # fmt: skip
@@ -355,4 +356,5 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                      time.perf_counter() - t0, find_latest_checkpoint(out / "checkpoints"), curve,
                      before.get("tool_use_rate"), last.get("eval_tool_use_rate"),
                      before.get("tool_success_rate"), last.get("eval_tool_success_rate"),
-                     before.get("reward_mean"), last.get("eval_reward_mean"))  # fmt: skip
+                     before.get("reward_mean"), last.get("eval_reward_mean"), watch.total,
+                     watch.lost())  # fmt: skip
