@@ -84,7 +84,8 @@ async def run_rl_training(
             algorithm: `dapo()` gets its overlong penalty and dynamic sampling).
         engines: every engine that serves the policy; all receive each weight update.
         config: the loop's section of the run config (steps, sync/checkpoint/eval cadence,
-            mini-batches, epochs, `share_prompts`, resume).
+            mini-batches, epochs, `share_prompts`, resume; `sample_every`: one sample's
+            prompt, response and reward logged at the first step and every that many).
         objective: the algorithm (or schedule), reference, critic and replacement maths
             (`training.rl.objective.RLObjective`).
         export_dir: where exported weights go for the engines to load (same filesystem).
