@@ -57,6 +57,8 @@ from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyn
 
 logger = logging.getLogger(__name__)
 
+KNOWN_DOWN = "known down by the pool (not tried)"
+
 
 async def sync_weights_to_engines(
     engines: Sequence[InferenceEngine],
@@ -97,7 +99,7 @@ async def sync_weights_to_engines(
         if hasattr(engine, "expected_weights"):
             engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
         if getattr(engine, "known_down", False):  # the pool gives it these weights on rejoin
-            down[engine.url] = "known down by the pool (not tried)"
+            down[engine.url] = KNOWN_DOWN
             return
         try:
             if not is_paused:
@@ -159,8 +161,8 @@ async def _raise_failures(what: str, n_engines: int, down: dict[str, str],
         WeightSyncError: some engine failed, or every engine was down.
     """
     await trio.lowlevel.checkpoint_if_cancelled()
-    for url, reason in down.items():
-        logger.warning("%s skipped %s, which is down: %s", what, url, reason)
+    for url, reason in down.items():  # the pool warned once when it marked it down
+        logger.log(_down_level(reason), "%s skipped %s, which is down: %s", what, url, reason)
     if len(down) == n_engines and not failures:
         failures = {url: [f"down: {reason}"] for url, reason in down.items()}
     if failures:
@@ -214,7 +216,7 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
 
     async def pause_one(engine: InferenceEngine) -> None:
         if getattr(engine, "known_down", False):  # the sync that follows skips it too
-            down[engine.url] = "known down by the pool (not tried)"
+            down[engine.url] = KNOWN_DOWN
             return
         try:
             await engine.pause(pause_mode)
@@ -230,7 +232,8 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
         for engine in engines:
             nursery.start_soon(pause_one, engine)
     for url, reason in down.items():
-        logger.warning("not pausing %s for a weight sync: it is down (%s)", url, reason)
+        logger.log(_down_level(reason), "not pausing %s for a weight sync: it is down (%s)", url,
+                   reason)  # fmt: skip
     if len(down) == len(engines):
         failures.update(down)
     if not failures:
@@ -246,6 +249,12 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
         f"pausing {len(failures)} of {len(engines)} engine(s) for a weight sync failed (all were "
         "resumed):\n  " + "\n  ".join(lines)
     )
+
+
+def _down_level(reason: str) -> int:
+    """DEBUG for an engine the pool knows is down (it said so once, as a WARNING); WARNING for
+    one this sync found down itself."""
+    return logging.DEBUG if reason.startswith(KNOWN_DOWN) else logging.WARNING
 
 
 async def _resume_quietly(engine: InferenceEngine) -> None:
@@ -329,7 +338,7 @@ async def sync_lora_to_engines(
         engine.expected_weights = (previous[0] if previous else None, weight_version)
         engine.expected_lora = (lora_name, path)
         if getattr(engine, "known_down", False):
-            down[engine.url] = "known down by the pool (not tried)"
+            down[engine.url] = KNOWN_DOWN
             engine.active_lora = lora_name  # it is given the adapter on rejoin
             return
         try:

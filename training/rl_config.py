@@ -209,6 +209,11 @@ class RLLoopConfig(Strict):
     max_steps: int = Field(50, ge=1)
     sync_every: int = Field(1, ge=1)
     log_every: int = Field(1, ge=1)
+    sample_every: int = Field(
+        10, ge=0,
+        description="log one sample's prompt, response and reward at the run's first step and "
+        "every this many steps (0: never), so a person sees what the model writes",
+    )  # fmt: skip
     eval_every: int = Field(10, ge=1)
     eval_samples: int = Field(300, ge=0, description="held-out prompts for greedy accuracy")
     eval_max_new_tokens: int = Field(16, ge=1)

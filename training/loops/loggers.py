@@ -107,13 +107,14 @@ class ConsoleLogger:
     )
 
     def __init__(self, total_steps: int, *, every: int = 1, initial: int = 0, keys=KEYS,
-                 stream: Any = None, tty: bool | None = None):  # fmt: skip
+                 stream: Any = None, tty: bool | None = None,
+                 max_wall_s: float | None = None):  # fmt: skip
         self.every = every
         self.keys = keys
         self.total = total_steps
         self._stream = sys.stderr if stream is None else stream
         self._bar = None
-        self._eta = Eta(total_steps)
+        self._eta = Eta(total_steps, max_wall_s=max_wall_s)  # a time cap ends it sooner
         if self._stream.isatty() if tty is None else tty:
             from tqdm import tqdm
 

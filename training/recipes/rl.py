@@ -54,6 +54,8 @@ from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
 from training.recipes.rl_env import build_episode_setup
 from training.recipes.rl_models import build_rl_models
+from training.recipes.rl_summary import EngineWatch, rl_console_keys
+from training.recipes.rl_summary import RLSummary as RLSummary
 from training.recipes.sft import check_input_file, sft_data_files
 from training.recipes.sft_preamble import run_sft_preamble, same_recipe
 from training.rl import algorithms
@@ -223,39 +225,6 @@ def _closing(resource: Any) -> contextlib.AbstractContextManager:
 
 
 @dataclass(frozen=True)
-class RLSummary:
-    accuracy_before: float | None
-    accuracy_after: float | None
-    steps: int
-    wall_time_s: float
-    checkpoint: Path | None
-    reward_curve: tuple[float, ...]
-    tool_use_before: float | None = None  # share of episodes that called a tool (tool envs)
-    tool_use_after: float | None = None
-    tool_success_before: float | None = None  # share of tool calls that succeeded
-    tool_success_after: float | None = None
-
-    def line(self) -> str:
-        def pct(v: float | None) -> str:
-            return "n/a" if v is None else f"{v:.1%}"
-
-        gain = ""
-        if self.accuracy_before is not None and self.accuracy_after is not None:
-            gain = f" ({(self.accuracy_after - self.accuracy_before) * 100:+.1f} points)"
-        tools = ""
-        if self.tool_use_before is not None:
-            tools = (f" tool_use before={pct(self.tool_use_before)} "
-                     f"after={pct(self.tool_use_after)} tool_success "
-                     f"before={pct(self.tool_success_before)} "
-                     f"after={pct(self.tool_success_after)}")  # fmt: skip
-        return (
-            f"RL done: heldout_accuracy before={pct(self.accuracy_before)} "
-            f"after={pct(self.accuracy_after)}{gain}{tools} steps={self.steps} "
-            f"wall_time={self.wall_time_s:.1f}s checkpoint={self.checkpoint}"
-        )
-
-
-@dataclass(frozen=True)
 class RLExtensions:
     """Extension points a program passes to `run_rl_recipe` (config files cannot name these).
 
@@ -336,9 +305,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     jsonl = JsonlLogger(out / "metrics.jsonl")
     dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
-                            keys=("reward_mean", *(f"{k}_ema" for k in config.train.ema_metrics),
-                                  "accuracy", "eval_accuracy", "loss", "time_step_s",
-                                  "weight_version"))  # fmt: skip
+                            keys=rl_console_keys(config.train.ema_metrics))  # fmt: skip
     loggers = [jsonl, console, *config_loggers(config.logging, out, config.model_dump(mode="json"))]
     with backend, _closing(critic), _closing(reference), contextlib.ExitStack() as closing, \
             _closing(dump):  # fmt: skip
@@ -364,7 +331,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
 
-            hooks = RLHooks(logger=fan_out(*loggers, *([on_step] if on_step else [])),
+            watch = EngineWatch(engine)  # the engines lost, for the summary
+            hooks = RLHooks(logger=fan_out(*loggers, watch, *([on_step] if on_step else [])),
                             evaluate_fn=evaluate if held_out else None,
                             stop_fn=extensions.stop_fn,
                             checkpoint_hook=extensions.checkpoint_hook, on_batch=dump)  # fmt: skip
@@ -381,4 +349,6 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     return RLSummary(before.get("accuracy"), last.get("eval_accuracy"), backend.step,
                      time.perf_counter() - t0, find_latest_checkpoint(out / "checkpoints"), curve,
                      before.get("tool_use_rate"), last.get("eval_tool_use_rate"),
-                     before.get("tool_success_rate"), last.get("eval_tool_success_rate"))  # fmt: skip
+                     before.get("tool_success_rate"), last.get("eval_tool_success_rate"),
+                     before.get("reward_mean"), last.get("eval_reward_mean"), watch.total,
+                     watch.lost())  # fmt: skip

@@ -302,7 +302,8 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
         if config.train.resume == "never":
             (out / "metrics.jsonl").unlink(missing_ok=True)
         jsonl = JsonlLogger(out / "metrics.jsonl")
-        console = ConsoleLogger(config.train.max_steps, every=config.train.log_every)
+        console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
+                                max_wall_s=config.train.max_wall_s)  # fmt: skip
         loggers = [jsonl, console, *config_loggers(config.logging, out, resolved)]
         try:
             history = await run_sft_training(
