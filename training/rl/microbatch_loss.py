@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from training.backend.state import Mean
 from training.data.packing import IGNORE_INDEX, temper_logits, token_logprobs
 from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
 from training.rl.kl import KLFn, logprob_mismatch_metrics, token_entropy
@@ -59,6 +60,12 @@ def rl_microbatch_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`rl_loss_fn`'s loss (module-level, so that torchrun ranks can rebuild it by name)."""
     logits = temper_logits(logits, temperature)
+    loss_value, metrics = _policy_loss(logits, batch, algorithm, old_from_rollout,
+                                       policy_loss_fn, kl_fn)  # fmt: skip
+    return loss_value, with_units(metrics, algorithm, batch)
+
+
+def _policy_loss(logits, batch, algorithm, old_from_rollout, policy_loss_fn, kl_fn):
     logprobs_BT = token_logprobs(logits, batch.target_ids)
     mask_BT = (batch.target_ids != IGNORE_INDEX).float()
     common = {"ref_logprobs_BT": batch.ref_logprobs_BT, "rewards_GN": batch.rewards_GN,
@@ -84,8 +91,42 @@ def rl_microbatch_loss(
     )  # fmt: skip
 
 
+# The loss metrics that are means over a micro-batch's trained tokens, sequences or pairs
+# (training/rl/losses.py): each is merged over micro-batches by those units
+# (`training.backend.state.Mean`). Any other mean (policy_loss, loss, kl, entropy: aggregated
+# like the loss) is merged with the loss's own weights; `*_max` / `*_min` and counts (num_*)
+# by their names.
+TOKEN_MEANS = frozenset({
+    "clip_fraction", "clip_fraction_high", "clip_fraction_low", "clip_fraction_dual",
+    "kl_to_old", "ratio_mean", "entropy_estimate", "logprob_diff_mean_abs", "tis_weight_mean",
+    "tis_capped_fraction", "pg_is_weight_mean", "pg_is_capped_fraction", "cispo_weight_mean",
+})  # fmt: skip
+GSPO_SEQUENCE_MEANS = frozenset({"clip_fraction", "seq_ratio_mean"})  # of sequences, in GSPO
+PAIR_MEANS = frozenset({"preference_accuracy", "reward_margin"})
+
+
+def with_units(metrics: dict[str, float], algorithm: AlgorithmConfig, batch: RLBatch
+               ) -> dict[str, float | Mean]:  # fmt: skip
+    """`metrics` with each mean over tokens, sequences or pairs as a `Mean` of its units."""
+    trained_B = (batch.target_ids != IGNORE_INDEX).sum(dim=-1)
+    n_tokens, n_sequences = float(trained_B.sum()), float((trained_B > 0).sum())
+    out: dict[str, float | Mean] = {}
+    for key, value in metrics.items():
+        if algorithm.loss == "gspo" and key in GSPO_SEQUENCE_MEANS:
+            out[key] = Mean(value, n_sequences)
+        elif key in TOKEN_MEANS:
+            out[key] = Mean(value, n_tokens)
+        elif key in PAIR_MEANS:
+            out[key] = Mean(value, metrics.get("num_pairs", 0.0))
+        else:
+            out[key] = value
+    return out
+
+
 def loss_weight_fn(algorithm: AlgorithmConfig):
     """How micro-batch losses are weighted into the step loss: by tokens or by sequences."""
+    if algorithm.loss == "pairwise":  # a mean over pairs, whatever the aggregation
+        return n_sequences  # two per pair
     return trained_tokens if algorithm.aggregation == "token-mean" else n_sequences
 
 
