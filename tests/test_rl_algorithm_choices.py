@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollouts.groups import keep_if_reward_varies
 from tests.rl_helpers import batch_of
-from training.rl.algorithms import reinforce_pp
+from training.rl.algorithms import AlgorithmConfig, compute_advantages, reinforce_pp
 from training.rl.batch import build_examples
 
 # ----- (a) REINFORCE++ whitening -----------------------------------------------------------------
@@ -42,3 +43,26 @@ def test_reinforce_pp_whitens_over_the_batch_response_tokens_by_default():
     assert default == pytest.approx(expected, rel=1e-5, abs=1e-6)
     per_sequence = build_examples(batch, reinforce_pp(whiten="sequence"), share_prompts=False)
     assert [e.advantage for e in per_sequence] != pytest.approx(expected, rel=1e-2)
+
+
+# ----- (b) rewards equal up to float noise --------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_group_whose_rewards_differ_by_float_noise_gets_no_advantage(estimator):
+    """A 1e-7 spread (a reward computed two ways, float sums) gave GRPO advantages of 0.112:
+    it is no signal, as for DAPO's group filter, which drops the same group. A real spread
+    keeps GRPO's advantage, (r - mean) / (std + 1e-6), computed here independently."""
+    noise = [0.3, 0.3 + 1e-7, 0.3, 0.3 - 1e-7, 0.3, 0.3 + 2e-7, 0.3, 0.3]
+    real = [0.0, 1.0, 0.5, 0.5, 0.25, 1.0, 0.0, 0.75]
+    rewards_GN = torch.tensor([noise, real])
+    algorithm = AlgorithmConfig(advantage=estimator)
+    advantages_GN = compute_advantages(algorithm, rewards_GN, n_tokens_GN=torch.ones(2, 8))
+    assert advantages_GN[0].tolist() == [0.0] * 8
+    assert advantages_GN[1].abs().max() >= 0.5
+    group = batch_of([noise, real]).groups
+    assert [keep_if_reward_varies(g) for g in group] == [False, True]
+    if estimator == "grpo":
+        r = torch.tensor(real, dtype=torch.float64)
+        expected = (r - r.mean()) / (r.std() + 1e-6)
+        assert advantages_GN[1].tolist() == pytest.approx(expected.tolist(), rel=1e-5)
