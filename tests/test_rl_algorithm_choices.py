@@ -14,7 +14,13 @@ import torch
 
 from rollouts.groups import keep_if_reward_varies
 from tests.rl_helpers import batch_of
-from training.rl.algorithms import AlgorithmConfig, compute_advantages, reinforce_pp
+from training.rl.algorithms import (
+    AlgorithmConfig,
+    compute_advantages,
+    dapo,
+    reinforce_pp,
+    shape_reward,
+)
 from training.rl.batch import build_examples
 
 # ----- (a) REINFORCE++ whitening -----------------------------------------------------------------
@@ -66,3 +72,38 @@ def test_a_group_whose_rewards_differ_by_float_noise_gets_no_advantage(estimator
         r = torch.tensor(real, dtype=torch.float64)
         expected = (r - r.mean()) / (r.std() + 1e-6)
         assert advantages_GN[1].tolist() == pytest.approx(expected.tolist(), rel=1e-5)
+
+
+# ----- (c) DAPO's overlong penalty for an episode cut at its budget -------------------------------
+
+
+async def test_dapo_gives_the_full_overlong_penalty_to_a_tool_episode_cut_at_its_budget(
+    local_engine, tiny_tokenizer
+):
+    """A real tool episode (local engine) that calls the calculator every turn until the
+    episode's 40-token budget is spent: the tool results fill part of the budget, so the
+    model sampled fewer than the ramp's start, which gave it 0. DAPO gives a response cut at
+    its budget the full penalty, and so does this episode; one that ends by itself within
+    the budget is not punished."""
+    from rollouts.chat_turns import ChatTurns
+    from rollouts.envs import ToolEnv, math_grader
+    from rollouts.multiturn import MultiTurnConfig, run_episode
+    from rollouts.tools import calculator_tool
+    from tests.test_multiturn import CALC, make_ctx, make_prompt, scripted
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    tools = [calculator_tool()]
+    budget, algorithm = 40, dapo(max_response_len=40, cache_len=8)  # ramp from 32 tokens
+    env = ToolEnv(make_prompt(tok, tools), tools, math_grader, lambda text: [CALC])
+    cut = await run_episode(env, make_ctx(engine, tok), ChatTurns.from_tokenizer(tok),
+                            config=MultiTurnConfig(max_turns=10, max_response_tokens=budget))  # fmt: skip
+    assert cut.status == "truncated" and 0 in cut.loss_mask  # cut, with tool tokens
+    assert cut.num_trained_tokens <= budget - 8  # the ramp alone: no penalty
+    assert shape_reward(algorithm, lambda s: 1.0)(cut)["overlong"] == -1.0
+
+    env = ToolEnv(make_prompt(tok, tools), tools, math_grader, scripted([CALC]))
+    ended = await run_episode(env, make_ctx(engine, tok), ChatTurns.from_tokenizer(tok),
+                              config=MultiTurnConfig(max_turns=10, max_response_tokens=budget))  # fmt: skip
+    assert ended.status == "completed" and 0 in ended.loss_mask
+    assert shape_reward(algorithm, lambda s: 1.0)(ended)["overlong"] == 0.0
