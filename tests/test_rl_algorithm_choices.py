@@ -107,3 +107,71 @@ async def test_dapo_gives_the_full_overlong_penalty_to_a_tool_episode_cut_at_its
                               config=MultiTurnConfig(max_turns=10, max_response_tokens=budget))  # fmt: skip
     assert ended.status == "completed" and 0 in ended.loss_mask
     assert shape_reward(algorithm, lambda s: 1.0)(ended)["overlong"] == 0.0
+
+
+# ----- (d) truncated importance sampling off-policy -------------------------------------------
+
+
+async def test_is_cap_weights_the_off_policy_gradient_by_truncated_importance_sampling(
+    tiny_model_dir, tmp_path
+):
+    """Engine logprobs that differ from the trainer's, old_from_rollout (the overlap/async
+    modes): with is_cap, each token's gradient is weighted by min(π_trainer / π_engine, cap)
+    (the ratio is to the trainer's logprobs), and tis_* metrics say how much; computed here
+    with autograd on a plain copy of the model. Before, is_cap did nothing in these modes."""
+    import math
+    from dataclasses import replace
+
+    from tests.rl_helpers import grads_of, rl_backend
+    from training.backend.pytorch import load_model_and_tokenizer
+    from training.rl.algorithms import grpo
+    from training.rl.batch import loss_weight_fn, rl_loss_fn
+    from training.rl.step import train_on_batch
+
+    cap = 1.5
+    algorithm = grpo(is_cap=cap, aggregation="token-mean")
+    batch = batch_of([[1.0, 0.0, 0.5, 0.2], [0.3, 0.9, 0.0, 0.6]], n_response=_length)
+    with rl_backend(tiny_model_dir, tmp_path) as backend:
+        examples = build_examples(batch, algorithm, share_prompts=False)
+        trainer_S = await backend.compute_logprobs(examples).result()
+        offset = [[math.sin(3.1 * j + k) for k in range(len(lp))] for j, lp in enumerate(trainer_S)]
+        engine_S = iter([(lp + torch.tensor(off)).tolist() for lp, off in zip(trainer_S, offset,
+                                                                              strict=True)])  # fmt: skip
+        groups = tuple(tuple(replace(s, rollout_logprobs=tuple(next(engine_S))) for s in group)
+                       for group in batch.groups)  # fmt: skip
+        batch = replace(batch, groups=groups)
+        examples = build_examples(batch, algorithm, share_prompts=False)
+        fut = backend.forward_backward(examples, loss_fn=rl_loss_fn(algorithm, old_from_rollout=True),
+                                       loss_weight_fn=loss_weight_fn(algorithm), dropout=False)  # fmt: skip
+        metrics = await fut.result()
+        grads = await grads_of(backend)
+        await backend.optim_step().result()  # (drops those gradients)
+        # two updates: the second one's ratio is to the trainer's logprobs before the first
+        moved = await train_on_batch(backend, batch, algorithm, temperature=1.0,
+                                     old_from_rollout=True, reference=None, mini_batches=2)  # fmt: skip
+    assert moved["kl_to_old_last"] > 0 and moved["n_updates"] == 2
+
+    model = load_model_and_tokenizer(tiny_model_dir)[0].eval()
+    loss, weights = 0.0, []
+    n_tokens = sum(len(off) for off in offset)
+    for example, off in zip(examples, offset, strict=True):
+        ids = torch.tensor([example.input_ids])
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        n_prompt = len(example.input_ids) - len(off)
+        lp = torch.stack(
+            [logprobs[n_prompt + k - 1, ids[0, n_prompt + k]] for k in range(len(off))]
+        )
+        w = torch.exp(-torch.tensor(off)).clamp(max=cap)  # π_trainer / π_engine = e^(−offset)
+        weights.append(w)
+        loss = loss - (w * example.advantage * lp).sum() / n_tokens
+    loss.backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    flat = torch.cat([grads[n].flatten() for n in expected])
+    flat_expected = torch.cat([g.flatten() for g in expected.values()])
+    torch.testing.assert_close(
+        flat, flat_expected, rtol=1e-4, atol=1e-4 * flat_expected.abs().max()
+    )
+    all_w = torch.cat(weights)
+    assert metrics["tis_weight_mean"] == pytest.approx(all_w.mean().item(), rel=1e-5)
+    assert metrics["tis_capped_fraction"] == pytest.approx((all_w >= cap).float().mean().item())
+    assert 0 < metrics["tis_capped_fraction"] < 1

@@ -91,8 +91,10 @@ class AlgorithmConfig(Strict):
     is_cap: float | None = Field(
         None,
         gt=0,
-        description="truncated IS cap for engine/trainer mismatch (None: off); for loss=pg also "
-        "the cap of the weight to the behaviour policy (None: 2.0)",
+        description="truncated IS cap for engine/trainer mismatch (None: off): each token's "
+        "loss x min(pi_trainer / pi_engine, is_cap), in every mode (off-policy too: the ratio is "
+        "then to the trainer's logprobs); for loss=pg also the cap of the weight to the "
+        "behaviour policy (None: 2.0)",
     )
 
     @model_validator(mode="after")

@@ -36,9 +36,12 @@ def rl_loss_fn(
     Engine logprobs are those of the temperature-scaled distribution, so the trainer scales its
     logits the same way before comparing or training. The behaviour policy ("old" in the
     ratio) is, in this order: the engine's logprobs with `old_from_rollout` (off-policy samples
-    in overlap/async modes); the trainer's logprobs before the step's first update when the
-    examples carry them (several updates per batch, `RLExample.old_logprobs`); otherwise the
-    current logprobs, detached (one update on on-policy samples: the same values).
+    in overlap/async modes) unless the algorithm sets `is_cap`, which corrects for the engine
+    by truncated importance sampling instead (decoupled: ratio to the trainer's logprobs, each
+    token weighted by min(π_trainer / π_engine, is_cap), metrics tis_*); the trainer's
+    logprobs before the step's first update when the examples carry them (several updates per
+    batch, `RLExample.old_logprobs`); otherwise the current logprobs, detached (one update on
+    on-policy samples: the same values).
     `policy_loss_fn` (default `compute_policy_loss`) turns those tensors into the loss;
     `kl_fn` is passed to it for the KL term.
     """
@@ -74,9 +77,10 @@ def _policy_loss(logits, batch, algorithm, old_from_rollout, policy_loss_fn, kl_
         common["entropy_BT"] = token_entropy(logits)
     advantages = (batch.token_advantages_BT if batch.token_advantages_BT is not None
                   else batch.advantages_B)  # fmt: skip
-    if old_from_rollout and batch.rollout_logprobs_BT is not None:
+    if old_from_rollout and batch.rollout_logprobs_BT is not None and algorithm.is_cap is None:
         # the engine's logprobs are the behaviour policy; mismatch is measured against the
-        # trainer's current logprobs (before this update) instead.
+        # trainer's current logprobs (before this update) instead. With `is_cap` the trainer's
+        # logprobs are (below) and the engine's enter as truncated IS weights.
         loss_value, metrics = policy_loss_fn(
             algorithm, logprobs_BT, batch.rollout_logprobs_BT, advantages, mask_BT, **common
         )  # fmt: skip
