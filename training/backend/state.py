@@ -236,14 +236,14 @@ class Mean(NamedTuple):
 
 def merge_rule(key: str) -> str:
     """How a metric named `key` merges: "max" / "min" for a name with a `max` / `min` word
-    (`ratio_max`, `logprob_diff_max_abs`), "sum" for counts (`num_pairs`, `n_tokens`),
-    otherwise "mean" (weighted)."""
+    (`ratio_max`, `logprob_diff_max_abs`), "sum" for counts and sums (`num_pairs`,
+    `n_tokens`, `loss_sum`), otherwise "mean" (weighted)."""
     words = key.split("_")
     if "max" in words:
         return "max"
     if "min" in words:
         return "min"
-    return "sum" if words[0] in ("n", "num") else "mean"
+    return "sum" if words[0] in ("n", "num") or words[-1] == "sum" else "mean"
 
 
 MetricSums = dict[str, list[float]]  # key -> [Σ value·weight, Σ weight] (means) or [value]
