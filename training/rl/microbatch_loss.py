@@ -60,8 +60,12 @@ def rl_microbatch_loss(
     old_from_rollout: bool,
     policy_loss_fn: PolicyLossFn,
     kl_fn: KLFn | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """`rl_loss_fn`'s loss (module-level, so that torchrun ranks can rebuild it by name)."""
+) -> tuple[torch.Tensor, dict[str, float | Mean]]:
+    """`rl_loss_fn`'s loss (module-level, so that torchrun ranks can rebuild it by name).
+
+    Its metrics are the policy loss's, each mean over tokens, sequences or pairs given as a
+    `Mean` of its units (`with_units`), so that the backend merges micro-batches exactly.
+    """
     logits = temper_logits(logits, temperature)
     loss_value, metrics = _policy_loss(logits, batch, algorithm, old_from_rollout,
                                        policy_loss_fn, kl_fn)  # fmt: skip
