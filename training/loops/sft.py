@@ -85,6 +85,16 @@ async def evaluate(
     return metrics
 
 
+async def save_checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
+                          extra: dict[str, Any], *, best: bool) -> None:  # fmt: skip
+    """Save step `step`; when `best`, link it as `checkpoints/best` (train.keep_best)."""
+    await backend.save_checkpoint(step, metrics, extra_state=extra)
+    if best:  # then prune again: the previous best is no longer kept for being the best
+        mark_best_checkpoint(backend.checkpoint_dir, step)
+        if backend.keep_last is not None:
+            prune_checkpoints(backend.checkpoint_dir, backend.keep_last)
+
+
 async def run_sft_training(
     backend: PyTorchTrainingBackend,
     data: SFTData,
@@ -111,6 +121,9 @@ async def run_sft_training(
     """
     length = sft_run_length(config, len(data.train))
     log.info("%s", length.message)
+    if config.keep_best and not data.eval_samples:
+        log.warning("train.keep_best is on but there is no held-out data (data.eval_path, "
+                    "--eval-data) to rank checkpoints by: no checkpoints/best will be kept")  # fmt: skip
     start = await maybe_resume(backend, data.train, config)
     watch = EvalWatch()
     if start:
@@ -147,11 +160,10 @@ async def run_sft_training(
         if step % config.checkpoint_every == 0 or last or keep_best:
             extra = {**(extra_state or {}), "data_buffer": data.train.state_dict(),
                      "eval_watch": watch.state_dict(), "config": resolved_config or {}}  # fmt: skip
-            await backend.save_checkpoint(step, metrics, extra_state=extra)
-            if keep_best:  # then prune again: the previous best is no longer kept for it
-                mark_best_checkpoint(backend.checkpoint_dir, step)
-                if backend.keep_last is not None:
-                    prune_checkpoints(backend.checkpoint_dir, backend.keep_last)
+            await save_checkpoint(backend, step, metrics, extra, best=keep_best)
         if last:
             break
+    if history and watch.best_step is not None:
+        where = f" ({backend.checkpoint_dir / 'best'})" if config.keep_best else ""
+        log.info("lowest eval loss %.4f at step %d%s", watch.best_eval_loss, watch.best_step, where)
     return history
