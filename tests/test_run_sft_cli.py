@@ -73,8 +73,11 @@ def write_with_long_lines(path: Path, n: int, long: dict[int, str]) -> Path:
 def test_records_cut_or_dropped_are_named_once_and_reported_in_full(tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 
+    from training.backend.checkpoint import checkpoint_step, find_latest_checkpoint
+    from training.config import SFTRunConfig, load_config
     from training.data.sft_data import load_sft_jsonl
     from training.data.tokenize import tokenize_conversation
+    from training.recipes.rl import sft_checkpoint_mismatch
 
     long = {2: "q", 3: "a", 5: "q", 7: "q", 8: "a", 11: "q", 12: "q"}
     train = write_with_long_lines(tmp_path / "train.jsonl", 16, long)
@@ -83,7 +86,7 @@ def test_records_cut_or_dropped_are_named_once_and_reported_in_full(tmp_path, ti
     proc = run_cli(
         "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--data", str(train),
         "--eval-data", str(held), "--model", str(tiny_model_dir), "--output-dir",
-        str(tmp_path / "out"), "--epochs", "2", "--data-report", str(report),
+        str(tmp_path / "out"), "--epochs", "1", "--data-report", str(report),
         "train.batch_size=8", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -112,9 +115,16 @@ def test_records_cut_or_dropped_are_named_once_and_reported_in_full(tmp_path, ti
     # we measure lengths ourselves: transformers' warning about them would mislead
     assert "indexing errors" not in proc.stderr and "Token indices" not in proc.stderr
 
-    steps = -(-2 * 11 // 8)  # --epochs 2 replaced the config's train.max_steps=800
-    assert f"training 2 epochs = {steps} steps over 11 records" in proc.stderr
+    steps = 2  # 11 records in batches of 8: --epochs 1 replaced the config's max_steps=800
+    assert f"training 1 epoch = {steps} steps over 11 records" in proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith(f"SFT done: steps={steps} ")
+    # RL starting from this recipe (sft_config) sees its checkpoint as finished, not unfinished
+    same = load_config(SFTRunConfig, ROOT / "configs" / "sft_tiny.yaml", [
+        f"data.train_path={train}", f"data.eval_path={held}", f"model.path={tiny_model_dir}",
+        f"output_dir={tmp_path / 'out'}", "train.epochs=1", "train.max_steps=null",
+        f"data.report_path={report}", "train.batch_size=8"])  # fmt: skip
+    latest = find_latest_checkpoint(tmp_path / "out" / "checkpoints")
+    assert checkpoint_step(latest) == steps and sft_checkpoint_mismatch(latest, same) is None
 
 
 def test_max_steps_and_epochs_together_are_refused_naming_both(tmp_path):

@@ -49,7 +49,7 @@ def sft_run_length(config: SFTLoopConfig, n_records: int) -> RunLength:
         epochs = DEFAULT_EPOCHS if config.epochs is None else config.epochs
         n_samples = max(1, round(epochs * n_records))
         steps = math.ceil(n_samples / batch)
-        message = f"training {epochs:g} epochs = {steps} steps {over}"
+        message = f"training {epochs:g} epoch{'s' * (epochs != 1)} = {steps} steps {over}"
         message += (
             "; set train.epochs or train.max_steps to change"
             if config.epochs is None
