@@ -159,6 +159,8 @@ class DataConfig(TaskDataSource):
         ge=8,
         description=f"tokens per packed row; null: max({DEFAULT_PACK_LENGTH}, max_seq_len)",
     )
+    report_path: str | None = Field(None, description="JSONL: every record cut or dropped; "
+                                    "null: <output_dir>/data_report.jsonl")  # fmt: skip
 
 
 class OptimConfig(Strict):
@@ -235,8 +237,11 @@ class BackendConfig(Strict):
 
 
 class SFTLoopConfig(Strict):
+    """How long SFT trains (`max_steps` or `epochs`, not both: see docs/sft.md), evaluates, saves."""
+
     batch_size: int = Field(32, ge=1, description="samples per optimizer step")
-    max_steps: int = Field(400, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; null: from epochs")
+    epochs: float | None = Field(None, gt=0, description="passes over the records; null: 3")
     max_wall_s: float | None = Field(
         None,
         gt=0,
@@ -244,12 +249,23 @@ class SFTLoopConfig(Strict):
         "this call's training (a time-matched baseline); evaluated and saved like the last step",
     )
     log_every: int = Field(1, ge=1, description="a console line every this many steps")
-    eval_every: int = Field(100, ge=1)
+    eval_every: int | None = Field(None, ge=1, description="null: 10 evals in a run")
     eval_samples: int = Field(256, ge=0, description="held-out samples for eval loss")
     greedy_eval_samples: int = Field(500, ge=0, description="held-out prompts for accuracy")
     checkpoint_every: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
+    keep_best: bool = Field(False, description="checkpoints/best: the lowest eval loss's step")
     resume: Literal["auto", "never"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_length(self) -> SFTLoopConfig:
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"train.max_steps={self.max_steps} and train.epochs={self.epochs:g} both set "
+                "the run's length: give one and set the other to null (on the command line, "
+                "--max-steps or --epochs replaces the other)"
+            )
+        return self
 
 
 class WandbSettings(Strict):

@@ -138,7 +138,8 @@ def sft_checkpoint_mismatch(checkpoint: Path, sft: SFTRunConfig) -> str | None:
     Compares the step count, the saved config (defaults of newer fields filled in) and the
     fingerprint of the data files (task files are regenerated, so a changed generator counts).
     """
-    if checkpoint_step(checkpoint) < sft.train.max_steps:
+    steps = sft.train.max_steps or _saved_extra(checkpoint).get("max_steps")  # null: epochs
+    if steps is None or checkpoint_step(checkpoint) < steps:
         return "is unfinished"
     if not same_recipe(_saved_config(checkpoint), sft):  # train.log_every etc. aside
         return "was made with another config"
