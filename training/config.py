@@ -17,6 +17,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from plumbing.errors import ConfigError
 from rollouts.config import Strict
 from training.config_hints import locate, trl_hint, unknown_key_hint
+from training.logging_config import LoggingConfig as LoggingConfig
+from training.logging_config import TensorBoardSettings as TensorBoardSettings
+from training.logging_config import WandbSettings as WandbSettings
 from training.trl_names import SFT_TABLES
 
 C = TypeVar("C", bound=BaseModel)
@@ -266,43 +269,6 @@ class SFTLoopConfig(Strict):
                 "--max-steps or --epochs replaces the other)"
             )
         return self
-
-
-class WandbSettings(Strict):
-    """A Weights & Biases run for the metrics (`pip install 'rollouts[wandb]'`).
-
-    ```yaml
-    logging:
-      wandb: {project: my-project}   # or: logging.wandb.project=my-project
-    ```
-    """
-
-    project: str = Field(min_length=1)
-    entity: str | None = None
-    name: str | None = Field(None, description="run name; None: wandb picks one")
-    group: str | None = None
-    tags: list[str] = []
-    mode: Literal["online", "offline", "disabled"] = "online"
-    dir: str | None = Field(None, description="where wandb writes its files; None: output_dir")
-
-
-class TensorBoardSettings(Strict):
-    """TensorBoard scalars for the metrics (`pip install 'rollouts[tensorboard]'`)."""
-
-    dir: str | None = Field(None, description="event files; None: <output_dir>/tensorboard")
-
-
-class LoggingConfig(Strict):
-    """Where a run's metrics go besides metrics.jsonl and the console; a section turns one on.
-
-    ```yaml
-    logging:
-      tensorboard: {}                # or on the command line: logging.tensorboard={}
-    ```
-    """
-
-    wandb: WandbSettings | None = None
-    tensorboard: TensorBoardSettings | None = None
 
 
 class SFTRunConfig(Strict):
