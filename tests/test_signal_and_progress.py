@@ -82,6 +82,13 @@ def test_rl_summary_shows_the_partial_credit_reward_moving_while_accuracy_stays_
     assert "heldout_reward_mean before=0.073 after=0.1 (+0.027)" in line
 
 
+def test_rl_summary_without_held_out_prompts_says_what_to_set_instead_of_n_a():
+    # issue 42's user: `data.train_path=` alone printed "heldout_accuracy before=n/a after=n/a"
+    line = RLSummary(None, None, 6, 15.4, None, (0.01,)).line()
+    assert line.startswith("RL done: heldout: not measured (no data.eval_path) steps=6"), line
+    assert "n/a" not in line
+
+
 def test_heldout_split_is_deterministic_a_tenth_capped_and_disjoint():
     records = [{"prompt": str(i)} for i in range(100)]
     train, held = heldout_split(records)

@@ -325,7 +325,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                                              tokenizer=tokenizer)  # fmt: skip
 
             before = await evaluate() if held_out else {}
-            log.info("held-out before RL: %s", before)
+            if held_out:
+                log.info("held-out before RL: %s", before)
+            else:  # an empty dict printed here read as a failed evaluation
+                log.info("no held-out prompts: accuracy and reward are not measured before and "
+                         "after RL (set data.eval_path=FILE, a prompts JSONL, to measure them)")  # fmt: skip
             manager = AsyncRolloutManager(  # the loop gives it each step's algorithm
                 engine, buffer, config.rollout, reward_fn=reward_fn,
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,

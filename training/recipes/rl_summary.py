@@ -69,9 +69,12 @@ class RLSummary:
             serving = self.engines_total - len(self.engines_lost)
             lost = (f"; finished on {serving} of {self.engines_total} engines; lost "
                     f"{'; '.join(self.engines_lost)}")  # fmt: skip
+        heldout = (f"heldout_accuracy before={pct(self.accuracy_before)} "
+                   f"after={pct(self.accuracy_after)}{gain}{reward}")  # fmt: skip
+        if self.accuracy_before is None and self.accuracy_after is None and not reward:
+            heldout = "heldout: not measured (no data.eval_path)"
         return (
-            f"RL done: heldout_accuracy before={pct(self.accuracy_before)} "
-            f"after={pct(self.accuracy_after)}{gain}{reward}{tools} steps={self.steps} "
+            f"RL done: {heldout}{tools} steps={self.steps} "
             f"wall_time={self.wall_time_s:.1f}s checkpoint={self.checkpoint}{lost}"
         )
 
