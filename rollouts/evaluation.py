@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import EngineError
+from plumbing.errors import EngineError, leaf_errors
 from rollouts.generate_fn import GenerateContext, GenerateFn, single_turn_generate
 from rollouts.groups import summarize_errors
 from rollouts.prompts import PromptItem
@@ -70,7 +70,7 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
         try:
             samples = await generate_fn(prompts[i], 1, ctx)
         except* EngineError as group:  # except*: a generate function may run a nursery
-            engine_errors[str(group.exceptions[0])] += 1
+            engine_errors[str(leaf_errors(group)[0])] += 1
         if not samples:
             return
         scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s,

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import EngineError, RolloutsError, describe_engine_failure
+from plumbing.errors import EngineError, RolloutsError, describe_engine_failure, leaf_errors
 from rollouts.coalesce import CoalescingEngine
 from rollouts.generate_fn import GenerateContext as GenerateContext
 from rollouts.generate_fn import GenerateEngine as GenerateEngine
@@ -166,7 +166,8 @@ async def collect_groups(
             except* EngineError as group:  # except*: it arrives wrapped by the nurseries
                 if engine_fail_fast:
                     raise
-                error = group.exceptions[0]
+                # a generate function's own nurseries (an agent's sessions) nest the groups
+                error = leaf_errors(group)[0]
             if error is not None and not _transient(error):
                 break  # a 4xx fails again: drop the group now
         if error is not None:

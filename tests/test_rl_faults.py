@@ -1,7 +1,7 @@
 """Issue 26 items 1 and 2 end to end: one local engine behind the project's fault proxy, a short
 RL run through `EnginePool` (the recipe's path). Transient faults on `/generate` cost time, never
-samples; a non-JSON answer during the final evaluation is counted and the run ends with its
-last checkpoint written."""
+samples; a non-JSON answer during the final evaluation is transient (issue 49): retried, and the
+run ends with its last checkpoint written."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ async def test_one_engine_run_survives_faults_with_no_sample_lost_or_trained_twi
             async with client, pool:
 
                 async def evaluate() -> dict[str, float]:
-                    proxy.plan = FaultPlan(rates={"nonjson": 1.0})  # every eval answer
+                    # every eval prompt's first answer is an HTML page, then the engine's
+                    proxy.replan(FaultPlan(script=("nonjson",) * len(held_out)))
                     return await evaluate_greedy(pool, held_out, digit_share_reward)
 
                 manager = AsyncRolloutManager(pool, buffer, rollout,
@@ -85,7 +86,7 @@ async def test_one_engine_run_survives_faults_with_no_sample_lost_or_trained_twi
     batches = read_rollout_dump(tmp_path / "rollouts.jsonl")
     trained = [(step, s) for step, b in batches.items() for s in b.samples]
     ids = [(step, s.group_id, s.index_in_group) for step, s in trained]
-    lost = stats.samples_received - len(trained)
+    lost = stats.samples_received - len(trained) - len(held_out)  # the eval's answers too
     trained_twice = len(ids) - len(set(ids))
     faults = {k: n for k, n in proxy.counts.items() if k != "forwarded"}
     print(f"steps {len(history)} in {wall:.1f} s; trained {len(trained)}, lost {lost}, "
@@ -94,5 +95,6 @@ async def test_one_engine_run_survives_faults_with_no_sample_lost_or_trained_twi
     assert len(history) == STEPS and sorted(batches) == list(range(1, STEPS + 1))
     assert all(m["groups_failed"] == 0 for m in history)
     assert len(trained) == STEPS * GROUPS * N and lost == 0 and trained_twice == 0
-    assert history[-1]["eval_failed"] == len(held_out)
+    assert history[-1]["eval_failed"] == 0  # each retried once (it used to fail at once)
+    assert history[-1]["eval_accuracy"] >= 0
     assert find_latest_checkpoint(tmp_path / "ck").name == checkpoint_name(STEPS)

@@ -63,6 +63,12 @@ class FaultProxy:
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started(f"http://127.0.0.1:{port}")
 
+    def replan(self, plan: FaultPlan) -> None:
+        """Follow `plan` from the next request on: its script first, then its own seeded draws."""
+        self.plan = plan
+        self._rng = random.Random(plan.seed)
+        self._n_drawn = 0
+
     def _draw(self, path: str) -> str | None:
         if not self.enabled or path not in self.plan.paths:
             return None
