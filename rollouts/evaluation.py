@@ -21,6 +21,7 @@ from plumbing.errors import EngineError, leaf_errors
 from rollouts.generate_fn import GenerateContext, GenerateFn, single_turn_generate
 from rollouts.groups import summarize_errors
 from rollouts.prompts import PromptItem
+from rollouts.request_ids import RidPrefixes
 from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
 from rollouts.scoring import score_sample
@@ -63,9 +64,10 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
     scored: list[Sample | None] = [None] * len(prompts)
     engine_errors: Counter[str] = Counter()
     threads = reward_threads or RewardThreads()
+    prefix = RidPrefixes("eval").next()  # never an earlier evaluation's rids (an abort hits all)
 
     async def one(i: int) -> None:
-        ctx = GenerateContext(engine, params, limiter, f"eval-{i}", i, tokenizer)
+        ctx = GenerateContext(engine, params, limiter, f"{prefix}-{i}", i, tokenizer)
         samples: list[Sample] = []
         try:
             samples = await generate_fn(prompts[i], 1, ctx)

@@ -51,6 +51,7 @@ from rollouts.groups import (
     summarize_errors,
 )
 from rollouts.prompts import PromptItem
+from rollouts.request_ids import RidPrefixes
 from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn, RolloutAlgorithm, shape_reward
 from rollouts.stall import watch_event_loop
@@ -105,6 +106,7 @@ class AsyncRolloutManager:
         self._n_calls = 0
         self._stale_dropped = 0
         self._cut_off = False  # a batch was interrupted: its requests may still run at the engine
+        self._rids = RidPrefixes("b")  # a prefix per collected batch: rids unique for the run
 
     def use_algorithm(self, algorithm: RolloutAlgorithm) -> None:
         """Take reward shaping and group filtering from `algorithm` for groups launched from now on.
@@ -274,7 +276,7 @@ class AsyncRolloutManager:
             engine_fail_fast=cfg.engine_fail_fast,
             sample_retries=cfg.sample_retries,
             reward_failure_value=cfg.reward_failure_value,
-            rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
+            rid_prefix=self._rids.next(),
             tokenizer=self.tokenizer,
         )
 

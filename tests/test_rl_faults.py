@@ -6,7 +6,9 @@ run ends with its last checkpoint written."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
+import pytest
 import trio
 from test_engine_pool import run_engine
 
@@ -98,3 +100,39 @@ async def test_one_engine_run_survives_faults_with_no_sample_lost_or_trained_twi
     assert history[-1]["eval_failed"] == 0  # each retried once (it used to fail at once)
     assert history[-1]["eval_accuracy"] >= 0
     assert find_latest_checkpoint(tmp_path / "ck").name == checkpoint_name(STEPS)
+
+
+@pytest.mark.parametrize("mode", ["async", "overlap"])
+async def test_request_ids_are_never_reused_in_a_run_or_its_resume(tiny_model_dir, tmp_path, mode):
+    """Issue 49 D8: the engine aborts every in-flight request whose rid starts with the one given,
+    so a rid must name one request for the life of a run: async mode's producer and overlap
+    mode's prefetch collect many batches per trainer call, evaluations repeat, and a resumed run
+    starts its counters again. The engine's request log (every /generate as sent, through the
+    fault proxy with no faults) holds each rid once."""
+    from rl_helpers import prompts, run_loop
+
+    async with trio.open_nursery() as nursery:
+        engine = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        proxy = FaultProxy(engine.url, FaultPlan())
+        url = await nursery.start(proxy.serve)
+        async with SGLangEngine(url, max_retries=0) as client:
+            held_out = prompts(load_model_and_tokenizer(tiny_model_dir)[1], 2)
+
+            async def evaluate() -> dict[str, float]:
+                return await evaluate_greedy(client, held_out, digit_share_reward)
+
+            rollout = RolloutConfig(mode=mode, batch_size=2, n_samples_per_prompt=2,
+                                    filter_groups="none", sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+            for steps in (2, 4):  # the second run resumes from the first one's checkpoint
+                with trio.fail_after(120):
+                    out = await run_loop(client, tiny_model_dir, tmp_path, max_steps=steps,
+                                         checkpoint_every=2, rollout=rollout,
+                                         hooks=RLHooks(evaluate_fn=evaluate),
+                                         loop={"resume": "auto", "eval_every": 1})  # fmt: skip
+                assert len(out.history) == 2
+        nursery.cancel_scope.cancel()
+    reused = {rid: n for rid, n in Counter(proxy.rids).items() if n > 1}
+    evals = [r for r in proxy.rids if r.startswith("eval")]
+    print(f"{len(proxy.rids)} requests, {len(evals)} of them evaluation; reused: {reused}")
+    assert len(evals) == 4 * len(held_out) and len(proxy.rids) >= 4 * 2 * 2 + len(evals)
+    assert reused == {}
