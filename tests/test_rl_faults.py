@@ -136,3 +136,90 @@ async def test_request_ids_are_never_reused_in_a_run_or_its_resume(tiny_model_di
     print(f"{len(proxy.rids)} requests, {len(evals)} of them evaluation; reused: {reused}")
     assert len(evals) == 4 * len(held_out) and len(proxy.rids) >= 4 * 2 * 2 + len(evals)
     assert reused == {}
+
+
+def _response_length(sample) -> float:
+    """A reward an abort lowers: tokens the episode got to sample (> 0 for any answer)."""
+    return float(len(sample.response_ids))
+
+
+async def test_an_evaluation_cut_by_an_abort_scores_what_a_clean_one_does(
+    local_engine, tiny_tokenizer
+):
+    """Issue 49 D5: a pool rejoin aborted 48 of 50 eval requests and `eval_accuracy` read 0.02.
+    An aborted episode is no answer: it is run again, so greedy evaluation gives exactly the
+    clean run's numbers (computed first, with no abort)."""
+    from rl_helpers import prompts
+
+    server, engine = local_engine
+    held_out = prompts(tiny_tokenizer, 6)
+    clean = await evaluate_greedy(engine, held_out, _response_length, max_new_tokens=24)
+    scheduler = server.state.scheduler
+    out: dict[str, float] = {}
+
+    async def evaluate() -> None:
+        out.update(await evaluate_greedy(engine, held_out, _response_length, max_new_tokens=24))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(evaluate)
+        with trio.fail_after(30):  # every episode is at the engine: abort them all at once
+            while len(scheduler.waiting) + len(scheduler.running) < len(held_out):
+                await trio.sleep(0.001)
+        await engine.abort_all()
+    print(f"clean {clean}\ncut   {out}")
+    assert out["reward_mean"] == clean["reward_mean"] and out["accuracy"] == clean["accuracy"]
+    assert out["abort_retries"] >= 1  # the abort did cut episodes
+    assert out["aborted"] == 0 and out["failed"] == 0 and out["scored"] == len(held_out)
+    assert clean["abort_retries"] == 0 and clean["scored"] == len(held_out)
+
+
+async def test_an_episode_aborted_every_time_is_left_out_and_counted_not_scored_wrong(
+    local_engine, tiny_tokenizer, caplog
+):
+    """Past `abort_retries` an aborted episode is counted in `aborted` and left out of the
+    accuracy, which is over the `scored` answers only (here none: no accuracy at all)."""
+    from rl_helpers import prompts
+
+    server, engine = local_engine
+    held_out = prompts(tiny_tokenizer, 3)
+    scheduler = server.state.scheduler
+    out: dict[str, float] = {}
+
+    async def evaluate() -> None:
+        out.update(await evaluate_greedy(engine, held_out, _response_length, max_new_tokens=24,
+                                         abort_retries=2))  # fmt: skip
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(evaluate)
+        with trio.fail_after(30):
+            while not out:  # a pool rejoining for the whole evaluation: every request aborted
+                scheduler.abort(abort_all=True)
+                await trio.sleep(0.001)
+    assert out["aborted"] == len(held_out) and out["abort_retries"] == 2 * len(held_out)
+    assert out["scored"] == 0 and out["failed"] == 0 and "accuracy" not in out
+    assert "3 of 3 prompts were still aborted at the engine after 3 tries" in caplog.text
+
+
+async def test_the_rl_evaluation_times_rewards_out_at_rollout_reward_timeout_s(
+    local_engine, tiny_tokenizer, caplog
+):
+    """Issue 49: the recipe's evaluation used evaluate_greedy's 30 s reward timeout whatever
+    `rollout.reward_timeout_s` said; it scores as training does."""
+    from rl_helpers import prompts
+
+    from rollouts.generate_fn import single_turn_generate
+    from training.recipes.rl_env import EpisodeSetup
+
+    _, engine = local_engine
+
+    async def slow_reward(sample) -> float:
+        await trio.sleep(20)
+        return 1.0
+
+    setup = EpisodeSetup(single_turn_generate, slow_reward)
+    with trio.fail_after(10):  # well under the old 30 s
+        out = await setup.evaluate(engine, prompts(tiny_tokenizer, 2), slow_reward,
+                                   rollout=RolloutConfig(reward_timeout_s=0.3), max_new_tokens=2,
+                                   tokenizer=tiny_tokenizer)  # fmt: skip
+    assert out["reward_failed"] == 2 and out["scored"] == 0
+    assert "timed out after 0.3 s" in caplog.text

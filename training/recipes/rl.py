@@ -25,7 +25,6 @@ from engines.client import probe_engines
 from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
 from rollouts.agent.harness import OpenAIAgent
-from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -357,10 +356,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                                    pause_mode=config.engines.pause_mode, refit=refit)  # fmt: skip
 
             async def evaluate() -> dict[str, float]:
-                return await evaluate_greedy(engine, held_out, reward_fn,
-                                             max_new_tokens=config.train.eval_max_new_tokens,
-                                             generate_fn=episodes.generate_fn,
-                                             tokenizer=tokenizer)  # fmt: skip
+                return await episodes.evaluate(engine, held_out, reward_fn, rollout=config.rollout,
+                                               max_new_tokens=config.train.eval_max_new_tokens,
+                                               tokenizer=tokenizer)  # fmt: skip
 
             before = await evaluate() if held_out else {}
             log.info("held-out before RL: %s", before)
