@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import trio
@@ -223,3 +224,31 @@ async def test_the_rl_evaluation_times_rewards_out_at_rollout_reward_timeout_s(
                                    tokenizer=tiny_tokenizer)  # fmt: skip
     assert out["reward_failed"] == 2 and out["scored"] == 0
     assert "timed out after 0.3 s" in caplog.text
+
+
+def test_a_run_killed_during_an_evaluation_resumes_with_every_step_logged_once(
+    tiny_model_dir, tmp_path
+):
+    """Issue 49 D7: a hard kill in step 2's evaluation (after its checkpoint, before its row:
+    SIGKILL runs no `finally`) lost row 2 for good, since the resume logs only later steps. The
+    resume restores it from the checkpoint's metrics: metrics.jsonl has each step exactly once."""
+    import json
+    import signal
+
+    from tests import warm_python
+
+    program = [Path(__file__).parent / "rl_killed_in_eval.py", tiny_model_dir, tmp_path]
+    killed = warm_python.run([*program, "2"], cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    rows_then = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    resumed = warm_python.run([*program, "never"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    ]
+    print(f"children cpu {warm_python.children_cpu_s():.1f} s; rows when killed: {[json.loads(r)['step'] for r in rows_then]}; after the resume: "
+          f"{[r['step'] for r in rows]}")  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    restored = rows[1]  # the checkpoint's metrics: the step's training, not its evaluation
+    assert restored["weight_version"] == 2 and {"loss", "reward_mean"} <= restored.keys()
+    assert not any(k.startswith("eval_") for k in restored) and "eval_accuracy" in rows[2]

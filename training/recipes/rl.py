@@ -36,6 +36,7 @@ from training.backend.model_io import check_model_path
 from training.backend.pytorch import load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
+from training.loops.ema import resumed_metrics
 from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import (
     ConsoleLogger,
@@ -339,6 +340,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "rollouts.jsonl").unlink(missing_ok=True)
     jsonl = JsonlLogger(out / "metrics.jsonl")
+    latest = find_latest_checkpoint(backend.checkpoint_dir)
+    if config.train.resume != "never" and latest is not None:  # a row a kill lost (its eval)
+        jsonl.restore_row(checkpoint_step(latest), resumed_metrics(backend.checkpoint_dir))
     dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
                             keys=("reward_mean", *(f"{k}_ema" for k in config.train.ema_metrics),
