@@ -3,8 +3,8 @@
 A sample whose reward could not be computed (it raised, timed out, returned a non-number) is a
 reward failure, not a wrong answer: it is counted apart (`reward_failed`) and left out of
 `accuracy` and `reward_mean`, and the errors are logged, deduplicated with counts. A prompt
-whose episode failed at the engine (after the pool's own retries) is counted in `failed` and
-left out too: an evaluation never ends a run. An episode aborted at the engine (a weight sync's
+whose episode failed (at the engine after the pool's own retries, or in its agent or
+environment: a failed sample before any reward) is counted in `failed` and left out too: an evaluation never ends a run. An episode aborted at the engine (a weight sync's
 pause, a pool's rejoin, someone's abort_all) is no answer either: it is run again, after a short
 backoff, up to `abort_retries` times, then counted in `aborted` and left out. `scored` says how
 many answers `accuracy` is over; a WARNING line says when any prompt was left out.
@@ -57,7 +57,7 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
             doubling) before it is left out and counted in `aborted`.
 
     Returns:
-        `failed` (prompts whose episode failed at the engine), `aborted` (still aborted after
+        `failed` (prompts whose episode failed, at the engine or before), `aborted` (still aborted after
         `abort_retries`), `abort_retries` (episodes run again after an abort); `reward_mean` and
         `accuracy` (mean of the reward's "correct" component, or of reward > 0 when it has none)
         over the `scored` samples, those the reward scored (absent when it scored none);
@@ -95,6 +95,9 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
         if samples[0].status == "aborted":
             aborted.append(i)
             return
+        if samples[0].status == "failed":  # no answer to score (an agent's refused call, say)
+            engine_errors[samples[0].error or "failed"] += 1
+            return
         scored[i] = await score_sample(reward_fn, samples[0], timeout_s=timeout_s,
                                        threads=threads)  # fmt: skip
         if on_scored is not None:
@@ -106,7 +109,7 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
     done = [s for s in scored if s is not None]
     n_failed = sum(engine_errors.values())
     if n_failed:
-        log.warning("evaluation: %d of %d prompts failed at the engine (left out): %s",
+        log.warning("evaluation: %d of %d episodes failed (left out): %s",
                     n_failed, len(prompts), summarize_errors(engine_errors))  # fmt: skip
     ok = [s for s in done if s.status != "failed"]
     errors = Counter(s.error or "failed" for s in done if s.status == "failed")
@@ -121,7 +124,7 @@ async def evaluate_greedy(engine: Any, prompts: Sequence[PromptItem], reward_fn:
            "reward_failed": float(len(done) - len(ok)),
            "reward_failure_rate": (len(done) - len(ok)) / max(1, len(done))}  # fmt: skip
     if len(ok) < len(prompts):
-        log.warning("evaluation: accuracy over %d of %d prompts (%d failed at the engine, %d "
+        log.warning("evaluation: accuracy over %d of %d prompts (%d episodes failed, %d "
                     "aborted, %d reward failures)", len(ok), len(prompts), n_failed,
                     len(aborted), len(done) - len(ok))  # fmt: skip
     if ok:

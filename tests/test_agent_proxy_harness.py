@@ -193,3 +193,26 @@ async def test_a_non_json_engine_answer_in_an_agent_session_is_retried_not_a_cra
     assert sorted(s.index_in_group for s in group if s.sub_index == 0) == [0, 1]
     assert all(s.status in ("completed", "truncated") for s in group)
     assert result.n_retried_samples >= 1 and result.n_failed_groups == 0
+
+
+async def test_an_evaluation_counts_failed_agent_episodes_as_failed_not_as_reward_failures(
+    local_engine, tiny_tokenizer
+):
+    """An episode whose agent's call the engine refused has no answer to score: the evaluation
+    counts it in `failed` (with the engine's text), not in `reward_failed`."""
+    from rollouts.evaluation import evaluate_greedy
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+
+    async def long_winded(client, task):
+        messages = [*task["messages"], {"role": "user", "content": " word" * 3000}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        return 1.0
+
+    with trio.fail_after(60):
+        out = await evaluate_greedy(
+            engine, [prompt_for(tok, 2, 3), prompt_for(tok, 4, 5)], env_reward, tokenizer=tok,
+            generate_fn=agent_generate(python_harness(long_winded), tokenizer=tok),
+        )  # fmt: skip
+    assert out["failed"] == 2 and out["reward_failed"] == 0 and out["scored"] == 0
