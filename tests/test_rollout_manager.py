@@ -271,7 +271,10 @@ async def two_groups_of_four(engine, tokenizer, reward_fn, rollout=None, **manag
     manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tokenizer, 8), shuffle=False),
                                   cfg, reward_fn=reward_fn, **manager_kwargs)  # fmt: skip
     with trio.fail_after(60):
-        return await manager.generate_batch()
+        if cfg.mode == "sync":
+            return await manager.generate_batch()
+        async with manager:
+            return await manager.generate_batch()
 
 
 async def test_a_reward_failure_value_keeps_the_group_with_that_reward(
@@ -294,9 +297,11 @@ async def test_a_reward_failure_value_keeps_the_group_with_that_reward(
     assert "ValueError: judge could not parse" in (failed.error or "")
 
 
-@pytest.mark.parametrize("bad", ["raise", float("nan"), float("inf"), "1.0", None])
+@pytest.mark.parametrize(("bad", "mode"), [("raise", "sync"), ("raise", "async"),
+                                           (float("nan"), "sync"), (float("inf"), "sync"),
+                                           ("1.0", "sync"), (None, "sync")])  # fmt: skip
 async def test_a_sample_whose_reward_failed_is_never_trained_and_each_batch_says_why(
-    local_engine, tiny_tokenizer, caplog, bad
+    local_engine, tiny_tokenizer, caplog, bad, mode
 ):
     """Issue 49: a reward that raised or gave NaN, inf, a string or None was trained as 0.0.
     By default such a sample fails: generated again once (rollout.sample_retries), its group is
@@ -312,7 +317,7 @@ async def test_a_sample_whose_reward_failed_is_never_trained_and_each_batch_says
         return 1.0
 
     with caplog.at_level("WARNING", logger="rollouts.manager"):
-        batch = await two_groups_of_four(engine, tiny_tokenizer, reward)
+        batch = await two_groups_of_four(engine, tiny_tokenizer, reward, rollout={"mode": mode})
     trained = [s for g in batch.groups for s in g]
     assert sorted(prompt_index(g[0]) for g in batch.groups) == [1, 2]  # prompt 0 replaced
     assert all(s.reward == 1.0 and s.error is None for s in trained)
