@@ -74,7 +74,7 @@ class CollectResult:
     failures: Counter[str] = field(default_factory=Counter)  # "url: kind" of dropped groups
     sample_errors: Counter[str] = field(default_factory=Counter)  # error text of failed samples
     reward_errors: Counter[str] = field(default_factory=Counter)  # each failed reward call's error
-    generation_errors: Counter[str] = field(default_factory=Counter)  # each failed generation's
+    generation_errors: Counter[str] = field(default_factory=Counter)  # other failed samples'
 
     def metrics(self) -> dict[str, float]:
         # With a group filter (DAPO's dynamic sampling) `reward_mean` is the kept groups' mean;
@@ -195,11 +195,12 @@ async def collect_groups(
                                          fail_fast=reward_fail_fast, threads=threads,
                                          failure_reward=reward_failure_value)  # fmt: skip
             for before, after in zip(batch, scored, strict=True):
-                if before.status == "failed":
-                    result.generation_errors[before.error or "failed"] += 1
-                elif (error := reward_failure(before, after)) is not None:
+                if (error := reward_failure(before, after)) is not None:
                     result.n_reward_failed += 1
                     result.reward_errors[error] += 1
+                elif after.status == "failed":  # at generation, or its reward's DropSample
+                    failed = before if before.status == "failed" else after
+                    result.generation_errors[failed.error or "failed"] += 1
             done.extend(scored)
 
         try:

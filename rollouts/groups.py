@@ -71,8 +71,9 @@ def failure_line(reward_errors: Mapping[str, int], generation_errors: Mapping[st
         parts.append(f"{sum(reward_errors.values())} rewards failed (each sample {fate}): "
                      f"{summarize_errors(reward_errors)}")  # fmt: skip
     if generation_errors:
-        parts.append(f"{sum(generation_errors.values())} samples failed at generation (generated "
-                     f"again, then the group dropped): {summarize_errors(generation_errors)}")  # fmt: skip
+        parts.append(f"{sum(generation_errors.values())} samples failed at generation or were "
+                     "dropped by their reward (generated again, then the group dropped): "
+                     f"{summarize_errors(generation_errors)}")  # fmt: skip
     return "; ".join(parts) or None
 
 

@@ -363,7 +363,7 @@ async def test_one_failing_sample_is_retried_and_its_group_kept(local_engine, ti
     assert sorted(calls) == [(0, 1), (0, 4), (1, 4)]
 
 
-async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_tokenizer):
+async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_tokenizer, caplog):
     _, engine = local_engine
     dropped: list[int] = []
 
@@ -377,6 +377,11 @@ async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_t
     assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1] and dropped == [1]
     assert batch.metrics["samples_retried"] == 1 and batch.metrics["reward_failed"] == 0
     assert all(s.error is None and s.reward == 1.0 for g in batch.groups for s in g)
+    assert (
+        "1 samples failed at generation or were dropped by their reward (generated again, "
+        "then the group dropped): 1x reward reward dropped the sample (DropSample): unusable "
+        "answer" in caplog.text
+    )
 
 
 class FailingForPromptZero:
