@@ -53,6 +53,20 @@ class JsonlLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def restore_row(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append row `step` from `metrics` unless the file has one: a resumed run passes its
+        checkpoint's step and metrics, whose row a run killed between the checkpoint and the
+        row (in the step's evaluation, say: SIGKILL runs no `finally`) never wrote."""
+        if self.path.is_file():
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+            if any(_step_of(line) == step for line in lines):
+                return
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+        log.warning("metrics.jsonl had no row of step %d (the run was killed before writing it): "
+                    "restored from its checkpoint, without evaluation metrics", step)  # fmt: skip
+
     def _drop_rows_from(self, step: int) -> None:
         if not self.path.is_file():
             return

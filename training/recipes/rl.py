@@ -26,7 +26,6 @@ from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
 from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
-from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -38,6 +37,7 @@ from training.backend.model_io import check_model_path
 from training.backend.pytorch import load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
+from training.loops.ema import resumed_metrics
 from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import (
     ConsoleLogger,
@@ -304,6 +304,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "rollouts.jsonl").unlink(missing_ok=True)
     jsonl = JsonlLogger(out / "metrics.jsonl")
+    latest = find_latest_checkpoint(backend.checkpoint_dir)
+    if config.train.resume != "never" and latest is not None:  # a row a kill lost (its eval)
+        jsonl.restore_row(checkpoint_step(latest), resumed_metrics(backend.checkpoint_dir))
     dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
                             keys=rl_console_keys(config.train.ema_metrics))  # fmt: skip
@@ -319,10 +322,9 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                                    pause_mode=config.engines.pause_mode, refit=refit)  # fmt: skip
 
             async def evaluate() -> dict[str, float]:
-                return await evaluate_greedy(engine, held_out, reward_fn,
-                                             max_new_tokens=config.train.eval_max_new_tokens,
-                                             generate_fn=episodes.generate_fn,
-                                             tokenizer=tokenizer)  # fmt: skip
+                return await episodes.evaluate(engine, held_out, reward_fn, rollout=config.rollout,
+                                               max_new_tokens=config.train.eval_max_new_tokens,
+                                               tokenizer=tokenizer)  # fmt: skip
 
             before = await evaluate() if held_out else {}
             if held_out:
