@@ -278,6 +278,18 @@ def test_help_and_config_errors_answer_without_loading_torch(tmp_path):
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
+def test_overrides_after_flags_are_read_as_overrides(capsys):
+    # issue 42's user wrote `... --output-dir runs/x engines.n_local=2`: argparse refused the
+    # trailing overrides ("unrecognized arguments") because others came before the flags
+    from training.recipes.cli import main
+
+    for cmd in ("sft", "rl"):
+        code = main([cmd, "optim.lr=1e-4", "--max-steps", "2", "--output-dir", "x", "optim.lrr=1"])
+        err = capsys.readouterr().err
+        assert code == 2 and "unrecognized arguments" not in err, err
+        assert "unknown key 'optim.lrr'" in err and "did you mean 'optim.lr'" in err, err
+
+
 # ----- launchers: plain python, torchrun, and `accelerate launch --multi_gpu` (recipes/launcher.py)
 
 # What accelerate 1.15's launchers put in a process's environment (printed from a real

@@ -93,7 +93,7 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
                         "neither is set)")  # fmt: skip
     parser.add_argument("--data-report", help="JSONL listing every record cut or dropped "
                         "(default: OUTPUT_DIR/data_report.jsonl)")  # fmt: skip
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow flags: `--max-steps 3 k=v`
     if args.epochs is not None and args.max_steps is not None:
         parser.error("--epochs and --max-steps both set the run's length: give one")
     _setup_logging(args)
@@ -138,7 +138,7 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     parser.add_argument("--admin-api-key", default=None,
                         help="the engines' --admin-api-key (pause, weight update, abort)")  # fmt: skip
     parser.set_defaults(config=default_config)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow flags: `--max-steps 3 k=v`
     _setup_logging(args)
     urls = json.dumps(args.engine_url) if args.engine_url else None
     engine_flags = {"engines.urls": urls, "engines.router_url": args.router_url,
