@@ -89,6 +89,21 @@ def test_rl_summary_without_held_out_prompts_says_what_to_set_instead_of_n_a():
     assert "n/a" not in line
 
 
+def test_a_clean_evaluation_line_shows_its_scores_not_a_row_of_zero_failure_counters(caplog):
+    from training.loops.loggers import ConsoleLogger
+
+    clean = {"eval_accuracy": 0.25, "eval_reward_mean": 0.5, "eval_failed": 0, "eval_aborted": 0,
+             "eval_abort_retries": 0, "eval_scored": 20, "eval_reward_failed": 0,
+             "eval_reward_failure_rate": 0.0}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="rollouts"):
+        ConsoleLogger(10, tty=False)(5, {"loss": 0.1, **clean})
+        ConsoleLogger(10, tty=False)(5, {"loss": 0.1, **clean, "eval_aborted": 2})
+    quiet, troubled = (r.getMessage() for r in caplog.records)
+    assert "eval_accuracy=0.25 eval_reward_mean=0.5 [" in quiet, quiet
+    assert "eval_aborted=2" in troubled and "eval_scored=20" in troubled, troubled
+    assert "eval_failed" not in troubled  # still zero
+
+
 def test_heldout_split_is_deterministic_a_tenth_capped_and_disjoint():
     records = [{"prompt": str(i)} for i in range(100)]
     train, held = heldout_split(records)

@@ -99,6 +99,18 @@ def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
     return " ".join(parts)
 
 
+_FAILURE_WORDS = ("failed", "aborted", "retries", "failure")
+
+
+def shown_evals(evals: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation metrics worth a person's eye: failure counters only when not zero, and
+    the number scored only when some were not (a row of zeros buried the accuracy)."""
+    counters = {k for k in evals if any(w in k for w in _FAILURE_WORDS)}
+    troubled = any(evals[k] for k in counters)
+    return {k: v for k, v in evals.items() if (v if k in counters else
+            troubled or not k.endswith("scored"))}  # fmt: skip
+
+
 class ConsoleLogger:
     """What a person watches: one progress bar on a terminal, one line per step elsewhere.
 
@@ -140,7 +152,7 @@ class ConsoleLogger:
     WHEN_NONZERO = ("samples_failed", "groups_failed")
 
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
-        evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
+        evals = shown_evals({k: v for k, v in metrics.items() if k.startswith("eval_")})
         failed = tuple(k for k in self.WHEN_NONZERO if metrics.get(k))
         note = signal_note(metrics)
         if self._bar is not None:

@@ -46,6 +46,8 @@ from training.loops.loggers import (
     check_logger_extras,
     config_loggers,
     fan_out,
+    format_metrics,
+    shown_evals,
 )
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import push_weights
@@ -328,7 +330,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
 
             before = await evaluate() if held_out else {}
             if held_out:
-                log.info("held-out before RL: %s", before)
+                log.info("held-out before RL (%d prompts): %s", len(held_out),
+                         format_metrics(shown_evals(before), tuple(shown_evals(before))))  # fmt: skip
             else:  # an empty dict printed here read as a failed evaluation
                 log.info("no held-out prompts: accuracy and reward are not measured before and "
                          "after RL (set data.eval_path=FILE, a prompts JSONL, to measure them)")  # fmt: skip
