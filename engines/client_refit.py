@@ -58,7 +58,8 @@ class RefitRoutesMixin:
         return await self._refit_call("/begin_weight_update", {}, self.timeouts.control_s)
 
     async def end_weight_update(self) -> str:
-        return await self._refit_call("/end_weight_update", {}, self.timeouts.control_s)
+        # the weight update's own deadline: the local engine loads the staged buckets here
+        return await self._refit_call("/end_weight_update", {}, self.timeouts.weight_update_s)
 
     async def update_weights_from_distributed(
         self,

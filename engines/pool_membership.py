@@ -57,6 +57,7 @@ class EngineStats:
     rejoined: int = 0  # times it came back and was given the current weights
     samples_sent: int = 0  # items of the requests sent to it (a batch counts its items)
     samples_received: int = 0  # items of the answers it returned
+    down_reason: str | None = None  # why it is down now (None: it serves)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class _Slot:
         self.samples_sent = 0
         self.samples_received = 0
         self.last_pick = 0
+        self.down_reason: str | None = None  # why it was marked down, until it rejoins
+        self.rejoin_failed = False  # its failed rejoins were logged once (WARNING) this time
 
     def fail(self, exc: EngineError) -> None:
         self.failed += 1
@@ -122,8 +125,13 @@ class PoolMembershipMixin:
         self._changed = trio.Event()
 
     def _mark_down(self, slot: _Slot, reason: BaseException) -> None:
+        """The one WARNING of an engine going down; what follows while it is down is DEBUG."""
         if slot.healthy:
-            logger.warning("engine %s marked down: %s", slot.engine.url, reason)
+            serving = sum(s.healthy for s in self._slots) - 1
+            logger.warning("engine %s marked down (%d of %d engines serve; it is given the "
+                           "current weights when it answers again): %s", slot.engine.url,
+                           serving, len(self._slots), reason)  # fmt: skip
+            slot.down_reason = f"{type(reason).__name__}: {str(reason)[:200]}"
             slot.healthy = False
             _set_known_down(slot.engine, True)
             self._notify()
@@ -204,15 +212,19 @@ class PoolMembershipMixin:
                     if now == (expected, lora):
                         break
                     expected, lora = now
-            logger.info("engine %s is back%s", engine.url,
-                        f" and serves weights {expected[1]}" if expected else "")  # fmt: skip
             _set_known_down(engine, False)  # weight syncs reach it again
-            slot.healthy = True
+            slot.healthy = True  # the one WARNING of its return (the pair of the mark-down's)
+            logger.warning("engine %s is back%s (%d of %d engines serve)", engine.url,
+                           f" and serves weights {expected[1]}" if expected else "",
+                           sum(s.healthy for s in self._slots), len(self._slots))  # fmt: skip
             slot.rejoined += 1
+            slot.down_reason, slot.rejoin_failed = None, False
             self._notify()
         except (EngineError, trio.TooSlowError) as exc:
-            logger.warning("engine %s answers but could not be given the weights: %s",
-                           engine.url, exc)  # fmt: skip
+            level = logging.DEBUG if slot.rejoin_failed else logging.WARNING  # once per outage
+            slot.rejoin_failed = True
+            logger.log(level, "engine %s answers but could not be given the weights: %s",
+                       engine.url, exc)  # fmt: skip
         finally:
             slot.rejoining = False
 

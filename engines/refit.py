@@ -13,7 +13,8 @@ One update (per engine, all at once, the engines already paused): flush the pref
 without the route, 404, updates without the session, as before 0.5.23) → for each bucket
 `/update_weights_from_distributed` (names, dtypes, shapes; `flattened_bucket`) while the
 trainer broadcasts that bucket's bytes → the last bucket carries `weight_version` →
-`/end_weight_update` → `/model_info` must report the version. The engines are left paused:
+`/end_weight_update` (the local engine loads the staged buckets there, all at once:
+engines/local/refit_session.py) → `/model_info` must report the version. The engines are left paused:
 the caller resumes them, or first gives them the weights from disk if the broadcast failed.
 
 Faults, bounded everywhere: every broadcast and the rendezvous are under the group's gloo

@@ -42,6 +42,15 @@ from .types import EngineUnavailableError, WeightSyncError
 
 logger = logging.getLogger("engines.weight_sync")  # the sync's one logger name, as before
 
+KNOWN_DOWN = "known down by the pool (not tried)"
+
+
+def down_level(reason: str) -> int:
+    """DEBUG for an engine the pool knows is down (it said so once, as a WARNING); WARNING for
+    one this sync found down itself."""
+    return logging.DEBUG if reason.startswith(KNOWN_DOWN) else logging.WARNING
+
+
 _RETRY_S = 1.0  # how often a sync whose engines are all down tries them again
 
 
@@ -149,7 +158,7 @@ async def raise_failures(what: str, n_engines: int, down: dict[str, str],
     """
     await trio.lowlevel.checkpoint_if_cancelled()
     for url, reason in down.items():
-        logger.warning("%s skipped %s, which is down: %s", what, url, reason)
+        logger.log(down_level(reason), "%s skipped %s, which is down: %s", what, url, reason)
     if required and len(down) == n_engines and not failures:
         failures = {url: [f"down: {reason}"] for url, reason in down.items()}
     if failures:

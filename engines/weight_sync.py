@@ -58,8 +58,15 @@ from plumbing.errors import EngineError
 
 from .lora import LoraAdapterError
 from .pause_renewal import renewing_pauses
+from .sync_steps import (
+    KNOWN_DOWN,
+    down_level,
+    give_up,
+    update_bound_s,
+    wait_until_one_back,
+    weights_gb,
+)
 from .sync_steps import flush as _flush
-from .sync_steps import give_up, update_bound_s, wait_until_one_back, weights_gb
 from .sync_steps import raise_failures as _raise_failures
 from .sync_steps import resume_noting as _resume_noting
 from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
@@ -114,7 +121,7 @@ async def sync_weights_to_engines(
         if hasattr(engine, "expected_weights"):
             engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
         if skip_known_down and getattr(engine, "known_down", False):  # given them on rejoin
-            down[engine.url] = "known down by the pool (not tried)"
+            down[engine.url] = KNOWN_DOWN
             return
         try:
             if not is_paused:
@@ -182,7 +189,7 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
 
     async def pause_one(engine: InferenceEngine) -> None:
         if getattr(engine, "known_down", False):  # the sync that follows skips it too
-            down[engine.url] = "known down by the pool (not tried)"
+            down[engine.url] = KNOWN_DOWN
             return
         try:
             await engine.pause(pause_mode)
@@ -198,7 +205,8 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
         for engine in engines:
             nursery.start_soon(pause_one, engine)
     for url, reason in down.items():
-        logger.warning("not pausing %s for a weight sync: it is down (%s)", url, reason)
+        logger.log(down_level(reason), "not pausing %s for a weight sync: it is down (%s)", url,
+                   reason)  # fmt: skip
     if len(down) == len(engines) and wait_s <= 0:
         failures.update(down)
     if not failures:
@@ -306,7 +314,7 @@ async def sync_lora_to_engines(
         engine.expected_weights = (previous[0] if previous else None, weight_version)
         engine.expected_lora = (lora_name, path)
         if skip_known_down and getattr(engine, "known_down", False):
-            down[engine.url] = "known down by the pool (not tried)"
+            down[engine.url] = KNOWN_DOWN
             engine.active_lora = lora_name  # it is given the adapter on rejoin
             return
         try:

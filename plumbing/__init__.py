@@ -11,4 +11,6 @@ or httpx; keep it small: only what every package needs goes here.
 - `nursery`: `open_nursery()`, a trio nursery that raises a lone error as itself.
 - `threads`: OpenMP spin settings applied on import, before torch loads.
 - `gc_pause`: `gc_paused()`, the cyclic collector off while imports or a load build live objects.
+- `model_paths`: `resolve_model_dir()`, what a model path means (model, run, checkpoints or
+  checkpoint directory) for every command and the engines, which cannot import `training`.
 """

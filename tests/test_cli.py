@@ -127,9 +127,14 @@ def test_truncated_samples_are_named_with_the_key_that_raises_the_limit(tmp_path
     proc = rollouts(*sft_args(tiny_model_dir, tmp_path, "--data", str(data), "--max-steps", "1",
                               "data.max_seq_len=64", "train.batch_size=4"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    warning = next(line for line in proc.stderr.splitlines() if "WARNING" in line)
-    assert "10 of 20 samples (50%)" in warning and "data.max_seq_len=64" in warning
-    assert f"{data}:1, {data}:3, {data}:5" in warning and "raise data.max_seq_len" in warning
+    [warning] = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert "10 of 20 records were cut or dropped" in warning and "limit 64: cut by" in warning
+    assert f"{data}:1 (tokens" in warning and f"; {data}:3 (tokens" in warning
+    assert "and 5 more" in warning and "raise data.max_seq_len" in warning
+    report = [
+        json.loads(r) for r in (tmp_path / "out" / "data_report.jsonl").read_text().splitlines()
+    ]
+    assert [r["source"] for r in report] == [f"{data}:{k}" for k in range(1, 20, 2)]
 
 
 def test_a_fresh_run_into_an_earlier_runs_directory_is_refused(tmp_path, tiny_model_dir):
@@ -271,3 +276,77 @@ def test_help_and_config_errors_answer_without_loading_torch(tmp_path):
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_overrides_after_flags_are_read_as_overrides(capsys):
+    # issue 42's user wrote `... --output-dir runs/x engines.n_local=2`: argparse refused the
+    # trailing overrides ("unrecognized arguments") because others came before the flags
+    from training.recipes.cli import main
+
+    for cmd in ("sft", "rl"):
+        code = main([cmd, "optim.lr=1e-4", "--max-steps", "2", "--output-dir", "x", "optim.lrr=1"])
+        err = capsys.readouterr().err
+        assert code == 2 and "unrecognized arguments" not in err, err
+        assert "unknown key 'optim.lrr'" in err and "did you mean 'optim.lr'" in err, err
+
+
+# ----- launchers: plain python, torchrun, and `accelerate launch --multi_gpu` (recipes/launcher.py)
+
+# What accelerate 1.15's launchers put in a process's environment (printed from a real
+# `accelerate launch`): its one-process launcher sets MASTER_ADDR/PORT but no RANK/WORLD_SIZE;
+# `--multi_gpu` goes through torch.distributed.run and sets torchrun's variables.
+ACCELERATE_ONE_PROCESS = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO",
+                          "ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": "29500"}  # fmt: skip
+ACCELERATE_MULTI_GPU_RANK_1 = {"ACCELERATE_MIXED_PRECISION": "no",
+                               "ACCELERATE_DYNAMO_BACKEND": "NO", "RANK": "1", "LOCAL_RANK": "1",
+                               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+                               "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}  # fmt: skip
+
+
+def test_accelerate_multi_gpu_is_a_torchrun_job_and_other_accelerate_launches_name_torchrun():
+    from plumbing.errors import ConfigError
+    from training.recipes.launcher import check_launcher
+
+    argv = ["examples/run_sft.py", "--config", "configs/sft_tiny.yaml", "optim.lr=1e-4"]
+    check_launcher({}, argv)  # plain python
+    check_launcher({k: v for k, v in ACCELERATE_MULTI_GPU_RANK_1.items()
+                    if not k.startswith("ACCELERATE")}, argv)  # torchrun  # fmt: skip
+    check_launcher(ACCELERATE_MULTI_GPU_RANK_1, argv)  # accelerate launch --multi_gpu
+    with pytest.raises(ConfigError) as one:
+        check_launcher(ACCELERATE_ONE_PROCESS, argv)
+    assert "RANK, LOCAL_RANK, WORLD_SIZE unset" in str(one.value)
+    assert ("`torchrun --standalone --nproc_per_node N examples/run_sft.py --config "
+            "configs/sft_tiny.yaml optim.lr=1e-4`") in str(one.value)  # fmt: skip
+    bf16 = {**ACCELERATE_MULTI_GPU_RANK_1, "ACCELERATE_MIXED_PRECISION": "bf16"}
+    with pytest.raises(ConfigError, match=r"--mixed_precision bf16 \(rollouts reads model.dtype"
+                                          r".*`torchrun --standalone --nproc_per_node 2 "
+                                          r"--no-python rollouts sft --max-steps 3`"):  # fmt: skip
+        check_launcher(bf16, ["/venv/bin/rollouts", "sft", "--max-steps", "3"])
+    nodes = {**ACCELERATE_MULTI_GPU_RANK_1, "ACCELERATE_USE_DEEPSPEED": "true",
+             "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1"}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"DeepSpeed .*`torchrun --nnodes 2 --node_rank 1 "
+                                          r"--master_addr 10.0.0.1 --master_port 29500 "
+                                          r"--nproc_per_node 2 examples/run_sft.py"):  # fmt: skip
+        check_launcher(nodes, argv)
+
+
+def test_accelerate_launch_of_one_process_exits_2_naming_the_torchrun_command(tmp_path):
+    # The real launcher: `--num_processes 2` without --multi_gpu (always so on a machine
+    # without GPUs) started ONE process, which used to train alone without a word.
+    accelerate = Path(sys.executable).with_name("accelerate")  # peft's dependency
+    assert accelerate.is_file(), "accelerate (a dependency of peft) is not installed"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}  # no accelerate config file of yours
+    proc = warm_python.run([accelerate, "launch", "--num_processes", "2", "--cpu",
+                            "--num_machines", "1", "--mixed_precision", "no",
+                            "--dynamo_backend", "no", ROOT / "examples" / "run_sft.py",
+                            "--max-steps", "3", "optim.lr=1e-4"], cwd=tmp_path, env=env,
+                           timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    script = ROOT / "examples" / "run_sft.py"
+    assert (f"`torchrun --standalone --nproc_per_node N {script} --max-steps 3 optim.lr=1e-4`"
+            in errors[0]), errors[0]  # fmt: skip
+    assert not (tmp_path / "runs").exists()  # refused before anything was written

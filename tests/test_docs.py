@@ -23,6 +23,8 @@ writer follows, all enforced here:
   (`rollouts sft|rl`, `examples/run_*.py`) with `--config configs/X.yaml` must load with X.
 - A ```yaml block must validate as an RL or an SFT run config (fragments are fine: every field
   has a default), so a documented key cannot be misspelt; a ```json block is JSON lines.
+  A ```yml block is a config of another framework (docs/from-trl.md's TRL recipe): not checked
+  here, but by the page's own tests below.
 """
 
 from __future__ import annotations
@@ -276,3 +278,55 @@ def test_relative_links_point_at_files() -> None:
             if not (path.parent / target).exists():
                 problems.append(f"{path.relative_to(ROOT)}: link to {target} does not exist")
     assert not problems, "\n".join(problems)
+
+
+# ----- docs/from-trl.md: the same mapping as the code's, and what a TRL config is told ----------
+
+FROM_TRL = ROOT / "docs" / "from-trl.md"
+
+
+def from_trl_doc_tables() -> dict[str, list[tuple[str, tuple[str, ...], str]]]:
+    """The page's tables: TRL class (its `### Name` heading) -> (TRL key, rollouts keys, how)."""
+    tables: dict[str, list[tuple[str, tuple[str, ...], str]]] = {}
+    current = None
+    for line in FROM_TRL.read_text(encoding="utf-8").splitlines():
+        heading = re.match(r"^###\s+(\w+)", line)
+        if heading:
+            current = tables.setdefault(heading.group(1), [])
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if current is None or not line.startswith("| `") or len(cells) != 3:
+            continue
+        ours = tuple(re.findall(r"`([^`]+)`", cells[1]))
+        current.append((cells[0].strip("`"), ours, cells[2]))
+    return tables
+
+
+def test_from_trl_tables_list_the_same_pairs_as_the_code_table() -> None:
+    from training.trl_names import TRL_TABLES
+
+    doc = from_trl_doc_tables()
+    code = {t: [(e.trl, e.ours, e.note) for e in entries] for t, entries in TRL_TABLES.items()}
+    assert sorted(doc) == sorted(code)
+    for table in code:
+        assert doc[table] == code[table], table
+
+
+def test_from_trl_example_gets_the_rollouts_name_of_every_key(tmp_path: Path) -> None:
+    from plumbing.errors import ConfigError
+    from training import RLRunConfig, load_config
+
+    (trl,) = blocks("yml", [FROM_TRL])
+    path = tmp_path / "grpo.yaml"
+    path.write_text(trl.text, encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        load_config(RLRunConfig, path)
+    lines = [line.strip() for line in str(err.value).splitlines()[1:]]
+    keys = [line.split(":")[0] for line in trl.text.splitlines() if line and line[0] != " "]
+    assert len(lines) == len(keys) - 1  # output_dir is a rollouts key too
+    hints = ("rollouts calls it", "has no rollouts equivalent")
+    assert all(any(h in line for h in hints) for line in lines), "\n".join(lines)
+    # the output the page shows is the output a reader gets
+    shown = next(b for b in blocks("text", [FROM_TRL]) if "unknown key" in b.text)
+    for line in shown.text.splitlines()[1:]:
+        assert line.strip().replace("grpo.yaml", str(path), 1) in lines, line

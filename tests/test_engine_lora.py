@@ -222,6 +222,18 @@ async def test_base_weight_update_keeps_adapters_applied_on_the_new_base(
     assert_matches(base, greedy(peft_reference(tiny_model_dir_seed1, None), PROMPTS[0], 10))
 
 
+async def test_an_adapter_reloaded_under_the_same_name_reuses_no_kv_of_the_old_one(
+    lora_engine, adapters, references
+):
+    _, engine = lora_engine
+    await engine.load_lora_adapter("x", adapters["a1"])
+    assert_matches(await engine.generate(PROMPTS[0], GREEDY, lora_path="x"), references["a1", 0])
+    # its finished row is still in the batch (it leaves at the next step): written back there
+    await engine.unload_lora_adapter("x")
+    await engine.load_lora_adapter("x", adapters["a2"])
+    assert_matches(await engine.generate(PROMPTS[0], GREEDY, lora_path="x"), references["a2", 0])
+
+
 async def test_max_loras_per_batch_bounds_the_adapters_running_together(
     tiny_model_dir, adapters, references
 ):

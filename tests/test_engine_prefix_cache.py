@@ -144,16 +144,84 @@ def test_the_cache_evicts_least_recently_used_leaves_past_its_token_budget():
         ]
 
     cache = PrefixCache(max_tokens=30)
+    base = cache.namespace(None, None)
     shared = list(range(10))
-    cache.insert((None, None), shared + [1] * 10, kv(20))
-    cache.insert((None, None), shared + [2] * 10, kv(20))  # splits the edge after 10 tokens
+    cache.insert(base, shared + [1] * 10, kv(20))
+    cache.insert(base, shared + [2] * 10, kv(20))  # splits the edge after 10 tokens
     assert cache.total_tokens == 30
-    assert cache.match((None, None), shared + [1] * 10, 100)[0] == 20  # touch the first branch
-    cache.insert((None, None), [7] * 5, kv(5))  # over budget: the [2]-branch is the LRU leaf
+    assert cache.match(base, shared + [1] * 10, 100)[0] == 20  # touch the first branch
+    cache.insert(base, [7] * 5, kv(5))  # over budget: the [2]-branch is the LRU leaf
     assert cache.total_tokens == 25
-    assert cache.match((None, None), shared + [2] * 10, 100)[0] == 10
-    length, got = cache.match((None, None), shared + [1] * 3, 12)
+    assert cache.match(base, shared + [2] * 10, 100)[0] == 10
+    length, got = cache.match(base, shared + [1] * 3, 12)
     assert length == 12 and got is not None and tuple(got[0][0].shape) == (1, 2, 12, 4)
-    assert cache.match(("k", None), shared, 100) == (0, None)
+    assert cache.match(cache.namespace("k", None), shared, 100) == (0, None)
     cache.clear()
-    assert cache.total_tokens == 0 and cache.match((None, None), shared, 100) == (0, None)
+    assert cache.total_tokens == 0 and cache.match(base, shared, 100) == (0, None)
+
+
+def _greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """HF's greedy continuation of `prompt` and its logprobs: what a fresh engine answers."""
+    ids: list[int] = []
+    for _ in range(n):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([prompt + ids])).logits[0, -1].argmax()))
+    return ids, teacher_forced(model, prompt, ids)
+
+
+async def test_after_an_in_place_sync_a_request_queued_before_the_pause_reuses_no_old_kv(
+    tiny_model_dir, tiny_model_dir_seed1, tiny_hf_model_seed1
+):
+    from engines import SGLangEngine
+    from engines.local import open_local_engine
+
+    # one running request at a time, so the second one waits in the engine's queue
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1, max_running_requests=1) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):
+        await engine.generate(PROMPT, GREEDY)  # PROMPT cached under the client's namespace
+        results = []
+        async with trio.open_nursery() as nursery:
+            long = {"max_new_tokens": 150, "ignore_eos": True}
+            nursery.start_soon(engine.generate, [1, 2], long)
+            await wait_for(lambda: _running(server))
+
+            async def queued() -> None:
+                results.append(await engine.generate(PROMPT, GREEDY))
+
+            nursery.start_soon(queued)  # carries the namespace of before the pause
+            await wait_for(lambda: _queued(server, PROMPT))
+            with trio.fail_after(60):
+                await sync_weights_to_engines([engine], tiny_model_dir_seed1, "v1",
+                                              pause_mode="in_place")  # fmt: skip
+    (result,) = results
+    assert result.weight_version == "v1"
+    want_ids, want = _greedy_reference(tiny_hf_model_seed1, PROMPT, 6)
+    assert list(result.output_ids) == want_ids
+    assert _close(list(result.output_logprobs), want), (result.output_logprobs, want)
+
+
+async def _queued(server, prompt: list[int]) -> bool:
+    return any(s.item.input_ids == prompt for s in server.state.scheduler.waiting)
+
+
+async def test_after_an_in_place_sync_requests_without_extra_key_reuse_no_old_kv(
+    local_engine, tiny_model_dir_seed1, tiny_hf_model_seed1
+):
+    server, engine = local_engine
+    completion = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                  "logprobs": 0}  # fmt: skip
+    async with httpx.AsyncClient(base_url=server.url) as http:  # no extra_key: curl, OpenAI
+        await _generate(http, PROMPT)  # cached under no key, old weights
+        assert (await http.post("/v1/completions", json=completion)).status_code == 200
+        await _sync_with_a_request_in_flight(server, engine, tiny_model_dir_seed1, "in_place")
+        native = await _generate(http, PROMPT)
+        response = await http.post("/v1/completions", json=completion)
+    assert response.status_code == 200, response.text
+    openai = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    want_ids, want = _greedy_reference(tiny_hf_model_seed1, PROMPT, 6)
+    assert native["meta_info"]["weight_version"] == "v1"
+    assert native["output_ids"] == want_ids
+    assert _close(_output_logprobs(native), want), (_output_logprobs(native), want)
+    assert _close(openai, want), (openai, want)

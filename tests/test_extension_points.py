@@ -214,3 +214,87 @@ async def test_recipe_passes_its_extensions_and_dumps_rollouts_when_configured(
         assert sample.reward_components == pytest.approx(
             {"task": sample.index_in_group, "length": length}
         )
+
+
+# ----- `module:function` references: where their modules are found -----------------------------
+
+
+def write_module(folder, name: str, answer: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(f"def reverse_reward(sample):\n    return {answer!r}\n")
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch):
+    """sys.path restored after the test, and the test's modules forgotten (names it yields)."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    names: list[str] = []
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def test_a_reward_module_in_the_cwd_or_beside_the_config_resolves_without_pythonpath(
+    tmp_path, monkeypatch, isolated_imports
+):
+    import sys
+
+    from training.recipes.callables import resolve_callable
+
+    work, conf = tmp_path.resolve() / "work", tmp_path.resolve() / "conf"
+    write_module(conf, "conf_only_reward", "conf")
+    write_module(work, "cwd_only_reward", "cwd")
+    write_module(conf, "both_reward", "conf")
+    write_module(work, "both_reward", "cwd")
+    isolated_imports += ["conf_only_reward", "cwd_only_reward", "both_reward"]
+    monkeypatch.chdir(work)
+    before = list(sys.path)
+    assert resolve_callable("conf_only_reward:reverse_reward", config_dir=conf)(None) == "conf"
+    assert resolve_callable("cwd_only_reward:reverse_reward")(None) == "cwd"
+    assert resolve_callable("both_reward:reverse_reward", config_dir=conf)(None) == "cwd"
+    # only the folders that held a module were added to the import path
+    assert sorted(set(sys.path) - set(before)) == sorted({str(conf), str(work)})
+
+
+def test_an_unresolved_reference_says_where_it_looked_and_how_to_fix_it(
+    tmp_path, monkeypatch, isolated_imports
+):
+    import sys
+
+    from plumbing.errors import ConfigError
+    from training.recipes.callables import resolve_callable
+
+    work, conf = tmp_path.resolve() / "work", tmp_path.resolve() / "conf"
+    work.mkdir()
+    conf.mkdir()
+    monkeypatch.chdir(work)
+    before = list(sys.path)
+    with pytest.raises(ConfigError) as err:
+        resolve_callable("myreward:reverse_reward", config_dir=conf)
+    assert f"the working directory ({work}) or config file's directory ({conf})" in str(err.value)
+    assert ("put myreward.py in the working directory or next to the config, or add its folder "
+            "to PYTHONPATH") in str(err.value)  # fmt: skip
+    assert sys.path == before  # nothing added where nothing was found
+    write_module(conf, "myreward", "conf")
+    isolated_imports.append("myreward")
+    with pytest.raises(ConfigError, match=r"module myreward \(.*conf/myreward.py\) has no 'nope'"):
+        resolve_callable("myreward:nope", config_dir=conf)
+
+
+def test_rollouts_rl_finds_a_reward_module_beside_its_config_from_another_cwd(
+    tmp_path, tiny_model_dir
+):
+    from tests.test_cli import assert_error_only, rollouts
+
+    work, conf = tmp_path / "work", tmp_path / "conf"
+    work.mkdir()
+    conf.mkdir()
+    (conf / "cfgreward.py").write_text("print('imported cfgreward beside the config')\n")
+    config = conf / "rl.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nmodel:\n  path: {tiny_model_dir}\n"
+                      "reward:\n  fn: cfgreward:reverse_reward\n")  # fmt: skip
+    proc = rollouts("rl", "--config", str(config), cwd=work)
+    assert "imported cfgreward beside the config" in proc.stdout
+    assert_error_only(proc, f"module cfgreward ({conf / 'cfgreward.py'}) has no 'reverse_reward'")

@@ -9,7 +9,9 @@ naming the field.
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,6 +96,28 @@ async def test_checkpoint_adapter_loads_in_peft_with_the_trained_logits(
     for name, p in loaded.named_parameters():  # the base stayed the base
         if "lora_" not in name:
             assert torch.equal(p, base_params[name]), name
+
+
+async def test_an_adapter_trained_from_a_relative_path_loads_by_itself_from_another_cwd(
+    tiny_model_dir, tmp_path, samples, monkeypatch
+):
+    """`AutoPeftModelForCausalLM.from_pretrained(adapter_dir)` reads the base model from the
+    adapter's `base_model_name_or_path`: a relative one (the path as typed) sent peft to the
+    hub from any other directory ("couldn't connect")."""
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(tiny_model_dir.parent)
+    with lora_backend(Path(tiny_model_dir.name), tmp_path) as backend:  # as a user types it
+        await train(backend, samples, 2)
+        path = await backend.save_checkpoint(2, {})
+        trained = logits_of(backend.model, samples)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    saved = json.loads((path / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+    loaded = AutoPeftModelForCausalLM.from_pretrained(path)
+    torch.testing.assert_close(logits_of(loaded, samples), trained, rtol=0, atol=1e-5)
 
 
 async def test_merged_export_computes_the_adapter_models_logits(tiny_model_dir, tmp_path, samples):

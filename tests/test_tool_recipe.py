@@ -59,6 +59,7 @@ async def test_the_sft_checkpoint_is_reused_only_if_made_with_the_same_config_an
     extra = {"config": saved, "data_sha256": fingerprint}
     state = {"step": 5, "weight_version": 5, "metrics": {}, "extra": extra}
     (step / "trainer_state.json").write_text(json.dumps(state))
+    (step / "config.json").write_text("{}")  # its HF export, as every checkpoint has one
     (tmp_path / "sft.yaml").write_text(config_to_yaml(sft))
     rl = load_config(RLRunConfig, None, [f"sft_config={tmp_path / 'sft.yaml'}"])
     assert await resolve_start_model(rl) == str(step)

@@ -7,14 +7,20 @@ is logged at start and saved with every checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from plumbing.errors import ConfigError
 from rollouts.config import Strict
+from training.config_hints import locate, trl_hint, unknown_key_hint
+from training.logging_config import LoggingConfig as LoggingConfig
+from training.logging_config import TensorBoardSettings as TensorBoardSettings
+from training.logging_config import WandbSettings as WandbSettings
+from training.trl_names import SFT_TABLES
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -156,6 +162,8 @@ class DataConfig(TaskDataSource):
         ge=8,
         description=f"tokens per packed row; null: max({DEFAULT_PACK_LENGTH}, max_seq_len)",
     )
+    report_path: str | None = Field(None, description="JSONL: every record cut or dropped; "
+                                    "null: <output_dir>/data_report.jsonl")  # fmt: skip
 
 
 class OptimConfig(Strict):
@@ -232,8 +240,11 @@ class BackendConfig(Strict):
 
 
 class SFTLoopConfig(Strict):
+    """How long SFT trains (`max_steps` or `epochs`, not both: see docs/sft.md), evaluates, saves."""
+
     batch_size: int = Field(32, ge=1, description="samples per optimizer step")
-    max_steps: int = Field(400, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; null: from epochs")
+    epochs: float | None = Field(None, gt=0, description="passes over the records; null: 3")
     max_wall_s: float | None = Field(
         None,
         gt=0,
@@ -241,52 +252,27 @@ class SFTLoopConfig(Strict):
         "this call's training (a time-matched baseline); evaluated and saved like the last step",
     )
     log_every: int = Field(1, ge=1, description="a console line every this many steps")
-    eval_every: int = Field(100, ge=1)
+    eval_every: int | None = Field(None, ge=1, description="null: 10 evals in a run")
     eval_samples: int = Field(256, ge=0, description="held-out samples for eval loss")
     greedy_eval_samples: int = Field(500, ge=0, description="held-out prompts for accuracy")
     checkpoint_every: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
+    keep_best: bool = Field(False, description="checkpoints/best: the lowest eval loss's step")
     resume: Literal["auto", "never"] = "auto"
 
-
-class WandbSettings(Strict):
-    """A Weights & Biases run for the metrics (`pip install 'rollouts[wandb]'`).
-
-    ```yaml
-    logging:
-      wandb: {project: my-project}   # or: logging.wandb.project=my-project
-    ```
-    """
-
-    project: str = Field(min_length=1)
-    entity: str | None = None
-    name: str | None = Field(None, description="run name; None: wandb picks one")
-    group: str | None = None
-    tags: list[str] = []
-    mode: Literal["online", "offline", "disabled"] = "online"
-    dir: str | None = Field(None, description="where wandb writes its files; None: output_dir")
-
-
-class TensorBoardSettings(Strict):
-    """TensorBoard scalars for the metrics (`pip install 'rollouts[tensorboard]'`)."""
-
-    dir: str | None = Field(None, description="event files; None: <output_dir>/tensorboard")
-
-
-class LoggingConfig(Strict):
-    """Where a run's metrics go besides metrics.jsonl and the console; a section turns one on.
-
-    ```yaml
-    logging:
-      tensorboard: {}                # or on the command line: logging.tensorboard={}
-    ```
-    """
-
-    wandb: WandbSettings | None = None
-    tensorboard: TensorBoardSettings | None = None
+    @model_validator(mode="after")
+    def _one_length(self) -> SFTLoopConfig:
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"train.max_steps={self.max_steps} and train.epochs={self.epochs:g} both set "
+                "the run's length: give one and set the other to null (on the command line, "
+                "--max-steps or --epochs replaces the other)"
+            )
+        return self
 
 
 class SFTRunConfig(Strict):
+    trl_tables: ClassVar[tuple[str, ...]] = SFT_TABLES  # TRL names an unknown key is matched to
     output_dir: str = "runs/sft"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -330,23 +316,31 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _format_validation_error(err: ValidationError, source: str, cls: type[BaseModel],
+                             path: Path | None, overrides: Sequence[str]) -> str:  # fmt: skip
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        where = locate(key, path, overrides) or source
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key {key!r}")
+            lines.append(f"{where}: unknown key {key!r}{unknown_key_hint(key, cls)}")
         else:
-            lines.append(f"{source}: {key}: {e['msg']} (got {e.get('input')!r})")
+            hint = trl_hint(key, cls)
+            lines.append(f"{where}: {key}: {e['msg']} (got {e.get('input')!r}){hint}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def build_config(cls: type[C], data: dict[str, Any], *, source: str = "<config>") -> C:
-    """Validate a plain dict into `cls`, turning pydantic errors into ConfigError naming keys."""
+def build_config(cls: type[C], data: dict[str, Any], *, source: str = "<config>",
+                 path: Path | None = None, overrides: Sequence[str] = ()) -> C:  # fmt: skip
+    """Validate a plain dict into `cls`, turning pydantic errors into ConfigError naming keys.
+
+    `path` and `overrides`, where `data` came from them, let the error say `file:line` or the
+    override that set a bad key (training/config_hints.py).
+    """
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, cls, path, overrides)) from None
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
@@ -357,8 +351,8 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     """
     data: dict[str, Any] = {}
     source = "<defaults>"
-    if path is not None:
-        p = Path(path)
+    p = None if path is None else Path(path)
+    if p is not None:
         source = str(p)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
@@ -372,7 +366,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     if overrides:
         data = apply_overrides(data, list(overrides))
         source = f"{source} + overrides"
-    return build_config(cls, data, source=source)
+    return build_config(cls, data, source=source, path=p, overrides=list(overrides))
 
 
 def config_to_yaml(config: BaseModel) -> str:

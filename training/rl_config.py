@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,6 +14,7 @@ from training.config import (
     OptimConfig,
     TaskDataSource,
 )
+from training.trl_names import RL_TABLES
 
 
 class RLDataConfig(TaskDataSource):
@@ -218,6 +219,11 @@ class RLLoopConfig(Strict):
     max_steps: int = Field(50, ge=1)
     sync_every: int = Field(1, ge=1)
     log_every: int = Field(1, ge=1)
+    sample_every: int = Field(
+        10, ge=0,
+        description="log one sample's prompt, response and reward at the run's first step and "
+        "every this many steps (0: never), so a person sees what the model writes",
+    )  # fmt: skip
     eval_every: int = Field(10, ge=1)
     eval_samples: int = Field(300, ge=0, description="held-out prompts for greedy accuracy")
     eval_max_new_tokens: int = Field(16, ge=1)
@@ -249,6 +255,7 @@ class RLLoopConfig(Strict):
 
 
 class RLRunConfig(Strict):
+    trl_tables: ClassVar[tuple[str, ...]] = RL_TABLES  # TRL names an unknown key is matched to
     output_dir: str = "runs/rl"
     sft_config: str | None = Field(
         "configs/sft_tiny.yaml",

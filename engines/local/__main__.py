@@ -9,6 +9,9 @@ import sys
 
 import trio
 
+from plumbing.errors import ModelLoadError
+from plumbing.model_paths import resolve_model_dir
+
 from .server import serve
 from .state import LocalEngineConfig
 
@@ -18,7 +21,12 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
         prog=prog,
         description="A CPU inference server speaking SGLang's HTTP protocol (HF transformers).",
     )
-    parser.add_argument("--model-path", "--model", required=True, help="HF model directory")
+    parser.add_argument(
+        "--model-path",
+        "--model",
+        required=True,
+        help="HF model, run, checkpoints or checkpoint directory",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -137,8 +145,13 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local"
     # Half the cores: the event loop, tokenizer and HTTP need the rest, and oversubscribed
     # OpenMP threads collapse throughput on a shared machine (see the module docs).
     threads = args.num_threads or max(1, (os.cpu_count() or 2) // 2)
+    try:  # a run, checkpoints or checkpoint directory serves its latest HF model
+        model_path = resolve_model_dir(args.model_path, what="--model-path")
+    except ModelLoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     config = LocalEngineConfig(
-        model_path=args.model_path,
+        model_path=model_path,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

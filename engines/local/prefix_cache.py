@@ -2,9 +2,11 @@
 
 What it holds: the KV (one (keys, values) pair per layer, `[kv_heads, tokens, head_dim]`) of
 token sequences the engine prefilled or finished, in one radix tree per namespace. The
-namespace is `(extra_key, lora_name)`: SGLang keys its tree by `GenerateReqInput.extra_key`
-with the request's LoRA id appended (`Req.__init__`: `extra_key = (extra_key or "") + lora_id`),
-so requests of different namespaces never share KV.
+namespace is `(generation, extra_key, adapter id)`, from `namespace()`: SGLang keys its tree by
+`GenerateReqInput.extra_key` with the id of the request's LoRA load appended (`Req.__init__`:
+`extra_key = (extra_key or "") + lora_id`, a fresh id per load), so requests of different
+namespaces never share KV. The generation is the engine's own weight generation: the cache
+keys itself by it instead of trusting the client's `extra_key` to change with the weights.
 
 Contract:
 - `match(ns, tokens, limit)` returns the longest cached prefix of `tokens` (at most `limit`
@@ -13,8 +15,12 @@ Contract:
   stores clones, so a batch tensor is never kept alive by a view.
 - The budget (`--max-prefix-cache-tokens`) bounds the tokens held; past it, least recently
   used leaves are evicted first (SGLang's LRU policy). Budget 0 disables the cache.
-- `clear()` drops everything (`/flush_cache`, an update with `flush_cache: true`);
-  `drop_namespaces(lora_name)` drops every tree of an adapter (its weights changed).
+- `new_generation()` (every weight load, `/flush_cache`) drops everything and starts a new
+  weight generation; `adapter_loaded(name)` / `adapter_deleted(name)` drop an adapter's trees
+  and give each load of a name a fresh id. `insert` ignores a namespace that is no longer
+  live (an older generation, an adapter load since replaced or deleted): KV computed before
+  a weight or adapter change (a row still in the batch, written back when it leaves) is never
+  cached after it, whatever the pause mode or the request's `extra_key`.
 
 Single-threaded: only the model thread calls it (the runner owns it).
 Not covered: paged memory, sharing KV storage between the tree and running rows (KV is
@@ -30,7 +36,7 @@ from typing import Any
 
 import torch
 
-Namespace = tuple[str | None, str | None]  # (extra_key, lora_name)
+Namespace = tuple[int, str | None, str | None]  # (generation, extra_key, adapter load id)
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [kv_heads, tokens, head_dim]
 
 
@@ -53,6 +59,9 @@ class PrefixCache:
         self.total_tokens = 0
         self._roots: dict[Hashable, _Node] = {}
         self._clock = itertools.count(1)
+        self.generation = 0  # weight loads and flushes so far
+        self._adapters: dict[str, str] = {}  # loaded adapter name -> id of its current load
+        self._loads = itertools.count(1)
 
     @property
     def enabled(self) -> bool:
@@ -62,9 +71,28 @@ class PrefixCache:
         self._roots.clear()
         self.total_tokens = 0
 
-    def drop_namespaces(self, lora_name: str | None) -> None:
-        for ns in [ns for ns in self._roots if ns[1] == lora_name]:
+    def new_generation(self) -> None:
+        """The weights changed (or a flush): nothing cached so far is reused or cached again."""
+        self.clear()
+        self.generation += 1
+
+    def adapter_loaded(self, name: str) -> None:
+        """`name` now holds a new adapter load: a fresh id, the old load's trees dropped."""
+        self.adapter_deleted(name)
+        self._adapters[name] = f"{name}#{next(self._loads)}"
+
+    def adapter_deleted(self, name: str) -> None:
+        adapter = self._adapters.pop(name, None)
+        for ns in [ns for ns in self._roots if adapter is not None and ns[2] == adapter]:
             self.total_tokens -= _count(self._roots.pop(ns))
+
+    def namespace(self, extra_key: str | None, lora_name: str | None) -> Namespace:
+        """The live namespace of a request with this `extra_key` and adapter (None: base)."""
+        adapter = None if lora_name is None else self._adapters.get(lora_name, f"{lora_name}#-")
+        return (self.generation, extra_key, adapter)
+
+    def _live(self, ns: Namespace) -> bool:
+        return ns[0] == self.generation and (ns[2] is None or ns[2] in self._adapters.values())
 
     def match(self, ns: Namespace, tokens: list[int], limit: int) -> tuple[int, LayerKV | None]:
         """(matched length, its KV per layer `[1, heads, length, dim]`), or (0, None)."""
@@ -99,8 +127,8 @@ class PrefixCache:
         return pos, kv  # type: ignore[return-value]
 
     def insert(self, ns: Namespace, tokens: list[int], kv: LayerKV) -> None:
-        """Cache `tokens` with their KV (`[heads, len(tokens), dim]` per layer)."""
-        if not self.enabled or not tokens:
+        """Cache `tokens` with their KV (`[heads, len(tokens), dim]` per layer), if `ns` is live."""
+        if not self.enabled or not tokens or not self._live(ns):
             return
         now = next(self._clock)
         node = self._roots.setdefault(ns, _Node(None, (), []))

@@ -13,11 +13,15 @@ side), as SGLang 0.5.23 implements it (`http_server.py`, `io_struct.py`,
   with SGLang's messages.
 - `/update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
   abort_all_requests, weight_version, load_format}` receives the tensors rank 0 broadcasts
-  (one broadcast per tensor, or one per bucket with `load_format: "flattened_bucket"`), checks
-  every name and shape, then copies them in, between two model steps (the update rules of
-  scheduler_control.py: paused, at once; else after in-flight requests). An unknown group
-  answers 400 `Failed to receive weights: Group … not in […]`. A failed receive (the trainer
-  died, the deadline passed) loads nothing.
+  (one broadcast per tensor, or one per bucket with `load_format: "flattened_bucket"`) off the
+  model thread, and stages them. An unknown group answers 400 `Failed to receive weights:
+  Group … not in […]`.
+- Departure from SGLang (refit_session.py): the staged buckets are loaded at
+  `/end_weight_update`, all at once (every name and shape checked first, then copied between
+  two model steps under the update rules of scheduler_control.py: paused, at once; else after
+  in-flight requests), with the version a bucket carried. A failed or refused bucket, a new
+  group, the session's group destroyed, or a session idle past the group's deadline abandons
+  it: nothing loaded, version unchanged, session closed (the end that follows answers 400).
 - `/destroy_weights_update_group {group_name}` leaves the group; an unknown one answers 400
   `The group to be destroyed does not exist.`
 
@@ -33,6 +37,7 @@ from typing import Any
 import trio
 
 from .asgi import App, Request, Response, json_response, object_error
+from .refit_session import RefitSession
 from .route_helpers import as_bool, not_ready, read_body
 from .sampling_params import RequestValidationError
 from .state import EngineState
@@ -46,8 +51,8 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8
 
 def register_refit_routes(app: App, state: EngineState) -> None:
     groups: dict[str, Any] = {}
-    session = {"open": False}
     timeout_s = state.config.weight_group_timeout_s
+    session = RefitSession(timeout_s)
 
     def answer(success: bool, message: str) -> Response:
         return json_response({"success": success, "message": message}, 200 if success else 400)
@@ -75,6 +80,7 @@ def register_refit_routes(app: App, state: EngineState) -> None:
         # torch only now: importing the engine's package must not load it (`rollouts serve -h`)
         from plumbing.process_group import destroy_process_group, init_custom_process_group
 
+        session.group_formed(name)  # an update under way has lost its sender
         if name in groups:  # a restarted trainer's group of the same name: leave the old one
             await trio.to_thread.run_sync(destroy_process_group, groups.pop(name))
         logger.info("init custom process group: master_address=%s, master_port=%s, "
@@ -100,18 +106,12 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             return answer(False, "The group to be destroyed does not exist.")
         from plumbing.process_group import destroy_process_group
 
+        session.group_destroyed(name)
         try:
             await trio.to_thread.run_sync(destroy_process_group, groups.pop(name))
         except Exception as exc:
             return answer(False, f"Failed to destroy custom process group: {exc}.")
         return answer(True, "Succeeded to destroy custom process group.")
-
-    def set_session(open_: bool, refusal: str) -> Response:
-        """Open or close the weight-update session; SGLang refuses a second begin or a lone end."""
-        if session["open"] == open_:
-            return answer(False, refusal)
-        session["open"] = open_
-        return answer(True, "Success")
 
     @app.route("/begin_weight_update", methods=("POST",), admin=True)
     async def begin(request: Request) -> Response:
@@ -122,8 +122,8 @@ def register_refit_routes(app: App, state: EngineState) -> None:
                                              f"'all', got {selector!r}")  # fmt: skip
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
-        return set_session(True, "a weight-update session is already open; call "
-                                 "end_weight_update() first")  # fmt: skip
+        refusal = session.begin()
+        return answer(refusal is None, refusal or "Success")
 
     @app.route("/end_weight_update", methods=("POST",), admin=True)
     async def end(request: Request) -> Response:
@@ -131,8 +131,19 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             read_body(request)
         except RequestValidationError as exc:
             return object_error(str(exc), 400, "Bad Request")
-        return set_session(False, "no weight-update session is open; call "
-                                  "begin_weight_update() first")  # fmt: skip
+        if state.scheduler is None:
+            return not_ready()
+        finished = session.finish()
+        if isinstance(finished, str):
+            return answer(False, finished)
+        tensors, version, flush, abort_all = finished
+        if not tensors and version is None:
+            return answer(True, "Success")
+        runner = state.scheduler.runner
+        success, message = await state.scheduler.update_weights_with(
+            lambda: runner.load_tensors(tensors), version, abort_all_requests=abort_all,
+            flush_cache=flush, done="Success.")  # fmt: skip
+        return answer(success, message)
 
     @app.route("/update_weights_from_distributed", methods=("POST",), admin=True)
     async def update(request: Request) -> Response:
@@ -148,27 +159,26 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             return object_error(str(exc), 400, "Bad Request")
         if state.scheduler is None:
             return not_ready()
-        if not session["open"]:
+        if not session.open:
             return answer(False, _OUTSIDE)
         if name not in groups:
-            return answer(False, f"Failed to receive weights: Group {name} not in "
-                                 f"{list(groups)}. Please call `init_weights_update_group` "
-                                 "first.")  # fmt: skip
-        group, runner = groups[name], state.scheduler.runner
-
-        def receive_and_load() -> None:
-            from .runner import WeightLoadError  # torch-side, imported lazily
-
-            try:
-                tensors = _receive(group, names, dtypes, shapes, load_format, state.config.device)
-            except Exception as exc:  # gloo/NCCL errors: a 400, as in SGLang
-                raise WeightLoadError(f"Failed to receive weights: {exc}") from exc
-            runner.load_tensors(tensors)
-
-        success, message = await state.scheduler.update_weights_with(
-            receive_and_load, version, abort_all_requests=abort_all, flush_cache=flush,
-            done="Succeeded to update parameter online.")  # fmt: skip
-        return answer(success, message)
+            message = (f"Failed to receive weights: Group {name} not in {list(groups)}. Please "
+                       "call `init_weights_update_group` first.")  # fmt: skip
+            session.abandon(message)
+            return answer(False, message)
+        group, device = groups[name], state.config.device
+        try:
+            async with session.receiving(name) as ticket:
+                tensors = await trio.to_thread.run_sync(
+                    lambda: _receive(group, names, dtypes, shapes, load_format, device)
+                )
+                session.stage(ticket, tensors, version, flush, abort_all)
+        except Exception as exc:  # gloo/NCCL errors: a 400, as in SGLang
+            logger.warning("receiving a broadcast on %s failed: %s", name, exc)
+            return answer(False, f"Failed to receive weights: {exc}")
+        logger.info("received %d tensor(s) of a broadcast on %s (staged until "
+                    "end_weight_update)", len(tensors), name)  # fmt: skip
+        return answer(True, "Succeeded to update parameter online.")
 
 
 def _receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],

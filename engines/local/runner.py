@@ -18,13 +18,16 @@ Contract:
   replaces the base tensors and keeps the adapters.
 
 - Prefix cache (prefix_cache.py): a prefill first looks up each prompt's longest cached
-  prefix in its namespace (`extra_key`, LoRA adapter), at most SGLang's `max_prefix_len`
+  prefix in its namespace (weight generation, `extra_key`, LoRA adapter load), at most
+  SGLang's `max_prefix_len`
   (prompt length - 1, and not past `logprob_start_len` when input logprobs are asked for), and
   computes only the suffix: the batch's past KV holds each row's cached prefix, left-padded,
   and the suffixes follow, left-padded too (padding in the middle is masked, positions count
   real tokens only). The prompt's KV is inserted after its prefill, and a finished request's
-  prompt + output KV when its row leaves the batch. KV computed before a weight load is never
-  inserted after it (an epoch per load), whatever the pause mode.
+  prompt + output KV when its row leaves the batch, under the namespace of its prefill. Every
+  weight load starts a new generation of the cache (and each adapter load a new adapter id):
+  KV computed before it is neither reused nor inserted after it, whatever the pause mode and
+  whatever `extra_key` a request carries (none, or one from before the pause).
   `cached_tokens` is the matched length (SGLang's `pre_len` at the first prefill); a
   duplicate prompt prefilled in the same step reports its `max_prefix_len`, as it would once
   the first copy is in the tree.
@@ -100,8 +103,7 @@ class ModelRunner:
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
         self.prefix = PrefixCache(max_prefix_cache_tokens)
-        self._epoch = 0  # weight loads so far: KV of an older epoch is never cached
-        self._row_epoch: dict[Sequence, int] = {}
+        self._row_ns: dict[Sequence, Any] = {}  # cache namespace of each row's prefill
 
     # ----- LoRA (lora_runner.py) ------------------------------------------------------------
 
@@ -114,16 +116,15 @@ class ModelRunner:
 
     def load_lora(self, name: str, path: str) -> None:
         self.lora.load(name, path)
-        self.prefix.drop_namespaces(name)
+        self.prefix.adapter_loaded(name)
 
     def delete_lora(self, name: str) -> None:
         self.lora.delete(name)
-        self.prefix.drop_namespaces(name)
+        self.prefix.adapter_deleted(name)
 
     def flush_prefix_cache(self) -> None:
         """Drop the cache; rows still in the batch (finished, retracted) are not cached later."""
-        self.prefix.clear()
-        self._epoch += 1
+        self.prefix.new_generation()
 
     def _forward(self, seqs: Seq[Sequence], **kwargs: Any) -> Any:
         """The model on a batch whose row i belongs to seqs[i] (its LoRA adapter, if any)."""
@@ -159,7 +160,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
-        self._row_epoch.clear()
+        self._row_ns.clear()
 
     def _retain(self, keep: Seq[Sequence]) -> None:
         """Drop rows not in `keep`, then the left columns that became padding in every row."""
@@ -185,9 +186,9 @@ class ModelRunner:
 
     def _cache_finished(self, row: int, seq: Sequence) -> None:
         """Insert a finished row's prompt + output KV (not the last token: it has none yet)."""
-        epoch = self._row_epoch.pop(seq, None)
+        ns = self._row_ns.pop(seq, None)
         reason = (seq.finish_reason or {}).get("type")
-        if epoch != self._epoch or reason not in ("stop", "length") or not self.prefix.enabled:
+        if ns is None or reason not in ("stop", "length") or not self.prefix.enabled:
             return
         assert self._cache is not None and self._mask is not None
         tokens = (seq.item.input_ids + seq.output_ids)[:-1]
@@ -195,7 +196,7 @@ class ModelRunner:
         if len(cols) != len(tokens):  # not the layout this method assumes: skip, never guess
             return
         kv = [(k[row][:, cols], v[row][:, cols]) for k, v in self._kv(self._cache)]
-        self.prefix.insert(_namespace(seq), tokens, kv)
+        self.prefix.insert(ns, tokens, kv)  # not if the weights or adapter changed since
 
     def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
         if self._cache is None:
@@ -295,15 +296,15 @@ class ModelRunner:
                 seq.runner_state = torch.Generator(self.device).manual_seed(seed)
         # identical prompts for the same adapter and cache namespace are prefilled once
         unique: dict[tuple[Any, tuple[int, ...]], int] = {}
-        row_of = [unique.setdefault((_namespace(s), tuple(s.prefill_ids)), len(unique))
+        row_of = [unique.setdefault((self._namespace(s), tuple(s.prefill_ids)), len(unique))
                   for s in admit]  # fmt: skip
         row_seqs = {r: s for s, r in zip(admit, row_of, strict=True)}  # a sequence per row
         prompts = [list(ids) for _, ids in unique]
         limits = [len(p) - 1 for p in prompts]
         for s, r in zip(admit, row_of, strict=True):
             limits[r] = min(limits[r], max_prefix_len(s))
-        hits = [self.prefix.match(_namespace(row_seqs[r]), p, limits[r])
-                for r, p in enumerate(prompts)]  # fmt: skip
+        spaces = [self._namespace(row_seqs[r]) for r in range(len(prompts))]
+        hits = [self.prefix.match(spaces[r], p, limits[r]) for r, p in enumerate(prompts)]
         cache, mask, ids, past = prefill_layout(prompts, hits, self.pad_id, self.device)
         if past:
             cache = self._new_cache(cache)
@@ -323,8 +324,7 @@ class ModelRunner:
             logits_to_keep=keep_last,
         )
         logits = result.logits  # [unique, keep_last, V]
-        cache_prompts(self.prefix, [_namespace(row_seqs[r]) for r in range(len(prompts))], prompts,
-                      hits, self._kv(cache), past)  # fmt: skip
+        cache_prompts(self.prefix, spaces, prompts, hits, self._kv(cache), past)
         first_use: set[int] = set()
         for s, r in zip(admit, row_of, strict=True):
             cached = max_prefix_len(s, len(s.prefill_ids) - 1) if r in first_use else hits[r][0]
@@ -353,7 +353,7 @@ class ModelRunner:
             mask[rows][:, first:],
         )
         for s in seqs:
-            self._row_epoch[s] = self._epoch
+            self._row_ns[s] = self._namespace(s)
 
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, kept: int):
         """Entries for prompt positions start..len-1; entry 0 is None (SGLang's alignment)."""
@@ -392,8 +392,8 @@ class ModelRunner:
         check_tensors(tensors, state, complete=complete)
         for name, tensor in tensors.items():
             state[name].copy_(tensor.to(device=self.device, dtype=state[name].dtype))
-        self._epoch += 1  # KV computed so far (rows kept "in_place") is never cached from now
+        # KV computed so far (the cache, rows kept "in_place") is never reused from now
+        self.prefix.new_generation()
 
-
-def _namespace(seq: Sequence) -> tuple[str | None, str | None]:
-    return (seq.item.extra_key, seq.item.lora_name)
+    def _namespace(self, seq: Sequence) -> Any:
+        return self.prefix.namespace(seq.item.extra_key, seq.item.lora_name)

@@ -14,12 +14,14 @@ test can place one fault exactly; the seeded draws take over after it.
 
 One request per connection (`Connection: close` both ways), so a fault hits exactly one request.
 Every wait is bounded (`io_timeout_s` per read, `hang_s`); `counts` tallies each fault and each
-forwarded request. Only bodies with `Content-Length` are read (what httpx sends).
+forwarded request; `rids` lists the rid of each request drawn for, in order (an engine's request
+log). Only bodies with `Content-Length` are read (what httpx sends).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from collections import Counter
 from collections.abc import Mapping
@@ -52,6 +54,7 @@ class FaultProxy:
         self.upstream = (host, int(port))
         self.plan = plan
         self.counts: Counter[str] = Counter()
+        self.rids: list[str] = []  # of each request on `plan.paths`, as sent (a batch: each item)
         self.enabled = True
         self._rng = random.Random(plan.seed)
         self._n_drawn = 0
@@ -62,6 +65,12 @@ class FaultProxy:
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started(f"http://127.0.0.1:{port}")
+
+    def replan(self, plan: FaultPlan) -> None:
+        """Follow `plan` from the next request on: its script first, then its own seeded draws."""
+        self.plan = plan
+        self._rng = random.Random(plan.seed)
+        self._n_drawn = 0
 
     def _draw(self, path: str) -> str | None:
         if not self.enabled or path not in self.plan.paths:
@@ -86,6 +95,8 @@ class FaultProxy:
                 return
             path = head.split(b" ", 2)[1].split(b"?")[0].decode("latin-1")
             fault = self._draw(path)
+            if self.enabled and path in self.plan.paths:
+                self.rids.extend(_rids_of(body))
             self.counts[fault or "forwarded"] += 1
             if fault == "reset":
                 return
@@ -122,6 +133,14 @@ class FaultProxy:
             while chunk := await upstream.receive_some(65536):
                 chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _rids_of(body: bytes) -> list[str]:
+    try:
+        rid = json.loads(body).get("rid")
+    except (ValueError, AttributeError):
+        return []
+    return [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str)]
 
 
 async def _read_message(stream: trio.SocketStream) -> tuple[bytes, bytes]:

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plumbing.model_paths import MERGED_DIR as MERGED_DIR  # the merged model in a checkpoint
+from plumbing.model_paths import checkpoint_model_dir
 from training.backend.hf_progress import hf_progress_bars_off
 
 if TYPE_CHECKING:
     from training.config import LoraSettings
 
-MERGED_DIR = "merged"  # the merged full HF model inside a checkpoint (`merged_export: true`)
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
@@ -53,15 +54,19 @@ def wrap_with_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.M
     """`model` with fresh LoRA adapters (B = 0: the same function as `model`); base frozen.
 
     The adapter config records the base model's directory as an absolute path when it is a
-    local one, so the saved adapter names the base an engine must have been started on.
+    local one, so the saved adapter names the base an engine must have been started on and
+    `peft.AutoPeftModelForCausalLM.from_pretrained(adapter_dir)` finds it from any working
+    directory. (peft's `get_peft_model` overwrites the config's `base_model_name_or_path` with
+    the model's `name_or_path`, the path as it was given, often relative: it is set after.)
     """
     from peft import get_peft_model
 
-    config = peft_config(settings)
+    wrapped = get_peft_model(model, peft_config(settings))
     source = getattr(getattr(model, "config", None), "_name_or_path", None)
     if source and Path(source).is_dir():
-        config.base_model_name_or_path = str(Path(source).resolve())
-    return get_peft_model(model, config)
+        for config in wrapped.peft_config.values():
+            config.base_model_name_or_path = str(Path(source).resolve())
+    return wrapped
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -128,20 +133,9 @@ def save_merged(model: torch.nn.Module, out: Path, full_state: dict[str, torch.T
 
 def loadable_model_dir(checkpoint: Path) -> Path:
     """The full HF model of a checkpoint: the checkpoint itself, or its `merged/` when it
-    holds a LoRA adapter.
+    holds a LoRA adapter (`plumbing.model_paths.checkpoint_model_dir`).
 
     Raises:
         ModelLoadError: a LoRA checkpoint written without `merged_export` (names the fix).
     """
-    from plumbing.errors import ModelLoadError
-
-    if not (checkpoint / "adapter_config.json").is_file():
-        return checkpoint
-    merged = checkpoint / MERGED_DIR
-    if (merged / "config.json").is_file():
-        return merged
-    raise ModelLoadError(
-        f"{checkpoint} holds a LoRA adapter, not a full model: load it with "
-        "peft.PeftModel.from_pretrained(base, dir), or train with model.lora.merged_export=true "
-        f"to get a full model in {MERGED_DIR}/"
-    )
+    return checkpoint_model_dir(checkpoint)

@@ -11,39 +11,29 @@ import torch
 
 from plumbing.errors import ModelLoadError
 from plumbing.gc_pause import gc_paused
+from plumbing.model_paths import resolve_model_dir
 
 
 def check_model_path(path: str | Path) -> None:
-    """Fail early, naming the path, when `path` means a local directory that is not there.
+    """Fail early, naming the path and the cause, when `path` names no loadable model here.
 
-    A hub id is `name` or `namespace/name`; anything else (absolute, `./`, `~`, two or more
-    slashes, or a path that exists) is taken as a directory, so a typo says "no such
-    directory" rather than the hub client's "Repo id must be in the form ...".
+    The rule is `plumbing.model_paths.resolve_model_dir` (a model, run, checkpoints or
+    checkpoint directory, or a hub id); this is it for callers that only check.
 
     Raises:
-        ModelLoadError: the directory is missing, or is a file.
+        ModelLoadError: see `resolve_model_dir`.
     """
-    text = str(path)
-    local = (Path(text).is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
-             or Path(text).exists())  # fmt: skip
-    if not local:
-        return
-    where = Path(text).expanduser()
-    if not where.is_dir():
-        what = "is a file, not a model directory" if where.exists() else "no such directory"
-        raise ModelLoadError(
-            f"model.path (--model) {text}: {what}; give an HF model directory "
-            "(config.json, weights, tokenizer) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
-        )
+    resolve_model_dir(path)
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer of a model directory or hub id (pad token defaulted to EOS).
+    """The tokenizer of a model directory (any form `resolve_model_dir` takes) or hub id (pad
+    token defaulted to EOS).
 
     Raises:
         ModelLoadError: the path does not hold a loadable tokenizer (names the path).
     """
-    check_model_path(path)
+    path = resolve_model_dir(path)
     try:
         with gc_paused():  # transformers' import and the load: ~0.5 CPU s of collector passes
             from transformers import AutoTokenizer
@@ -57,12 +47,12 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
-    """An HF causal LM from a directory or hub id.
+    """An HF causal LM from a directory (any form `resolve_model_dir` takes) or hub id.
 
     Raises:
         ModelLoadError: the path does not hold a loadable model (names the path).
     """
-    check_model_path(path)
+    path = resolve_model_dir(path)
     try:
         with gc_paused():  # the model's code and modules: plumbing/gc_pause.py
             from transformers import AutoModelForCausalLM

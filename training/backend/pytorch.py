@@ -51,6 +51,7 @@ from training.backend.optim import (
 )
 from training.backend.persistence import StateOps
 from training.backend.rank_ops import RankOps
+from training.backend.state import Mean as Mean
 from training.backend.state import merge_metrics as merge_metrics
 from training.config import LoraSettings, OptimConfig
 from training.data.packing import sft_loss, temper_logits, token_logprobs
@@ -60,7 +61,7 @@ from training.distributed.wire import SentById
 from training.distributed.worker import issue
 
 R = TypeVar("R")
-LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float | Mean]]]
 CollateFn = Callable[[Sequence[Any]], Any]
 
 
@@ -289,8 +290,10 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         """Queue forward + backward over `samples`; gradients accumulate until `optim_step`.
 
         `loss_fn` / `loss_weight_fn` replace the backend's defaults for this call (e.g. the RL
-        loss of this step's algorithm). Loss metrics are averaged over micro-batches with the
-        same weights as the loss; keys ending in `_max` / `_min` take the maximum / minimum.
+        loss of this step's algorithm). Loss metrics merge over micro-batches and ranks by
+        `training.backend.state.merge_rule`: a `max` / `min` word takes the extreme, counts
+        (`num_*`) add, means are weighted by their own units (a `state.Mean`) or else by the
+        loss's weights, so the metrics do not depend on micro-batching or world size.
         `dropout=False` sets every dropout probability to 0 for this call (RL: the loss pass
         then computes the same logprobs as the old-policy and reference passes, which run in
         eval mode; see training/rl/step.py).

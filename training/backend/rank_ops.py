@@ -33,7 +33,6 @@ from training.backend import lora as lo
 from training.backend import model_io
 from training.backend import state as st
 from training.backend.futures import BackendError
-from training.backend.state import merge_metrics
 from training.data.packing import forward_logits, pack_balanced, prepare_sft_batch
 from training.data.prefix_sharing import split_rows_by_budget
 from training.distributed import watchdog
@@ -168,7 +167,7 @@ class RankOps:
         n_passes, total_weight = self._agree_passes(len(batches), local_weight)
         if total_weight <= 0:
             raise BackendError("forward_backward got a batch with no trained tokens")
-        merged: dict[str, float] = {}
+        sums: st.MetricSums = {}
         n_tokens = n_slots = n_trained = 0
         idle = lambda: self._idle_pass(backward=True)  # noqa: E731
         with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
@@ -176,14 +175,14 @@ class RankOps:
                 batch = batch.to(self.device)  # the loss reads it beside the logits
                 logits = forward_logits(self.model, batch)
                 loss, metrics = loss_fn(logits, batch)
-                weight = weight_fn(batch) / total_weight
-                (loss * weight).backward()
-                merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
+                weight = weight_fn(batch)
+                (loss * (weight / total_weight)).backward()
+                st.accumulate_metrics(sums, {**metrics, "loss": loss.item()}, weight)
                 n_tokens += batch.n_tokens
                 n_slots += batch.n_slots
                 n_trained += batch.n_trained_tokens
         return {
-            "weighted": merged,
+            "metric_sums": sums,
             "n_samples": len(samples),
             "n_tokens": n_tokens,
             "n_slots": n_slots,

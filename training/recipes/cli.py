@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from plumbing.errors import RolloutsError
@@ -51,10 +53,13 @@ def overrides_from_args(args: argparse.Namespace, extra: Mapping[str, Any] = {})
 
 
 def load_or_exit(config_cls: type, path: str | None, overrides: list[str]) -> Any:
-    """The validated config, or None after printing `error: ...` (then exit 2)."""
+    """The validated config, or None after printing `error: ...` (then exit 2): a bad config,
+    or a launcher the run cannot join (an `accelerate launch` that is not a torchrun job)."""
     from training.config import load_config
+    from training.recipes.launcher import check_launcher
 
     try:
+        check_launcher(os.environ, sys.argv)
         return load_config(config_cls, path, overrides)
     except RolloutsError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -83,9 +88,19 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
                         model_help="HF model directory or id (default: the tiny model)")  # fmt: skip
     parser.add_argument("--data", help="SFT JSONL (chat messages or prompt/completion)")
     parser.add_argument("--eval-data", help="held-out SFT JSONL for eval loss")
-    args = parser.parse_args(argv)
+    parser.add_argument("--epochs", type=float,
+                        help="passes over the data (replaces train.max_steps; default: 3 when "
+                        "neither is set)")  # fmt: skip
+    parser.add_argument("--data-report", help="JSONL listing every record cut or dropped "
+                        "(default: OUTPUT_DIR/data_report.jsonl)")  # fmt: skip
+    args = parser.parse_intermixed_args(argv)  # overrides may follow flags: `--max-steps 3 k=v`
+    if args.epochs is not None and args.max_steps is not None:
+        parser.error("--epochs and --max-steps both set the run's length: give one")
     _setup_logging(args)
-    data_flags = {"data.train_path": args.data, "data.eval_path": args.eval_data}
+    data_flags = {"data.train_path": args.data, "data.eval_path": args.eval_data,
+                  "data.report_path": args.data_report, "train.epochs": args.epochs}  # fmt: skip
+    if args.epochs is not None or args.max_steps is not None:  # a flag replaces the other
+        data_flags["train.max_steps" if args.epochs is not None else "train.epochs"] = "null"
     config = load_or_exit(SFTRunConfig, args.config, overrides_from_args(args, data_flags))
     if config is None:
         return EXIT_ERROR
@@ -123,7 +138,7 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     parser.add_argument("--admin-api-key", default=None,
                         help="the engines' --admin-api-key (pause, weight update, abort)")  # fmt: skip
     parser.set_defaults(config=default_config)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow flags: `--max-steps 3 k=v`
     _setup_logging(args)
     urls = json.dumps(args.engine_url) if args.engine_url else None
     engine_flags = {"engines.urls": urls, "engines.router_url": args.router_url,
@@ -135,8 +150,9 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         from training.recipes.plot import print_curve, write_reward_png
         from training.recipes.rl import RLExtensions, run_rl_recipe
 
+    config_dir = None if args.config is None else Path(args.config).parent
     code, summary = run_command(argv, config, lambda p: run_rl_recipe(
-        config, on_step=p, extensions=extensions or RLExtensions()),
+        config, on_step=p, extensions=extensions or RLExtensions(), config_dir=config_dir),
                                 overwrite=args.overwrite, prog=prog)  # fmt: skip
     if summary is None:
         return code
@@ -156,11 +172,16 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Greedy held-out accuracy of a model (or checkpoint) on prompts with answers, through a "
         "local engine launched for the purpose (or --engine-url)."))  # fmt: skip
-    parser.add_argument("--model", required=True, help="HF model or checkpoint directory")
-    parser.add_argument("--data", required=True,
-                        help='prompts JSONL: {"messages" or "prompt", "answer"} per line')  # fmt: skip
+    parser.add_argument("--model", required=True,
+                        help="HF model directory, run directory, its checkpoints/ or a checkpoint")  # fmt: skip
+    parser.add_argument("--data", required=True, help='any JSONL rollouts rl or sft reads, with '
+                        'the ground truth: {"messages" or "prompt", "answer"} per line')  # fmt: skip
     parser.add_argument("--reward", default="rollouts.tasks.arithmetic:correctness_reward",
-                        help="module:function scoring a sample (default: arithmetic exact match)")  # fmt: skip
+                        help="module:function scoring a sample (default: arithmetic exact "
+                             "match); the module is looked for in the working directory first")  # fmt: skip
+    parser.add_argument("--overlong", choices=("drop", "truncate"), default="drop",
+                        help="a prompt too long for the context: skip it (default), or keep its "
+                             "last tokens")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
     parser.add_argument("--engine-url", default=None, help="a live server (default: launch one)")
@@ -175,7 +196,7 @@ def eval_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     code, result = run_without_run_dir(lambda: evaluate_model(
         args.model, args.data, args.reward, max_new_tokens=args.max_new_tokens,
         limit=args.limit, engine_url=args.engine_url, answer_field=args.answer_field,
-        show=args.show))  # fmt: skip
+        show=args.show, overlong=args.overlong))  # fmt: skip
     if code == 0:
         metrics, shown = result
         print("\n".join([*shown, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))]))

@@ -1,9 +1,11 @@
 """`rollouts eval`: greedy held-out accuracy of a model (or checkpoint) through an engine.
 
 The engine is a local one launched on the model for the purpose (stopped at the end), or a
-live server given by URL (probed once first). Prompts are RL-format JSONL (`messages` or
-`prompt`, plus the ground truth the reward reads, `answer` by default): a record without it
-is an error before any engine starts, since a reward cannot score it.
+live server given by URL (probed once first). Prompts are any file `rollouts rl` or `rollouts
+sft` reads (training/recipes/prompt_files.py: a chat's last assistant turn is cut off), plus
+the ground truth the reward reads, `answer` by default: a record without it is an error
+before any engine starts, since a reward cannot score it. A prompt too long for the model's
+context is skipped (or cut) with a warning naming its line, as `rollouts generate` does.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from collections.abc import Sequence
 
 import trio
 
+from plumbing.model_paths import resolve_model_dir
 from rollouts.errors import DataError
 from rollouts.evaluation import evaluate_greedy
-from rollouts.prompts import PromptItem, load_prompt_jsonl
+from rollouts.prompts import PromptItem
 from rollouts.types import Sample
-from training.backend.model_io import check_model_path, load_tokenizer
-from training.recipes.generate import format_sample, model_directory, open_model_engine
-from training.recipes.rl import resolve_callable
+from training.backend.model_io import load_tokenizer
+from training.recipes.callables import resolve_callable
+from training.recipes.generate import format_sample, open_model_engine, prompt_limit
+from training.recipes.prompt_files import Overlong, load_prompt_file
 from training.recipes.sft import check_input_file
 
 
@@ -40,13 +44,15 @@ def check_scorable(prompts: Sequence[PromptItem], field: str) -> None:
 
 async def evaluate_model(model: str, data: str, reward: str, *, max_new_tokens: int = 16,
                          limit: int | None = None, engine_url: str | None = None,
-                         answer_field: str = "answer", show: int = 0
+                         answer_field: str = "answer", show: int = 0,
+                         overlong: Overlong = "drop"
                          ) -> tuple[dict[str, float], list[str]]:  # fmt: skip
     """One greedy episode per prompt, scored by `reward` (`module:function`).
 
     Args:
         answer_field: the ground-truth key every record must have (what the reward reads).
         show: how many scored samples to return formatted for printing (the first ones).
+        overlong: a prompt too long for the context: "drop" (skip it) or "truncate".
 
     Returns:
         The metrics (`accuracy`, `reward_mean`, tool metrics for tool episodes, `n_prompts`),
@@ -59,12 +65,13 @@ async def evaluate_model(model: str, data: str, reward: str, *, max_new_tokens: 
         EngineError: the engine did not start or answer.
     """
     check_input_file("--data", data)
-    model = model_directory(model)
-    check_model_path(model)
+    model = resolve_model_dir(model)
     reward_fn = resolve_callable(reward)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, model)
-    prompts = await trio.to_thread.run_sync(load_prompt_jsonl, data, tokenizer)
-    prompts = prompts[:limit]
+    longest, why = await trio.to_thread.run_sync(prompt_limit, model, max_new_tokens)
+    prompts, _ = await trio.to_thread.run_sync(lambda: load_prompt_file(
+        data, tokenizer, max_prompt_len=longest, overlong=overlong, limit=limit,
+        limit_why=why))  # fmt: skip
     check_scorable(prompts, answer_field)
     shown: dict[int, Sample] = {}
 

@@ -1,11 +1,14 @@
 """`rollouts generate` and `rollouts eval --show`: a model's answers, printed for a person.
 
 A model is looked at through the same engine path as `rollouts eval`: a local engine launched
-on it for the purpose (stopped at the end), or a live server given by `--engine-url`. Input is
-a prompts file (`messages` or `prompt`, optional `answer`) or a chat file as SFT reads it
-(`messages` ending with the assistant's turn, or `prompt` + `completion`): the conversation up
-to the last user turn is the prompt, the turn after it (or `completion`, or `answer`) is what
-is printed as expected. Nothing is scored or trained; sampling is greedy unless asked.
+on it for the purpose (stopped at the end), or a live server given by `--engine-url`. `--model`
+is any form `plumbing.model_paths.resolve_model_dir` takes (a model, run, checkpoints or
+checkpoint directory). Input is any file `rollouts sft` or `rollouts rl` reads
+(training/recipes/prompt_files.py): a chat's messages before its last assistant turn are the
+prompt (tools rendered by the chat template), that turn (or `completion`, or `answer`) is what
+is printed as expected. A prompt too long for the model's context with `--max-new-tokens` is
+skipped (or cut: `--overlong truncate`) with a warning naming its line; nothing is scored or
+trained; sampling is greedy unless asked.
 """
 
 from __future__ import annotations
@@ -13,59 +16,36 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import trio
 
+from plumbing.errors import EngineError
+from plumbing.model_paths import resolve_model_dir
 from rollouts.generation import GenerateContext, single_turn_generate
-from rollouts.prompts import PromptItem, checked_prompts, encode_prompt, iter_prompt_records
+from rollouts.prompts import PromptItem
 from rollouts.types import Sample
 
 EXPECTED = "expected"  # metadata key: the reference answer a chat or prompts file carries
+log = logging.getLogger("rollouts.generate")
 
 
-def model_directory(model: str) -> str:
-    """`model`, or the checkpoint its `latest` file names when it is a checkpoints directory."""
-    from training.backend.checkpoint import resolve_checkpoint  # torch: not for `--help`
-    from training.backend.lora import loadable_model_dir
+def prompt_limit(model: str, max_new_tokens: int) -> tuple[int | None, str]:
+    """(the longest prompt `model` can answer with `max_new_tokens` new tokens, what it is),
+    or (None, "") when the model's context is unknown.
 
-    if (Path(model) / "latest").is_file():
-        return str(loadable_model_dir(resolve_checkpoint(model)))
-    if Path(model).is_dir():  # a LoRA checkpoint: its merged model
-        return str(loadable_model_dir(Path(model)))
-    return model
-
-
-def split_reference(messages: list[dict], obj: Mapping[str, Any]) -> tuple[list[dict], Any]:
-    """(prompt messages, expected answer): a chat's turns after its last user turn are cut
-    off, and the last of them is the reference; else the record's `answer` or `completion`."""
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last_user is not None and last_user + 1 < len(messages):
-        return messages[: last_user + 1], messages[-1]["content"]
-    return messages, obj.get("answer", obj.get("completion"))
-
-
-def load_generation_prompts(path: str | Path, tokenizer: Any, *, limit: int | None = None
-                            ) -> list[PromptItem]:  # fmt: skip
-    """Prompts to answer, from a prompts or chat JSONL (see the module docstring).
-
-    Raises:
-        DataError: malformed lines (file:line:field, all collected), or no prompts at all.
+    The engine refuses a request whose prompt plus `max_new_tokens` reaches the context
+    (SGLang's rule, which the local engine follows), so the limit leaves room for them.
     """
-    errors: list[str] = []
-    items: list[PromptItem] = []
-    for source, obj, messages in iter_prompt_records(path, errors):
-        messages, expected = split_reference(messages, obj)
-        metadata = {k: v for k, v in obj.items() if k not in ("messages", "prompt", "completion")}
-        if expected is not None:
-            metadata[EXPECTED] = expected
-        ids = encode_prompt(tokenizer, messages, obj.get("tools"))
-        items.append(PromptItem(tuple(ids), tuple(messages), metadata, source))
-        if limit is not None and len(items) >= limit:
-            break
-    return checked_prompts(path, errors, items)
+    from training.recipes.sft import model_context  # transformers: not for `--help`
+
+    context = model_context(model)
+    if context is None:
+        return None, ""
+    return max(1, context - max_new_tokens - 1), (
+        f"the model's context of {context} tokens less --max-new-tokens {max_new_tokens}"
+    )
 
 
 @contextlib.asynccontextmanager
@@ -90,10 +70,12 @@ async def open_model_engine(model: str, engine_url: str | None) -> AsyncIterator
 async def generate_answers(engine: Any, prompts: Sequence[PromptItem], *, max_new_tokens: int,
                            temperature: float = 0.0, max_concurrency: int = 16
                            ) -> list[Sample | None]:  # fmt: skip
-    """One answer per prompt, in prompt order (None where the engine failed it).
+    """One answer per prompt, in prompt order (None where the engine refused that prompt,
+    HTTP 400, e.g. a prompt too long for a served model with a shorter context: a WARNING
+    names its record).
 
     Raises:
-        EngineError: an engine failure (a person asked for every answer: none is skipped).
+        EngineError: any other engine failure (a person asked for every answer).
     """
     limiter = trio.CapacityLimiter(max_concurrency)
     params = {"temperature": temperature, "max_new_tokens": max_new_tokens}
@@ -101,7 +83,13 @@ async def generate_answers(engine: Any, prompts: Sequence[PromptItem], *, max_ne
 
     async def one(i: int) -> None:
         ctx = GenerateContext(engine, params, limiter, f"generate-{i}", i)
-        samples = await single_turn_generate(prompts[i], 1, ctx)
+        try:
+            samples = await single_turn_generate(prompts[i], 1, ctx)
+        except EngineError as err:
+            if err.status != 400:  # the engine's failure, not this record's
+                raise
+            log.warning("%s: the engine refused this prompt: %s", prompts[i].source, err)
+            return
         out[i] = samples[0] if samples else None
 
     async with trio.open_nursery() as nursery:
@@ -131,17 +119,18 @@ def format_sample(index: int, prompt: PromptItem, sample: Sample | None, tokeniz
 
 
 async def run_generate(args: argparse.Namespace) -> list[str]:
-    """The printed blocks of `rollouts generate`, one per prompt."""
-    from training.backend.model_io import check_model_path, load_tokenizer
+    """The printed blocks of `rollouts generate`, one per prompt answered."""
+    from training.backend.model_io import load_tokenizer
+    from training.recipes.prompt_files import load_prompt_file
     from training.recipes.sft import check_input_file
 
     check_input_file("--data", args.data)
-    model = model_directory(args.model)
-    check_model_path(model)
+    model = resolve_model_dir(args.model)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, model)
-    prompts = await trio.to_thread.run_sync(
-        lambda: load_generation_prompts(args.data, tokenizer, limit=args.limit)
-    )
+    limit, why = await trio.to_thread.run_sync(prompt_limit, model, args.max_new_tokens)
+    prompts, _ = await trio.to_thread.run_sync(lambda: load_prompt_file(
+        args.data, tokenizer, max_prompt_len=limit, overlong=args.overlong, limit=args.limit,
+        expected_key=EXPECTED, limit_why=why))  # fmt: skip
     async with open_model_engine(model, args.engine_url) as engine:
         samples = await generate_answers(engine, prompts, max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature)  # fmt: skip
@@ -158,12 +147,16 @@ def generate_main(argv: Sequence[str] | None = None, *, prog: str | None = None)
     from training.recipes.cli_run import run_without_run_dir
 
     parser = argparse.ArgumentParser(prog=prog, description=(
-        "Print a model's answers to a prompts file or a chat JSONL file (the conversation up "
-        "to its last user turn is the prompt; the reference answer, if any, is printed beside "
+        "Print a model's answers to a prompts file or a chat JSONL file (the conversation "
+        "before its last assistant turn is the prompt; the reference answer, if any, is printed beside "
         "the model's), through a local engine launched for the purpose (or --engine-url)."))  # fmt: skip
-    parser.add_argument("--model", required=True, help="HF model or checkpoint directory")
-    parser.add_argument("--data", required=True,
-                        help='JSONL: {"messages" or "prompt", optional "answer"/"completion"}')  # fmt: skip
+    parser.add_argument("--model", required=True,
+                        help="HF model directory, run directory, its checkpoints/ or a checkpoint")  # fmt: skip
+    parser.add_argument("--data", required=True, help='any JSONL rollouts sft or rl reads: '
+                        '{"messages" (tools, tool calls) or "prompt", optional "answer"/"completion"}')  # fmt: skip
+    parser.add_argument("--overlong", choices=("drop", "truncate"), default="drop",
+                        help="a prompt too long for the context: skip it (default), or keep its "
+                             "last tokens")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts")

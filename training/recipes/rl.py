@@ -10,12 +10,12 @@ evaluate → `run_rl_training(objective=..., hooks=...)` → summary.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ import trio
 from engines.client import probe_engines
 from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
+from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
-from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -37,6 +37,7 @@ from training.backend.model_io import check_model_path
 from training.backend.pytorch import load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
+from training.loops.ema import resumed_metrics
 from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import (
     ConsoleLogger,
@@ -45,13 +46,18 @@ from training.loops.loggers import (
     check_logger_extras,
     config_loggers,
     fan_out,
+    format_metrics,
+    shown_evals,
 )
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import push_weights
+from training.recipes.callables import resolve_callable as resolve_callable
 from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
 from training.recipes.rl_env import build_episode_setup
 from training.recipes.rl_models import build_rl_models
+from training.recipes.rl_summary import EngineWatch, rl_console_keys
+from training.recipes.rl_summary import RLSummary as RLSummary
 from training.recipes.sft import check_input_file, sft_data_files
 from training.recipes.sft_preamble import run_sft_preamble, same_recipe
 from training.rl import algorithms
@@ -65,17 +71,6 @@ from training.rl.rollout_dump import RolloutDumpWriter
 from training.rl_config import AlgorithmSection, EnginesConfig, RLRunConfig
 
 log = logging.getLogger("rollouts.rl_recipe")
-
-
-def resolve_callable(spec: str) -> Callable[..., Any]:
-    """Import `module:function` once, at the edge (config files name extension points so)."""
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ConfigError(f"{spec!r}: expected 'module:function'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"cannot resolve {spec!r}: {err}") from err
 
 
 def generation_budget(config: RLRunConfig) -> int:
@@ -122,8 +117,8 @@ def algorithm_schedule(section: AlgorithmSection, budget: int) -> algorithms.Alg
 async def resolve_start_model(config: RLRunConfig) -> str:
     """`model.path`, the model live engines serve, or the SFT recipe's latest checkpoint
     (running the SFT recipe if missing: only for engines launched here)."""
-    if config.model.path is not None:
-        return config.model.path
+    if config.model.path is not None:  # a run or checkpoints directory: its latest model
+        return resolve_model_dir(config.model.path)
     if config.engines.urls or config.engines.router_url:  # never an SFT run nobody asked for
         return await model_served_by(config.engines)
     if config.sft_config is None:
@@ -145,7 +140,8 @@ def sft_checkpoint_mismatch(checkpoint: Path, sft: SFTRunConfig) -> str | None:
     Compares the step count, the saved config (defaults of newer fields filled in) and the
     fingerprint of the data files (task files are regenerated, so a changed generator counts).
     """
-    if checkpoint_step(checkpoint) < sft.train.max_steps:
+    steps = sft.train.max_steps or _saved_extra(checkpoint).get("max_steps")  # null: epochs
+    if steps is None or checkpoint_step(checkpoint) < steps:
         return "is unfinished"
     if not same_recipe(_saved_config(checkpoint), sft):  # train.log_every etc. aside
         return "was made with another config"
@@ -232,39 +228,6 @@ def _closing(resource: Any) -> contextlib.AbstractContextManager:
 
 
 @dataclass(frozen=True)
-class RLSummary:
-    accuracy_before: float | None
-    accuracy_after: float | None
-    steps: int
-    wall_time_s: float
-    checkpoint: Path | None
-    reward_curve: tuple[float, ...]
-    tool_use_before: float | None = None  # share of episodes that called a tool (tool envs)
-    tool_use_after: float | None = None
-    tool_success_before: float | None = None  # share of tool calls that succeeded
-    tool_success_after: float | None = None
-
-    def line(self) -> str:
-        def pct(v: float | None) -> str:
-            return "n/a" if v is None else f"{v:.1%}"
-
-        gain = ""
-        if self.accuracy_before is not None and self.accuracy_after is not None:
-            gain = f" ({(self.accuracy_after - self.accuracy_before) * 100:+.1f} points)"
-        tools = ""
-        if self.tool_use_before is not None:
-            tools = (f" tool_use before={pct(self.tool_use_before)} "
-                     f"after={pct(self.tool_use_after)} tool_success "
-                     f"before={pct(self.tool_success_before)} "
-                     f"after={pct(self.tool_success_after)}")  # fmt: skip
-        return (
-            f"RL done: heldout_accuracy before={pct(self.accuracy_before)} "
-            f"after={pct(self.accuracy_after)}{gain}{tools} steps={self.steps} "
-            f"wall_time={self.wall_time_s:.1f}s checkpoint={self.checkpoint}"
-        )
-
-
-@dataclass(frozen=True)
 class RLExtensions:
     """Extension points a program passes to `run_rl_recipe` (config files cannot name these).
 
@@ -301,13 +264,16 @@ def rl_objective(config: RLRunConfig, schedule: algorithms.AlgorithmSchedule, re
 
 
 async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
-                        extensions: RLExtensions = RLExtensions()) -> RLSummary:  # fmt: skip
+                        extensions: RLExtensions = RLExtensions(),
+                        config_dir: str | Path | None = None) -> RLSummary:  # fmt: skip
     """Everything `examples/run_rl.py` does.
 
     Args:
         on_step: an extra logger called after every step (e.g. a host app watching progress).
         extensions: custom reward, shaping, advantage, loss, KL, reference update, stop
             condition and checkpoint hook (defaults: as configured).
+        config_dir: the config file's directory: `module:function` references in the config
+            are looked for in the working directory, then there (training/recipes/callables.py).
     """
     t0 = time.perf_counter()
     await check_rl_inputs(config)
@@ -315,7 +281,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     out = Path(config.output_dir)
     thinking = config.model.enable_thinking  # checked against the template by load_prompts
     episodes = build_episode_setup(
-        config.env, config.reward, resolve=resolve_callable,
+        config.env, config.reward, resolve=partial(resolve_callable, config_dir=config_dir),
         template_kwargs={} if thinking is None else {"enable_thinking": thinking},
         agent_section=config.agent, agent=extensions.agent,
     )  # fmt: skip
@@ -340,11 +306,12 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "rollouts.jsonl").unlink(missing_ok=True)
     jsonl = JsonlLogger(out / "metrics.jsonl")
+    latest = find_latest_checkpoint(backend.checkpoint_dir)
+    if config.train.resume != "never" and latest is not None:  # a row a kill lost (its eval)
+        jsonl.restore_row(checkpoint_step(latest), resumed_metrics(backend.checkpoint_dir))
     dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
-                            keys=("reward_mean", *(f"{k}_ema" for k in config.train.ema_metrics),
-                                  "accuracy", "eval_accuracy", "loss", "time_step_s",
-                                  "weight_version"))  # fmt: skip
+                            keys=rl_console_keys(config.train.ema_metrics))  # fmt: skip
     loggers = [jsonl, console, *config_loggers(config.logging, out, config.model_dump(mode="json"))]
     with backend, _closing(critic), _closing(reference), contextlib.ExitStack() as closing, \
             _closing(dump):  # fmt: skip
@@ -358,20 +325,25 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     refit=refit, unavailable_timeout_s=config.engines.unavailable_timeout_s)  # fmt: skip
 
             async def evaluate() -> dict[str, float]:
-                return await evaluate_greedy(engine, held_out, reward_fn,
-                                             max_new_tokens=config.train.eval_max_new_tokens,
-                                             generate_fn=episodes.generate_fn,
-                                             tokenizer=tokenizer)  # fmt: skip
+                return await episodes.evaluate(engine, held_out, reward_fn, rollout=config.rollout,
+                                               max_new_tokens=config.train.eval_max_new_tokens,
+                                               tokenizer=tokenizer)  # fmt: skip
 
             before = await evaluate() if held_out else {}
-            log.info("held-out before RL: %s", before)
+            if held_out:
+                log.info("held-out before RL (%d prompts): %s", len(held_out),
+                         format_metrics(shown_evals(before), tuple(shown_evals(before))))  # fmt: skip
+            else:  # an empty dict printed here read as a failed evaluation
+                log.info("no held-out prompts: accuracy and reward are not measured before and "
+                         "after RL (set data.eval_path=FILE, a prompts JSONL, to measure them)")  # fmt: skip
             manager = AsyncRolloutManager(  # the loop gives it each step's algorithm
                 engine, buffer, config.rollout, reward_fn=reward_fn,
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
 
-            hooks = RLHooks(logger=fan_out(*loggers, *([on_step] if on_step else [])),
+            watch = EngineWatch(engine)  # the engines lost, for the summary
+            hooks = RLHooks(logger=fan_out(*loggers, watch, *([on_step] if on_step else [])),
                             evaluate_fn=evaluate if held_out else None,
                             stop_fn=extensions.stop_fn,
                             checkpoint_hook=extensions.checkpoint_hook, on_batch=dump)  # fmt: skip
@@ -389,4 +361,6 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     return RLSummary(before.get("accuracy"), last.get("eval_accuracy"), backend.step,
                      time.perf_counter() - t0, find_latest_checkpoint(out / "checkpoints"), curve,
                      before.get("tool_use_rate"), last.get("eval_tool_use_rate"),
-                     before.get("tool_success_rate"), last.get("eval_tool_success_rate"))  # fmt: skip
+                     before.get("tool_success_rate"), last.get("eval_tool_success_rate"),
+                     before.get("reward_mean"), last.get("eval_reward_mean"), watch.total,
+                     watch.lost())  # fmt: skip

@@ -132,7 +132,10 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
             weights_GN = None
             if config.whiten == "token":
                 if n_tokens_GN is None:
-                    raise ConfigError("REINFORCE++ with whiten='token' needs n_tokens_GN")
+                    raise ConfigError(
+                        "REINFORCE++ whitens over tokens (whiten='token', the default): pass "
+                        "n_tokens_GN (each sample's trained-token count), or whiten='sequence'"
+                    )
                 weights_GN = n_tokens_GN
             return adv.reinforce_pp_advantages(
                 rewards_GN, group_baseline=config.advantage == "reinforce_pp_baseline",
