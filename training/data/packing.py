@@ -3,8 +3,8 @@
 Packing puts several samples in one row. Attention isolation comes from `position_ids`: they
 restart at 0 for every sample, and `forward_logits` calls the model with `attention_mask=None`
 and no cache, so transformers' masking utilities (≥4.53; `find_packed_sequence_indices`) split
-each row into its samples and build a block-diagonal causal mask (sdpa/eager/flex), or pass
-the boundaries to varlen kernels (flash attention). RoPE positions restart too, so a packed
+each row into its samples and build a block-diagonal causal mask (sdpa/eager/flex); flash
+attention is refused for packed rows (`PACKING_AWARE_ATTENTION`). RoPE positions restart too, so a packed
 sample sees exactly what it would see alone. Padding continues the positions of the row's last
 sample, so a row holding one sample plus padding still counts as a single sequence: a batch
 without packing keeps SDPA's fast `is_causal` path, and real tokens never attend to the pads
@@ -35,9 +35,10 @@ IGNORE_INDEX = -100
 
 # Attention implementations whose transformers mask/kernel path detects packed rows from
 # position_ids when attention_mask is None. sdpa and eager are tested here (CPU).
-PACKING_AWARE_ATTENTION = frozenset(
-    {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"}
-)
+# Not flash_attention_2/3: transformers' flash path finds packed samples in position_ids only
+# when the batch is a single row (`_is_packed_sequence`: `batch_size != 1` → not packed), and
+# packed batches here have several rows, so samples would attend across their boundaries.
+PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flex_attention"})
 # Attention implementations that apply a custom 4D mask as given (transformers ≥4.53 returns a
 # 4D mask unchanged): sdpa takes it boolean, eager adds it, so it gets an additive float copy.
 CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager"})
@@ -245,6 +246,14 @@ def prepare_sft_batch(
 
 
 def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
+    """Logits [B, T, V] of a causal LM on a batch, in the per-sample view (see `run_model`)."""
+    out = run_model(model, batch)
+    if batch.source_index is None:
+        return out.logits
+    return out.logits.flatten(0, 1)[batch.source_index]
+
+
+def run_model(model: Any, batch: SFTBatch) -> Any:
     """Run a causal LM on a batch so that no token attends across samples or to padding.
 
     Args:
@@ -253,8 +262,8 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
             `batch.to(device)` if needed).
 
     Returns:
-        Logits [B, T, V] in the per-sample view (row b is sample b, aligned with
-        `batch.target_ids`), whatever rows the model ran on.
+        The model's output on the rows it ran on ([R, W], `batch.input_ids`'s shape): its
+        `logits` map to the per-sample view through `batch.source_index` when it is set.
 
     Raises:
         ConfigError: if the model's attention implementation cannot run the batch: packed rows
@@ -282,15 +291,12 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
         )
     # Without a 4D mask, attention_mask must stay None: a 2D mask would switch off packed-row
     # detection.
-    out = model(
+    return model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=mask,
         use_cache=False,
     )
-    if batch.source_index is None:
-        return out.logits
-    return out.logits.flatten(0, 1)[batch.source_index]
 
 
 def temper_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
