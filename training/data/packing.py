@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from plumbing.errors import ConfigError
+from training.data.scores import ReadsScores, TokenScores
 from training.data.tokenize import TokenizedSample
 
 IGNORE_INDEX = -100
@@ -336,28 +337,35 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tens
     return logprobs.masked_fill(~valid, 0.0)
 
 
-def sft_loss(
-    logits: torch.Tensor, batch: SFTBatch, *, normalizer: int | None = None
-) -> tuple[torch.Tensor, dict]:
-    """Token-mean cross-entropy over the batch's trained tokens.
+@dataclass(frozen=True)
+class SFTLoss(ReadsScores):
+    """Token-mean cross-entropy over the batch's trained tokens (`sft_loss`).
 
-    Args:
-        logits: [B, T, V] from `forward_logits`.
-        batch: the batch the logits came from.
-        normalizer: divide the summed loss by this instead of the batch's own
-            `n_trained_tokens`; for gradient accumulation pass the whole step's trained-token
-            count to every micro-batch, so the step's gradient is the token-mean over the step.
+    Called with the fused head's `TokenScores` (the backend) or with [B, T, V] logits from
+    `forward_logits`, and the batch they came from. `normalizer`: divide the summed loss by
+    this instead of the batch's own `n_trained_tokens`; for gradient accumulation pass the
+    whole step's trained-token count to every micro-batch, so the step's gradient is the
+    token-mean over the step.
 
-    Returns:
-        The loss tensor, and metrics: `loss` (this batch's token-mean, float), `loss_sum`
-        (summed cross-entropy, float; add these up across micro-batches) and
-        `n_trained_tokens`.
+    Returns the loss tensor, and metrics: `loss` (this batch's token-mean), `loss_sum` (summed
+    cross-entropy; add these up across micro-batches) and `n_trained_tokens`. `loss` and
+    `loss_sum` are 0-dim tensors (read on the host once per operation, not per micro-batch).
     """
-    loss_sum = -token_logprobs(logits, batch.target_ids).sum()
-    n = batch.n_trained_tokens
-    loss = loss_sum / (normalizer if normalizer is not None else max(n, 1))
-    total = float(loss_sum.detach())
-    return loss, {"loss": total / max(n, 1), "loss_sum": total, "n_trained_tokens": n}
+
+    def __call__(self, inputs: torch.Tensor | TokenScores, batch: SFTBatch, *,
+                 normalizer: int | None = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+        if isinstance(inputs, TokenScores):
+            logprobs_BT = inputs.logprobs_BT
+        else:
+            logprobs_BT = token_logprobs(inputs, batch.target_ids)
+        loss_sum = -logprobs_BT.sum()
+        n = batch.n_trained_tokens
+        loss = loss_sum / (normalizer if normalizer is not None else max(n, 1))
+        total = loss_sum.detach()
+        return loss, {"loss": total / max(n, 1), "loss_sum": total, "n_trained_tokens": n}
+
+
+sft_loss = SFTLoss()
 
 
 def per_sample_loss(logits: torch.Tensor, batch: SFTBatch) -> torch.Tensor:
