@@ -10,6 +10,7 @@ world 1 and 2 (the `distributed_grads` runs, which use the head, against a refer
 from __future__ import annotations
 
 import json
+import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -392,3 +393,66 @@ async def test_no_float32_tokens_by_vocab_tensor_in_an_sft_step_or_a_grpo_update
             backend, examples, rl_loss_fn(algorithm, temperature=0.7), loss_weight_fn(algorithm)
         )
     assert trained > 4 * chunk and rows <= chunk, (rows, trained)
+
+
+# --- host syncs: none inside an op's micro-batches ---------------------------------------------------
+
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+
+
+class DeviceReads(TorchDispatchMode):
+    """Records the ops that make the host wait for the device (`.item()`, `bool(t)`, boolean
+    indexing), except while a batch is built on the host (before it is copied to the device)
+    and transformers' own check for packed rows in its mask construction (masking_utils; the
+    attention work of issue 43 removes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in SYNC_OPS:
+            stack = traceback.extract_stack()
+            host = any(f.name in ("prepare_sft_batch", "collate_rl") for f in stack)
+            if not host and not any("transformers/masking_utils" in f.filename for f in stack):
+                ours = [f for f in stack if "site-packages" not in f.filename][-2]
+                self.reads.append(f"{func} at {ours.filename}:{ours.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+async def _device_reads(backend, samples, loss_fn, weight_fn) -> tuple[list[str], int]:
+    def step():
+        with DeviceReads() as mode:
+            result = backend.run_local("forward_backward", samples,
+                                       {"loss_fn": loss_fn, "weight_fn": weight_fn})  # fmt: skip
+        return mode.reads, result["n_microbatches"]
+
+    return await backend.call(step).result()
+
+
+async def test_forward_backward_reads_no_value_from_the_device_inside_its_micro_batches(
+    tiny_model_dir, tmp_path
+):
+    """SFT and a GRPO update (KL loss, entropy bonus) keep their metrics on the device; the
+    backend reads them in one transfer after the op's last pass (`read_metrics_once`)."""
+    from test_backend import make_backend
+
+    from training.backend.pytorch import load_tokenizer, trained_tokens
+    from training.data.packing import sft_loss
+    from training.data.tokenize import tokenize_conversation
+
+    tok = load_tokenizer(tiny_model_dir)
+    samples = [tokenize_conversation(tok, [{"role": "user", "content": f"{i} + 1"},
+                                           {"role": "assistant", "content": f"{i + 1}"}],
+                                     source=f"s{i}") for i in range(8)]  # fmt: skip
+    with make_backend(tiny_model_dir, tmp_path, pack_length=32, micro_batch_tokens=64) as backend:
+        reads, n_mb = await _device_reads(backend, samples, sft_loss, trained_tokens)
+    assert n_mb > 1 and reads == [], "\n".join(reads)
+
+    algorithm = grpo(kl_coef=0.1, entropy_coef=0.01)
+    batch = batch_of([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]], n_response=lambda g, i: 5 + i)
+    examples = _with_ref_and_ppo_fields(build_examples(batch, algorithm))
+    with rl_backend(tiny_model_dir, tmp_path, name="rl", micro_batch_tokens=40) as backend:
+        reads, n_mb = await _device_reads(backend, examples, rl_loss_fn(algorithm, temperature=0.7),
+                                          loss_weight_fn(algorithm))  # fmt: skip
+    assert n_mb > 1 and reads == [], "\n".join(reads)

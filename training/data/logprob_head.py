@@ -183,22 +183,22 @@ def forward_scores(model: Any, batch: SFTBatch, *, temperature: float = 1.0,
     if output is None:
         return scores_of(forward_logits(model, batch), batch, temperature=temperature,
                          entropy=entropy)  # fmt: skip
-    valid_BT = batch.target_ids != IGNORE_INDEX
-    if batch.source_index is not None:  # prompt-shared rows: each sample's slots in them
-        flat_BT = batch.source_index
-    else:
-        flat_BT = torch.arange(valid_BT.numel(), device=valid_BT.device).view(valid_BT.shape)
-    head = LogprobHead(output, flat_BT[valid_BT], batch.target_ids[valid_BT], temperature,
-                       entropy, chunk_tokens)  # fmt: skip
+    targets = batch.target_ids.flatten()
+    # the trained positions, their count known on the host: no device-to-host sync
+    trained_N = torch.nonzero_static(targets != IGNORE_INDEX, size=batch.n_trained_tokens)[:, 0]
+    # prompt-shared rows: each per-sample position's slot in the rows the model runs on
+    slots_N = trained_N if batch.source_index is None else batch.source_index.flatten()[trained_N]
+    head = LogprobHead(output, slots_N, targets[trained_N], temperature, entropy, chunk_tokens)
     with head_installed(model, head):
         run_model(model, batch)
     assert head.result is not None, "the model did not call its output layer"
+
+    def per_sample(values_N: torch.Tensor) -> torch.Tensor:
+        zeros = values_N.new_zeros(targets.shape)
+        return zeros.index_copy(0, trained_N, values_N).view(batch.target_ids.shape)
+
     logprobs_N, entropy_N = head.result
-    zeros_BT = logprobs_N.new_zeros(valid_BT.shape)
-    return TokenScores(
-        logprobs_BT=zeros_BT.masked_scatter(valid_BT, logprobs_N),
-        entropy_BT=None if entropy_N is None else zeros_BT.masked_scatter(valid_BT, entropy_N),
-    )
+    return TokenScores(per_sample(logprobs_N), None if entropy_N is None else per_sample(entropy_N))
 
 
 def scores_of(inputs: torch.Tensor | TokenScores, batch: SFTBatch, *, temperature: float = 1.0,

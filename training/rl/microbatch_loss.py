@@ -142,7 +142,7 @@ def with_units(metrics: dict[str, float], algorithm: AlgorithmConfig, batch: RLB
                ) -> dict[str, float | Mean]:  # fmt: skip
     """`metrics` with each mean over tokens, sequences or pairs as a `Mean` of its units."""
     trained_B = (batch.target_ids != IGNORE_INDEX).sum(dim=-1)
-    n_tokens, n_sequences = float(trained_B.sum()), float((trained_B > 0).sum())
+    n_tokens, n_sequences = trained_B.sum(), (trained_B > 0).sum()  # read with the metrics
     out: dict[str, float | Mean] = {}
     for key, value in metrics.items():
         if algorithm.loss == "gspo" and key in GSPO_SEQUENCE_MEANS:
