@@ -173,7 +173,8 @@ class RankOps:
     def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn,
                                 dropout: bool = True) -> dict:  # fmt: skip
         t0 = time.perf_counter()
-        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
+        # every micro-batch copied at the start (non-blocking from pinned memory on a GPU)
+        batches = [self._collate(mb).to(self.device) for mb in self.split_microbatches(samples)]
         local_weight = float(sum(weight_fn(b) for b in batches))
         n_passes, total_weight = self._agree_passes(len(batches), local_weight)
         if total_weight <= 0:
@@ -183,7 +184,6 @@ class RankOps:
         idle = lambda: self._idle_pass(backward=True)  # noqa: E731
         with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
             for batch in self._passes(batches, n_passes, idle):
-                batch = batch.to(self.device)  # the loss reads it beside the logits
                 loss, metrics = loss_fn(self._forward_for(batch, loss_fn), batch)
                 weight = weight_fn(batch)
                 (loss * (weight / total_weight)).backward()

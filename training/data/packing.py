@@ -80,17 +80,23 @@ class SFTBatch:
         """The same batch with its tensors on `device`."""
         return replace(
             self,
-            input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device),
-            target_ids=self.target_ids.to(device),
-            segment_ids=self.segment_ids.to(device),
-            attention_mask=_move(self.attention_mask, device),
-            source_index=_move(self.source_index, device),
+            input_ids=move_to(self.input_ids, device),
+            position_ids=move_to(self.position_ids, device),
+            target_ids=move_to(self.target_ids, device),
+            segment_ids=move_to(self.segment_ids, device),
+            attention_mask=move_to(self.attention_mask, device),
+            source_index=move_to(self.source_index, device),
         )
 
 
-def _move(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
+def move_to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    """`t` on `device`; from host memory to a GPU through pinned memory, without blocking the
+    host (a copy from pageable memory waits for all queued GPU work)."""
+    if t is None:
+        return None
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def pack_sequences(samples: Sequence[TokenizedSample], max_tokens_per_row: int) -> list[list[int]]:
