@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tests.distributed_launch import GRAD_MODES
 from training.data.logprob_head import chunked_logprobs, forward_scores
 from training.data.packing import forward_logits, prepare_sft_batch
 from training.data.scores import TokenScores
@@ -284,17 +285,19 @@ async def _reference_step(model_dir, tmp_path, mode):
     from training.data.packing import sft_loss
 
     tok = load_tokenizer(model_dir)
+    mode, tied, _ = mode.partition("-tied")
+    model = dg.tie_embeddings(load_model(model_dir)) if tied else load_model(model_dir)
     mode, with_lora, _ = mode.partition("-lora")
     common = dict(optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=2,
                   checkpoint_dir=tmp_path / "ckpt", lora=LoraSettings(rank=4) if with_lora else None)  # fmt: skip
     if mode == "sft":
-        backend = PyTorchTrainingBackend(load_model(model_dir), tok, pack_length=64,
+        backend = PyTorchTrainingBackend(model, tok, pack_length=64,
                                          micro_batch_tokens=128, **common)  # fmt: skip
         samples, loss, weight = dg.sft_samples(tok), ViaFullSoftmax(sft_loss), None
     else:
         aggregation = "token-mean" if mode == "grpo-token-mean" else "seq-mean-token-mean"
         algorithm = grpo(aggregation=aggregation)
-        backend = PyTorchTrainingBackend(load_model(model_dir), tok, pack_length=None,
+        backend = PyTorchTrainingBackend(model, tok, pack_length=None,
                                          micro_batch_tokens=96,
                                          collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
                                          **common)  # fmt: skip
@@ -312,8 +315,7 @@ async def _reference_step(model_dir, tmp_path, mode):
     return grads, metrics
 
 
-@pytest.mark.parametrize("mode", ["sft", "grpo-token-mean", "grpo-seq-mean", "sft-lora",
-                                  "grpo-token-mean-lora"])  # fmt: skip
+@pytest.mark.parametrize("mode", GRAD_MODES)
 async def test_head_at_world_1_and_2_equals_a_full_log_softmax(distributed_grads, tiny_model_dir,
                                                                tmp_path, mode):  # fmt: skip
     want_grads, want_metrics = await _reference_step(tiny_model_dir, tmp_path, mode)
