@@ -166,6 +166,31 @@ def test_head_with_lora_equals_a_full_log_softmax():
         assert close(g, want_grads[name]), name
 
 
+def test_head_in_bf16_equals_the_logits_path_it_replaces():
+    """In half precision both compute the logits with the same bf16 matmul and upcast them for
+    the statistics: the logprobs agree to fp32 rounding, the gradients to bf16 rounding."""
+    from training.data.packing import token_logprobs
+
+    model = qwen2(tied=True).bfloat16()
+    batch = sft_batch()
+    a = torch.randn(batch.target_ids.shape, generator=torch.Generator().manual_seed(3))
+    results = []
+    for use_head in (True, False):
+        model.zero_grad()
+        if use_head:
+            logprobs_BT = forward_scores(model, batch, chunk_tokens=5).logprobs_BT
+        else:
+            logprobs_BT = token_logprobs(forward_logits(model, batch), batch.target_ids)
+        (a * logprobs_BT).sum().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters()}
+        results.append((logprobs_BT.detach(), grads))
+    (head, head_grads), (old, old_grads) = results
+    assert head.dtype == old.dtype == torch.float32
+    assert close(head, old, 1e-6)
+    for name, g in head_grads.items():
+        assert close(g, old_grads[name], 2e-2), name
+
+
 # --- through the backend: SFT, every RL loss, compute_logprobs -----------------------------------
 
 

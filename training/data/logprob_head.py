@@ -177,7 +177,9 @@ def forward_scores(model: Any, batch: SFTBatch, *, temperature: float = 1.0,
     logprobs, and the entropy when `entropy`, at the trained positions, in the per-sample view.
 
     A model whose output layer the head cannot stand in for (`output_layer` is None) gets the
-    logits path instead, with the same result.
+    logits path instead, with the same result. `batch.n_trained_tokens` must be the number of
+    targets ≠ -100, as `prepare_sft_batch` / `prepare_prefix_shared_batch` make it: the
+    positions are selected with that count known on the host, so without a device sync.
     """
     output = output_layer(model)
     if output is None:
