@@ -13,7 +13,7 @@ max/logsumexp, the target gathered, and dropped. Backward recomputes each chunk'
 saved hidden states and weight (one more head matmul), forms dL/dlogits for the chunk and
 multiplies it out, accumulating the weight's gradient in fp32. At any time only one chunk's
 logits exist: memory ≈ chunk_tokens × V × (2 bytes in bf16 + ~12 bytes of fp32 temporaries),
-about 1.6 GiB at 1,024 tokens for a 151,936-token vocabulary, against [B, T, V] logits plus a
+about 4 GiB at 2,048 tokens for a 151,936-token vocabulary, against [B, T, V] logits plus a
 per-row fp32 copy on the logits path. Prompt and padding positions never reach the head.
 
 Values equal `token_logprobs(temper_logits(logits, T), targets)` and `token_entropy` of the
@@ -47,7 +47,7 @@ from training.data.packing import (
 )
 from training.data.scores import ReadsScores, TokenScores
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 2048  # 2k–4k tokens keep the head's matmuls large enough for a GPU
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
