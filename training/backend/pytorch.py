@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,7 +53,8 @@ from training.backend.rank_ops import RankOps
 from training.backend.state import Mean as Mean
 from training.backend.state import merge_metrics as merge_metrics
 from training.config import LoraSettings, OptimConfig
-from training.data.packing import sft_loss, temper_logits, token_logprobs
+from training.data.logprob_head import DEFAULT_CHUNK_TOKENS, TemperedLogprobs
+from training.data.packing import sft_loss
 from training.distributed import context as dctx
 from training.distributed.split import even_shares
 from training.distributed.wire import SentById
@@ -71,8 +71,8 @@ def trained_tokens(batch: Any) -> float:
 
 
 def tempered_logprobs(logits: torch.Tensor, batch: Any, *, temperature: float) -> torch.Tensor:
-    """[B, T] logprobs of the target tokens under logits / temperature."""
-    return token_logprobs(temper_logits(logits, temperature), batch.target_ids)
+    """[B, T] logprobs of the target tokens under logits / temperature (the logits path)."""
+    return TemperedLogprobs(temperature)(logits, batch)
 
 
 def first_output(logits: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -143,6 +143,8 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         self.pack_length = pack_length
         self.loss_fn = loss_fn
         self.loss_weight_fn = loss_weight_fn
+        # tokens per chunk of the fused logprob head (training/data/logprob_head.py)
+        self.logprob_chunk_tokens = DEFAULT_CHUNK_TOKENS
         self.collate_fn = collate_fn
         self.keep_last = keep_last
         self.lora = lora
@@ -343,7 +345,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         RL loss and with the engine's. `base_model`: with the LoRA adapters off (the frozen
         base: a LoRA policy's reference); the same as False without LoRA.
         """
-        fn = partial(tempered_logprobs, temperature=temperature)
+        fn = TemperedLogprobs(temperature)  # through the fused head (logprob_head.py)
         return self._per_trained_token(samples, fn, base_model=base_model)
 
     def compute_values(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:

@@ -33,8 +33,10 @@ from training.backend import lora as lo
 from training.backend import model_io
 from training.backend import state as st
 from training.backend.futures import BackendError
+from training.data.logprob_head import forward_scores
 from training.data.packing import forward_logits, pack_balanced, prepare_sft_batch
 from training.data.prefix_sharing import split_rows_by_budget
+from training.data.scores import ReadsScores, TokenScores
 from training.distributed import watchdog
 from training.distributed.split import rank_shares
 from training.distributed.worker import gather_results, issue
@@ -157,30 +159,41 @@ class RankOps:
             if backward:
                 (logits.float().sum() * 0.0).backward()
 
+    def _forward_for(self, batch: Any, consumer: Any) -> torch.Tensor | TokenScores:
+        """What `consumer` (a loss or per-token reader) reads: the fused head's `TokenScores`
+        (training/data/logprob_head.py) for a `ReadsScores`, else [B, T, V] logits."""
+        if isinstance(consumer, ReadsScores):
+            return forward_scores(self.model, batch, temperature=consumer.temperature,
+                                  entropy=consumer.wants_entropy,
+                                  chunk_tokens=self.logprob_chunk_tokens)  # fmt: skip
+        return forward_logits(self.model, batch)
+
     # -- the ops -----------------------------------------------------------------------------------
 
     def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn,
                                 dropout: bool = True) -> dict:  # fmt: skip
         t0 = time.perf_counter()
-        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
+        # every micro-batch copied at the start (non-blocking from pinned memory on a GPU)
+        batches = [self._collate(mb).to(self.device) for mb in self.split_microbatches(samples)]
         local_weight = float(sum(weight_fn(b) for b in batches))
         n_passes, total_weight = self._agree_passes(len(batches), local_weight)
         if total_weight <= 0:
             raise BackendError("forward_backward got a batch with no trained tokens")
-        sums: st.MetricSums = {}
+        per_mb: list[tuple[dict, float]] = []  # device values, read once after the passes
         n_tokens = n_slots = n_trained = 0
         idle = lambda: self._idle_pass(backward=True)  # noqa: E731
         with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
             for batch in self._passes(batches, n_passes, idle):
-                batch = batch.to(self.device)  # the loss reads it beside the logits
-                logits = forward_logits(self.model, batch)
-                loss, metrics = loss_fn(logits, batch)
+                loss, metrics = loss_fn(self._forward_for(batch, loss_fn), batch)
                 weight = weight_fn(batch)
                 (loss * (weight / total_weight)).backward()
-                st.accumulate_metrics(sums, {**metrics, "loss": loss.item()}, weight)
+                per_mb.append(({**metrics, "loss": loss.detach()}, weight))
                 n_tokens += batch.n_tokens
                 n_slots += batch.n_slots
                 n_trained += batch.n_trained_tokens
+        sums: st.MetricSums = {}
+        for metrics, weight in st.read_metrics_once(per_mb):
+            st.accumulate_metrics(sums, metrics, weight)
         return {
             "metric_sums": sums,
             "n_samples": len(samples),
@@ -211,14 +224,14 @@ class RankOps:
         batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
         local_weight = float(sum(self.loss_weight_fn(b) for b in batches))
         n_passes, total_weight = self._agree_passes(len(batches), local_weight)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         idle = lambda: self._idle_pass(backward=False)  # noqa: E731
         with torch.no_grad(), model_io.eval_mode(self.model):
             for batch in self._passes(batches, n_passes, idle):
                 batch = batch.to(self.device)
-                loss, _ = self.loss_fn(forward_logits(self.model, batch), batch)
-                loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
-        return loss_sum
+                loss, _ = self.loss_fn(self._forward_for(batch, self.loss_fn), batch)
+                loss_sum += loss.double() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
+        return float(loss_sum)  # read once per op
 
     def _local_per_trained_token(self, samples: list[Any], fn,
                                  base_model: bool = False) -> list[torch.Tensor]:  # fmt: skip
@@ -230,12 +243,14 @@ class RankOps:
         base = lo.base_model_pass(self.model) if base_model else contextlib.nullcontext()
         with torch.no_grad(), model_io.eval_mode(self.model), base:
             for mb in self._passes(mbs, n_passes, idle):
-                batch = self._collate(mb).to(self.device)
-                values_BT = fn(forward_logits(self.model, batch), batch)
-                trained = batch.target_ids != -100
-                for i in range(len(mb)):
-                    sel = (batch.segment_ids == i) & trained
-                    out.append(values_BT[sel].float().cpu())
+                host = self._collate(mb)
+                batch = host.to(self.device)
+                values_BT = fn(self._forward_for(batch, fn), batch)
+                # one transfer per micro-batch, split into samples on the host
+                trained = host.target_ids != -100
+                values_N = values_BT[trained.to(values_BT.device)].float().cpu()
+                segments_N = host.segment_ids[trained]
+                out += [values_N[segments_N == i] for i in range(len(mb))]
         return out
 
     def _local_generate_greedy(self, prompts: list[list[int]], max_new_tokens: int,

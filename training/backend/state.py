@@ -230,8 +230,8 @@ class Mean(NamedTuple):
     that it is the value one pass over the whole batch gives. A plain float metric is a mean
     over the loss's own weight (`loss_weight_fn`)."""
 
-    value: float
-    weight: float
+    value: float | torch.Tensor
+    weight: float | torch.Tensor
 
 
 def merge_rule(key: str) -> str:
@@ -264,6 +264,24 @@ def accumulate_metrics(into: MetricSums, metrics: dict[str, Any], loss_weight: f
             _combine(into, key, [v * w if w else 0.0, w])
         else:
             _combine(into, key, [v])
+
+
+def read_metrics_once(per_mb: list[tuple[dict[str, Any], float]]
+                      ) -> list[tuple[dict[str, Any], float]]:  # fmt: skip
+    """The micro-batches' (metrics, loss weight) with every tensor value (0-dim, on the device;
+    also inside a `Mean`) read to a float in one device-to-host transfer, so that an op's
+    passes never wait on the host for a metric."""
+    leaves = [t for metrics, _ in per_mb for v in metrics.values()
+              for t in (v if isinstance(v, Mean) else (v,)) if isinstance(t, torch.Tensor)]  # fmt: skip
+    if not leaves:
+        return per_mb
+    values = iter(torch.stack([t.detach().reshape(()).double() for t in leaves]).tolist())
+
+    def read(v: Any) -> Any:
+        return next(values) if isinstance(v, torch.Tensor) else v
+
+    return [({k: Mean(read(v.value), read(v.weight)) if isinstance(v, Mean) else read(v)
+              for k, v in metrics.items()}, weight) for metrics, weight in per_mb]  # fmt: skip
 
 
 def _combine(into: MetricSums, key: str, part: list[float]) -> None:

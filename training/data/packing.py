@@ -3,8 +3,8 @@
 Packing puts several samples in one row. Attention isolation comes from `position_ids`: they
 restart at 0 for every sample, and `forward_logits` calls the model with `attention_mask=None`
 and no cache, so transformers' masking utilities (≥4.53; `find_packed_sequence_indices`) split
-each row into its samples and build a block-diagonal causal mask (sdpa/eager/flex), or pass
-the boundaries to varlen kernels (flash attention). RoPE positions restart too, so a packed
+each row into its samples and build a block-diagonal causal mask (sdpa/eager/flex); flash
+attention is refused for packed rows (`PACKING_AWARE_ATTENTION`). RoPE positions restart too, so a packed
 sample sees exactly what it would see alone. Padding continues the positions of the row's last
 sample, so a row holding one sample plus padding still counts as a single sequence: a batch
 without packing keeps SDPA's fast `is_causal` path, and real tokens never attend to the pads
@@ -29,15 +29,17 @@ from typing import Any
 import torch
 
 from plumbing.errors import ConfigError
+from training.data.scores import ReadsScores, TokenScores
 from training.data.tokenize import TokenizedSample
 
 IGNORE_INDEX = -100
 
 # Attention implementations whose transformers mask/kernel path detects packed rows from
 # position_ids when attention_mask is None. sdpa and eager are tested here (CPU).
-PACKING_AWARE_ATTENTION = frozenset(
-    {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"}
-)
+# Not flash_attention_2/3: transformers' flash path finds packed samples in position_ids only
+# when the batch is a single row (`_is_packed_sequence`: `batch_size != 1` → not packed), and
+# packed batches here have several rows, so samples would attend across their boundaries.
+PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flex_attention"})
 # Attention implementations that apply a custom 4D mask as given (transformers ≥4.53 returns a
 # 4D mask unchanged): sdpa takes it boolean, eager adds it, so it gets an additive float copy.
 CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager"})
@@ -78,17 +80,23 @@ class SFTBatch:
         """The same batch with its tensors on `device`."""
         return replace(
             self,
-            input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device),
-            target_ids=self.target_ids.to(device),
-            segment_ids=self.segment_ids.to(device),
-            attention_mask=_move(self.attention_mask, device),
-            source_index=_move(self.source_index, device),
+            input_ids=move_to(self.input_ids, device),
+            position_ids=move_to(self.position_ids, device),
+            target_ids=move_to(self.target_ids, device),
+            segment_ids=move_to(self.segment_ids, device),
+            attention_mask=move_to(self.attention_mask, device),
+            source_index=move_to(self.source_index, device),
         )
 
 
-def _move(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
+def move_to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    """`t` on `device`; from host memory to a GPU through pinned memory, without blocking the
+    host (a copy from pageable memory waits for all queued GPU work)."""
+    if t is None:
+        return None
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def pack_sequences(samples: Sequence[TokenizedSample], max_tokens_per_row: int) -> list[list[int]]:
@@ -245,6 +253,14 @@ def prepare_sft_batch(
 
 
 def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
+    """Logits [B, T, V] of a causal LM on a batch, in the per-sample view (see `run_model`)."""
+    out = run_model(model, batch)
+    if batch.source_index is None:
+        return out.logits
+    return out.logits.flatten(0, 1)[batch.source_index]
+
+
+def run_model(model: Any, batch: SFTBatch) -> Any:
     """Run a causal LM on a batch so that no token attends across samples or to padding.
 
     Args:
@@ -253,8 +269,8 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
             `batch.to(device)` if needed).
 
     Returns:
-        Logits [B, T, V] in the per-sample view (row b is sample b, aligned with
-        `batch.target_ids`), whatever rows the model ran on.
+        The model's output on the rows it ran on ([R, W], `batch.input_ids`'s shape): its
+        `logits` map to the per-sample view through `batch.source_index` when it is set.
 
     Raises:
         ConfigError: if the model's attention implementation cannot run the batch: packed rows
@@ -282,15 +298,12 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
         )
     # Without a 4D mask, attention_mask must stay None: a 2D mask would switch off packed-row
     # detection.
-    out = model(
+    return model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=mask,
         use_cache=False,
     )
-    if batch.source_index is None:
-        return out.logits
-    return out.logits.flatten(0, 1)[batch.source_index]
 
 
 def temper_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -330,28 +343,35 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tens
     return logprobs.masked_fill(~valid, 0.0)
 
 
-def sft_loss(
-    logits: torch.Tensor, batch: SFTBatch, *, normalizer: int | None = None
-) -> tuple[torch.Tensor, dict]:
-    """Token-mean cross-entropy over the batch's trained tokens.
+@dataclass(frozen=True)
+class SFTLoss(ReadsScores):
+    """Token-mean cross-entropy over the batch's trained tokens (`sft_loss`).
 
-    Args:
-        logits: [B, T, V] from `forward_logits`.
-        batch: the batch the logits came from.
-        normalizer: divide the summed loss by this instead of the batch's own
-            `n_trained_tokens`; for gradient accumulation pass the whole step's trained-token
-            count to every micro-batch, so the step's gradient is the token-mean over the step.
+    Called with the fused head's `TokenScores` (the backend) or with [B, T, V] logits from
+    `forward_logits`, and the batch they came from. `normalizer`: divide the summed loss by
+    this instead of the batch's own `n_trained_tokens`; for gradient accumulation pass the
+    whole step's trained-token count to every micro-batch, so the step's gradient is the
+    token-mean over the step.
 
-    Returns:
-        The loss tensor, and metrics: `loss` (this batch's token-mean, float), `loss_sum`
-        (summed cross-entropy, float; add these up across micro-batches) and
-        `n_trained_tokens`.
+    Returns the loss tensor, and metrics: `loss` (this batch's token-mean), `loss_sum` (summed
+    cross-entropy; add these up across micro-batches) and `n_trained_tokens`. `loss` and
+    `loss_sum` are 0-dim tensors (read on the host once per operation, not per micro-batch).
     """
-    loss_sum = -token_logprobs(logits, batch.target_ids).sum()
-    n = batch.n_trained_tokens
-    loss = loss_sum / (normalizer if normalizer is not None else max(n, 1))
-    total = float(loss_sum.detach())
-    return loss, {"loss": total / max(n, 1), "loss_sum": total, "n_trained_tokens": n}
+
+    def __call__(self, inputs: torch.Tensor | TokenScores, batch: SFTBatch, *,
+                 normalizer: int | None = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+        if isinstance(inputs, TokenScores):
+            logprobs_BT = inputs.logprobs_BT
+        else:
+            logprobs_BT = token_logprobs(inputs, batch.target_ids)
+        loss_sum = -logprobs_BT.sum()
+        n = batch.n_trained_tokens
+        loss = loss_sum / (normalizer if normalizer is not None else max(n, 1))
+        total = loss_sum.detach()
+        return loss, {"loss": total / max(n, 1), "loss_sum": total, "n_trained_tokens": n}
+
+
+sft_loss = SFTLoss()
 
 
 def per_sample_loss(logits: torch.Tensor, batch: SFTBatch) -> torch.Tensor:
