@@ -72,6 +72,11 @@ class ModelConfig(Strict):
     tiny_seed: int = 0
     tiny_size: Literal["tiny", "small"] = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["sdpa", "segments"] = Field(
+        "sdpa",
+        description="segments: padding-free attention over packed and prompt-shared rows (no 4D "
+        "mask, no K/V expansion; FlashAttention varlen / FlexAttention on CUDA): docs/gpus.md",
+    )
     enable_thinking: bool | None = Field(
         None,
         description="thinking mode of chat templates that take it (Qwen3): passed to the "

@@ -29,15 +29,18 @@ from typing import Any
 import torch
 
 from plumbing.errors import ConfigError
+from training.data.segment_attention import segment_kwargs
 from training.data.tokenize import TokenizedSample
 
 IGNORE_INDEX = -100
 
 # Attention implementations whose transformers mask/kernel path detects packed rows from
-# position_ids when attention_mask is None. sdpa and eager are tested here (CPU).
-PACKING_AWARE_ATTENTION = frozenset(
-    {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"}
-)
+# position_ids when attention_mask is None. sdpa and eager are tested here (CPU). Not flash
+# attention: transformers finds packed samples from position_ids only in a batch of ONE row
+# (modeling_flash_attention_utils.py, `batch_size != 1`), and packed micro-batches have
+# several, whose samples would attend across their boundaries; "rollouts_segments" is the
+# varlen path (training/data/segment_attention.py).
+PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flex_attention"})
 # Attention implementations that apply a custom 4D mask as given (transformers ≥4.53 returns a
 # 4D mask unchanged): sdpa takes it boolean, eager adds it, so it gets an additive float copy.
 CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager"})
@@ -68,6 +71,9 @@ class SFTBatch:
     is_packed: bool
     attention_mask: torch.Tensor | None = None
     source_index: torch.Tensor | None = None
+    # the samples' lengths along the flattened [B*T] rows (a row's pads count with its last
+    # sample), from the host: the segment attention's layout (training/data/segment_attention.py)
+    segment_lengths: tuple[int, ...] = ()
 
     @property
     def padding_efficiency(self) -> float:
@@ -211,8 +217,10 @@ def prepare_sft_batch(
     positions: list[int] = []
     targets: list[int] = []
     segments: list[int] = []
+    segment_lengths: list[int] = []
     for row in rows:
         used = 0
+        segment_lengths.extend(lengths[i] for i in row)
         for i in row:
             ids, mask, n = samples[i].input_ids, samples[i].loss_mask, lengths[i]
             ids_.extend(ids)
@@ -223,6 +231,7 @@ def prepare_sft_batch(
             used += n
         # Pads continue the last sample's positions: see the module docstring.
         pads, last = width - used, lengths[row[-1]]
+        segment_lengths[-1] += pads
         ids_.extend([pad_id] * pads)
         positions.extend(range(last, last + pads))
         targets.extend([IGNORE_INDEX] * pads)
@@ -241,6 +250,7 @@ def prepare_sft_batch(
         n_tokens=sum(lengths),
         n_slots=shape[0] * shape[1],
         is_packed=any(len(row) > 1 for row in rows),
+        segment_lengths=tuple(segment_lengths),
     )
 
 
@@ -263,7 +273,10 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
     """
     impl = getattr(model.config, "_attn_implementation", None)
     mask = batch.attention_mask
-    if mask is not None:
+    layout = segment_kwargs(model, batch)
+    if layout:  # its own kernels isolate samples and apply the tree mask (no 4D mask built)
+        mask = None
+    elif mask is not None:
         if impl not in CUSTOM_MASK_ATTENTION:
             raise ConfigError(
                 f"attn_implementation {impl!r} cannot run prompt-shared rows (a 4D attention "
@@ -287,6 +300,7 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
         position_ids=batch.position_ids,
         attention_mask=mask,
         use_cache=False,
+        **layout,
     )
     if batch.source_index is None:
         return out.logits
