@@ -204,6 +204,11 @@ class FSDPConfig(Strict):
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="mixed precision: dtype of gradient reduce-scatter"
     )
+    accumulate_unsharded: bool = Field(
+        True,
+        description="keep params gathered and gradients unreduced across an op's micro-batches; "
+        "reduce-scatter once, on the last (memory: gathered params + fp32 grads per rank)",
+    )
     activation_checkpointing: bool = False
     cpu_offload: bool = Field(False, description="keep sharded params and grads on CPU")
     command_timeout_s: float = Field(
