@@ -210,6 +210,11 @@ class FSDPConfig(Strict):
         "reduce-scatter once, on the last (memory: gathered params + fp32 grads per rank)",
     )
     activation_checkpointing: bool = False
+    compile_layers: bool = Field(
+        False,
+        description="torch.compile each decoder layer (fewer, fused kernels); off until the GPU "
+        "check measures it faster (benchmarks/gpu_check.py, docs/gpus.md)",
+    )
     cpu_offload: bool = Field(False, description="keep sharded params and grads on CPU")
     command_timeout_s: float = Field(
         1800.0, gt=0, description="how long ranks ≥ 1 wait for rank 0's next operation"
