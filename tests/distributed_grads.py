@@ -7,7 +7,8 @@ rank appends to OUT_DIR/models-rank{R}.txt when it builds a model and when that 
 collected, so the test can check that each rank freed one mode's model before the next was built.
 
     python tests/distributed_grads.py MODEL_DIR OUT_DIR MODE[,MODE...]   # OUT_DIR/MODE/...
-    modes: sft, grpo-token-mean, grpo-seq-mean, and each with `-lora` (LoRA adapters, rank 4)
+    modes: sft, grpo-token-mean, grpo-seq-mean, and each with `-lora` (LoRA adapters, rank 4) or
+    `-tied` (the tiny model with tied input/output embeddings, tests/tied_model.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ with gc_paused(freeze=True):  # torch, transformers, the project: plumbing/gc_pa
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # rl_helpers
     from rl_helpers import batch_of
+    from tied_model import tied_copy
 
     from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
     from training.config import BackendConfig, LoraSettings, OptimConfig
@@ -68,6 +70,8 @@ def sft_samples(tokenizer) -> list:
 async def one_step(model_dir: str, out: Path, mode: str) -> dict:
     import distributed_grads as me  # by import path, so that the other ranks build it too
 
+    if mode.endswith("-tied"):  # rank 0 writes it before any rank builds the model
+        model_dir, mode = str(tied_copy(model_dir, out.parent / "tied")), mode.removesuffix("-tied")
     build = partial(me.watched_model, model_dir, str(out.parent))
     tokenizer = load_tokenizer(model_dir)
     optim = OptimConfig(lr=1e-3, schedule="constant")

@@ -1,6 +1,6 @@
 """One forward_backward per mode in an FSDP2 process group of one (gloo), bf16 compute over fp32
 master weights, as benchmarks/gpu_check.py runs, with `fsdp.accumulate_unsharded` off (today's
-per-micro-batch gather, cast and reduce) and on; rank 0 writes each run's whole gradient, its
+per-micro-batch gather, cast and reduce) and on, the tiny model untied and tied; rank 0 writes each run's whole gradient, its
 loss and the copy ops it launched (torch.profiler). tests/test_fsdp_accumulation.py compares.
 
     python tests/fsdp_group_of_one.py MODEL_DIR OUT_DIR   # OUT_DIR/<mode>-<on|off>.safetensors
@@ -24,6 +24,7 @@ with gc_paused(freeze=True):  # torch, transformers, the project: plumbing/gc_pa
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # rl_helpers, distributed_grads
     from distributed_grads import sft_samples
     from rl_helpers import batch_of
+    from tied_model import tied_copy
 
     from engines import find_free_port
     from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
@@ -32,7 +33,7 @@ with gc_paused(freeze=True):  # torch, transformers, the project: plumbing/gc_pa
     from training.rl.algorithms import grpo
     from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
-MODES = ("sft", "grpo", "sft-lora")
+MODES = ("sft", "grpo", "sft-lora", "sft-tied")
 COPIES = ("aten::copy_", "aten::_to_copy")
 
 
@@ -44,6 +45,8 @@ async def one(model_dir: str, out: Path, mode: str, accumulate: bool) -> dict:
     lora = LoraSettings(rank=4) if mode.endswith("-lora") else None
     common = dict(optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=2, lora=lora,
                   checkpoint_dir=out / f"ckpt-{mode}-{accumulate}")  # fmt: skip
+    if mode.endswith("-tied"):  # one parameter at both ends, in the root FSDP unit
+        model_dir = str(tied_copy(model_dir, out / "tied"))
     torch.manual_seed(0)
     if mode.startswith("sft"):
         backend = PyTorchTrainingBackend(partial(load_model, model_dir), tokenizer,

@@ -1,7 +1,7 @@
 """Gradient accumulation under FSDP2 without per-micro-batch gathers, casts and reduces
 (training/distributed/accumulation.py), in a process group of one with bf16 compute over fp32
 master weights, as benchmarks/gpu_check.py runs it: the gradient is bit-identical to today's
-per-micro-batch path (SFT, GRPO on prompt-shared rows, LoRA), and the copies no longer scale
+per-micro-batch path (SFT, GRPO on prompt-shared rows, LoRA, tied embeddings), and the copies no longer scale
 with the micro-batch count. At world 2 and 3 (uneven splits), tests/test_distributed.py and
 tests/test_distributed_shapes.py compare the accumulating path with one process."""
 
@@ -25,7 +25,7 @@ def runs(tiny_model_dir, tmp_path_factory, warm_python):
     return out, results
 
 
-@pytest.mark.parametrize("mode", ["sft", "grpo", "sft-lora"])
+@pytest.mark.parametrize("mode", ["sft", "grpo", "sft-lora", "sft-tied"])
 def test_accumulating_unsharded_gives_the_bit_identical_gradient(runs, mode):
     out, results = runs
     off, on = results[f"{mode}-off"], results[f"{mode}-on"]
@@ -34,6 +34,8 @@ def test_accumulating_unsharded_gives_the_bit_identical_gradient(runs, mode):
     g_off = load_file(str(out / f"{mode}-off.safetensors"))
     g_on = load_file(str(out / f"{mode}-on.safetensors"))
     assert g_off.keys() == g_on.keys() and len(g_off) > 10
+    if mode == "sft-tied":  # one weight at both ends
+        assert not any("lm_head" in k for k in g_off), sorted(g_off)
     assert any(g.abs().max() > 0 for g in g_off.values())
     assert all((g_on[k] == g).all() for k, g in g_off.items())
 

@@ -74,6 +74,13 @@ def assert_same(a, b):
     return logits, logits0
 
 
+@pytest.fixture(scope="module")
+def tied_dir(tiny_model_dir, tmp_path_factory):
+    from tests.tied_model import tied_copy
+
+    return tied_copy(tiny_model_dir, tmp_path_factory.mktemp("tied"))
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_packed_rows_give_the_dense_mask_logits_loss_and_gradients(tiny_model_dir, lora):
     batch = prepare_sft_batch(packed_samples(), pad_id=PAD, max_tokens_per_row=96)
@@ -111,6 +118,17 @@ def test_prompt_shared_rows_give_the_dense_mask_logits_loss_and_gradients(tiny_m
     logits, logits0 = assert_same(out["segments"], out["sdpa"])
     trained = batch.target_ids != -100
     assert (logits[trained] - logits0[trained]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_tied_embeddings_give_the_dense_mask_loss_and_gradients(tied_dir, shared):
+    if shared:
+        batch, loss_fn = collate_rl(rollout_examples(3), pad_id=PAD), rl_loss_fn(grpo())
+    else:
+        batch = prepare_sft_batch(packed_samples(seed=1), pad_id=PAD, max_tokens_per_row=96)
+        loss_fn = sft_loss
+    out = {attn: run(tiny(tied_dir, attn), batch, loss_fn) for attn in ("sdpa", "segments")}
+    assert_same(out["segments"], out["sdpa"])
 
 
 def test_segment_attention_builds_no_4d_mask_and_never_expands_kv(tiny_model_dir):
