@@ -8,11 +8,11 @@ transformers and selects it for `model` (`model.attention: segments` in a config
 
 - packed (and one-sample) rows: the lengths of the samples along the flattened [B*T] rows,
   from the host (`SFTBatch.segment_lengths`, pads folded into their row's last sample, which
-  they follow and which never attends to them). On CUDA each layer runs
+  they follow and which never attends to them). On CUDA in bf16/fp16 each layer runs
   `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen, causal, GQA) on them.
 - prompt-shared rows (training/data/prefix_sharing.py): the tree mask [R, 1, W, W]. On CUDA
-  each layer runs FlexAttention with a block mask made once per forward from it, so the
-  blocks no branch needs are skipped.
+  each layer runs FlexAttention (compiled once per process: the first step pays the compile)
+  with a block mask made once per forward from it, so the blocks no branch needs are skipped.
 
 Elsewhere (CPU, the exact twin that the tests compare with today's path) each layer runs one
 SDPA call with a boolean mask built once per forward and GQA inside the kernel: the same math
@@ -156,18 +156,29 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         causal = attention_mask is None and query.shape[2] > 1 and query.shape[2] == key.shape[2]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                              is_causal=causal, scale=scaling, enable_gqa=True)  # fmt: skip
-    elif query.is_cuda and segments.tree_mask is None:
+    elif query.is_cuda and segments.tree_mask is None and query.dtype in _FLASH_DTYPES:
         out = _varlen(query, key, value, segments, scaling)
-    elif query.is_cuda:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        out = flex_attention(query, key, value, block_mask=segments.block_mask(query.shape[1]),
-                             scale=scaling, enable_gqa=True)  # fmt: skip
-    else:
+    elif query.is_cuda and segments.tree_mask is not None:
+        out = _compiled_flex()(query, key, value, block_mask=segments.block_mask(query.shape[1]),
+                               scale=scaling, enable_gqa=True)  # fmt: skip
+    else:  # CPU, or fp32 on CUDA (FlashAttention takes bf16/fp16 only)
         mask = segments.dense_mask(query.device)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                              enable_gqa=True)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+_FLEX: list[Any] = []
+
+
+def _compiled_flex() -> Any:
+    """FlexAttention compiled once per process: uncompiled, it materialises every score."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=True))
+    return _FLEX[0]
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
