@@ -12,7 +12,10 @@ What runs (the project's own parts, nothing mocked):
   weight sync (`push_weights`: the export and engine load the RL loop does after a step).
 
 It prints step time, tokens/s, MFU against the GPU's dense bf16 peak and peak memory per phase,
-and writes the `gpu_check` section of benchmarks/RESULTS.md. MFU counts the model's FLOPs as
+then one row per trainer-speed change of issue 43 (benchmarks/gpu_variants.py: today,
++accumulate, +segments, +large micro-batch, +compile, on the same batches, with MFU by hardware
+FLOPs too, the GPU-busy share, loss and grad norm), and writes the `gpu_check` section of
+benchmarks/RESULTS.md. MFU counts the model's FLOPs as
 PaLM's appendix B does: 6·N per token for the N weights that multiply (the output layer included,
 the embedding lookup not) plus 12·layers·hidden·T for attention over each sample's T tokens.
 
