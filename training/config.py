@@ -72,6 +72,11 @@ class ModelConfig(Strict):
     tiny_seed: int = 0
     tiny_size: Literal["tiny", "small"] = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["sdpa", "segments"] = Field(
+        "sdpa",
+        description="segments: padding-free attention over packed and prompt-shared rows (no 4D "
+        "mask, no K/V expansion; FlashAttention varlen / FlexAttention on CUDA): docs/gpus.md",
+    )
     enable_thinking: bool | None = Field(
         None,
         description="thinking mode of chat templates that take it (Qwen3): passed to the "
@@ -199,7 +204,17 @@ class FSDPConfig(Strict):
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="mixed precision: dtype of gradient reduce-scatter"
     )
+    accumulate_unsharded: bool = Field(
+        True,
+        description="keep params gathered and gradients unreduced across an op's micro-batches; "
+        "reduce-scatter once, on the last (memory: gathered params + fp32 grads per rank)",
+    )
     activation_checkpointing: bool = False
+    compile_layers: bool = Field(
+        False,
+        description="torch.compile each decoder layer (fewer, fused kernels); off until the GPU "
+        "check measures it faster (benchmarks/gpu_check.py, docs/gpus.md)",
+    )
     cpu_offload: bool = Field(False, description="keep sharded params and grads on CPU")
     command_timeout_s: float = Field(
         1800.0, gt=0, description="how long ranks ≥ 1 wait for rank 0's next operation"

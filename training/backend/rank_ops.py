@@ -38,6 +38,7 @@ from training.data.packing import forward_logits, pack_balanced, prepare_sft_bat
 from training.data.prefix_sharing import split_rows_by_budget
 from training.data.scores import ReadsScores, TokenScores
 from training.distributed import watchdog
+from training.distributed.accumulation import gathered_for_op
 from training.distributed.split import rank_shares
 from training.distributed.worker import gather_results, issue
 
@@ -135,19 +136,31 @@ class RankOps:
         if watch is not None:
             watch.phase(text)
 
-    def _passes(self, items: Sequence[T], n_agreed: int,
-                idle: Callable[[], object]) -> Iterator[T]:  # fmt: skip
+    def _gathered(self) -> contextlib.AbstractContextManager:
+        """FSDP keeps the params gathered across the op's passes (training/distributed/
+        accumulation.py); yields its `GatheredOp`, or None when that is off or not sharded."""
+        fsdp = self._dist.fsdp if self._dist is not None else None
+        return gathered_for_op(self.model, enabled=fsdp is not None and fsdp.accumulate_unsharded,
+                               reshard_after_forward=fsdp is None or fsdp.reshard_after_forward)  # fmt: skip
+
+    def _passes(self, items: Sequence[T], n_agreed: int, idle: Callable[[], object],
+                gathered: Any = None) -> Iterator[T]:  # fmt: skip
         """Yield this rank's `items` (the caller runs one pass on each), then run `idle()`
-        until the rank has made `n_agreed` passes."""
+        until the rank has made `n_agreed` passes; `gathered` (a `GatheredOp`) is told of
+        each pass before it runs, so that only the last one reduces the gradients."""
         if n_agreed < len(items):
             raise BackendError(f"agreed on {n_agreed} passes but this rank has {len(items)}")
         counts = getattr(self, "_counts", None)
         of = f"of {n_agreed}" + (f" (passes by rank: {counts})" if counts else "")
         for k, item in enumerate(items):
             self._phase(f"pass {k + 1} {of}")
+            if gathered is not None:
+                gathered.before_pass(k, n_agreed)
             yield item
         for k in range(len(items), n_agreed):
             self._phase(f"idle pass {k + 1} {of}")
+            if gathered is not None:
+                gathered.before_pass(k, n_agreed)
             idle()
 
     def _idle_pass(self, *, backward: bool) -> None:
@@ -182,8 +195,9 @@ class RankOps:
         per_mb: list[tuple[dict, float]] = []  # device values, read once after the passes
         n_tokens = n_slots = n_trained = 0
         idle = lambda: self._idle_pass(backward=True)  # noqa: E731
-        with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
-            for batch in self._passes(batches, n_passes, idle):
+        with (contextlib.nullcontext() if dropout else model_io.dropout_off(self.model),
+              self._gathered() as gathered):  # fmt: skip
+            for batch in self._passes(batches, n_passes, idle, gathered):
                 loss, metrics = loss_fn(self._forward_for(batch, loss_fn), batch)
                 weight = weight_fn(batch)
                 (loss * (weight / total_weight)).backward()
@@ -226,7 +240,7 @@ class RankOps:
         n_passes, total_weight = self._agree_passes(len(batches), local_weight)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         idle = lambda: self._idle_pass(backward=False)  # noqa: E731
-        with torch.no_grad(), model_io.eval_mode(self.model):
+        with torch.no_grad(), model_io.eval_mode(self.model), self._gathered():
             for batch in self._passes(batches, n_passes, idle):
                 batch = batch.to(self.device)
                 loss, _ = self.loss_fn(self._forward_for(batch, self.loss_fn), batch)
@@ -241,7 +255,7 @@ class RankOps:
         n_passes, _ = self._agree_passes(len(mbs))
         idle = lambda: self._idle_pass(backward=False)  # noqa: E731
         base = lo.base_model_pass(self.model) if base_model else contextlib.nullcontext()
-        with torch.no_grad(), model_io.eval_mode(self.model), base:
+        with torch.no_grad(), model_io.eval_mode(self.model), base, self._gathered():
             for mb in self._passes(mbs, n_passes, idle):
                 host = self._collate(mb)
                 batch = host.to(self.device)

@@ -30,15 +30,17 @@ import torch
 
 from plumbing.errors import ConfigError
 from training.data.scores import ReadsScores, TokenScores
+from training.data.segment_attention import segment_kwargs
 from training.data.tokenize import TokenizedSample
 
 IGNORE_INDEX = -100
 
 # Attention implementations whose transformers mask/kernel path detects packed rows from
-# position_ids when attention_mask is None. sdpa and eager are tested here (CPU).
-# Not flash_attention_2/3: transformers' flash path finds packed samples in position_ids only
-# when the batch is a single row (`_is_packed_sequence`: `batch_size != 1` → not packed), and
-# packed batches here have several rows, so samples would attend across their boundaries.
+# position_ids when attention_mask is None. sdpa and eager are tested here (CPU). Not flash
+# attention: transformers finds packed samples from position_ids only in a batch of ONE row
+# (modeling_flash_attention_utils.py, `batch_size != 1`), and packed micro-batches have
+# several, whose samples would attend across their boundaries; "rollouts_segments" is the
+# varlen path (training/data/segment_attention.py).
 PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flex_attention"})
 # Attention implementations that apply a custom 4D mask as given (transformers ≥4.53 returns a
 # 4D mask unchanged): sdpa takes it boolean, eager adds it, so it gets an additive float copy.
@@ -70,6 +72,9 @@ class SFTBatch:
     is_packed: bool
     attention_mask: torch.Tensor | None = None
     source_index: torch.Tensor | None = None
+    # the samples' lengths along the flattened [B*T] rows (a row's pads count with its last
+    # sample), from the host: the segment attention's layout (training/data/segment_attention.py)
+    segment_lengths: tuple[int, ...] = ()
 
     @property
     def padding_efficiency(self) -> float:
@@ -219,8 +224,10 @@ def prepare_sft_batch(
     positions: list[int] = []
     targets: list[int] = []
     segments: list[int] = []
+    segment_lengths: list[int] = []
     for row in rows:
         used = 0
+        segment_lengths.extend(lengths[i] for i in row)
         for i in row:
             ids, mask, n = samples[i].input_ids, samples[i].loss_mask, lengths[i]
             ids_.extend(ids)
@@ -231,6 +238,7 @@ def prepare_sft_batch(
             used += n
         # Pads continue the last sample's positions: see the module docstring.
         pads, last = width - used, lengths[row[-1]]
+        segment_lengths[-1] += pads
         ids_.extend([pad_id] * pads)
         positions.extend(range(last, last + pads))
         targets.extend([IGNORE_INDEX] * pads)
@@ -249,6 +257,7 @@ def prepare_sft_batch(
         n_tokens=sum(lengths),
         n_slots=shape[0] * shape[1],
         is_packed=any(len(row) > 1 for row in rows),
+        segment_lengths=tuple(segment_lengths),
     )
 
 
@@ -279,7 +288,10 @@ def run_model(model: Any, batch: SFTBatch) -> Any:
     """
     impl = getattr(model.config, "_attn_implementation", None)
     mask = batch.attention_mask
-    if mask is not None:
+    layout = segment_kwargs(model, batch)
+    if layout:  # its own kernels isolate samples and apply the tree mask (no 4D mask built)
+        mask = None
+    elif mask is not None:
         if impl not in CUSTOM_MASK_ATTENTION:
             raise ConfigError(
                 f"attn_implementation {impl!r} cannot run prompt-shared rows (a 4D attention "
@@ -303,6 +315,7 @@ def run_model(model: Any, batch: SFTBatch) -> Any:
         position_ids=batch.position_ids,
         attention_mask=mask,
         use_cache=False,
+        **layout,
     )
 
 

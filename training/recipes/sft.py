@@ -246,7 +246,13 @@ def build_backend(config: SFTRunConfig, model_path: str, *, tokenizer: Any = Non
     """
     pack = pack_length or config.data.pack_length or DEFAULT_PACK_LENGTH
     return PyTorchTrainingBackend(
-        partial(load_model, model_path, dtype=config.model.dtype, device=config.backend.device),
+        partial(
+            load_model,
+            model_path,
+            dtype=config.model.dtype,
+            device=config.backend.device,
+            attention=config.model.attention,
+        ),
         tokenizer if tokenizer is not None else load_tokenizer(model_path),
         optim=config.optim,
         max_steps=max_steps or config.train.max_steps,

@@ -125,6 +125,10 @@ class RLBatch:
     def is_packed(self) -> bool:
         return False
 
+    @property
+    def segment_lengths(self) -> tuple[int, ...]:
+        return self.base.segment_lengths
+
     def to(self, device: torch.device | str) -> RLBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return move_to(t, device)
