@@ -104,7 +104,8 @@ $(PLOT_STAMP): pyproject.toml $(STAMP)
 	$(PIP) install -q -e ".[dev,plot]" "torch==$(TORCH_VERSION)"
 	touch $(PLOT_STAMP)
 
-# Every run starts afresh and overwrites runs/demo (DEMO_ARGS: e.g. --out DIR, --sft KEY=VALUE).
+# A stopped demo resumes from its checkpoints; --fresh starts over (DEMO_ARGS: e.g. --out DIR,
+# --sft KEY=VALUE, --fresh).
 DEMO_ARGS ?=
 demo: $(PLOT_STAMP)  ## SFT on an imperfect teacher to a plateau, then RL vs continued SFT (runs/demo)
 	$(PY) examples/demo.py $(DEMO_ARGS)

@@ -12,7 +12,10 @@ What runs (the project's own parts, nothing mocked):
   weight sync (`push_weights`: the export and engine load the RL loop does after a step).
 
 It prints step time, tokens/s, MFU against the GPU's dense bf16 peak and peak memory per phase,
-and writes the `gpu_check` section of benchmarks/RESULTS.md. MFU counts the model's FLOPs as
+then one row per trainer-speed change of issue 43 (benchmarks/gpu_variants.py: today,
++accumulate, +segments, +large micro-batch, +compile, on the same batches, with MFU by hardware
+FLOPs too, the GPU-busy share, loss and grad norm), and writes the `gpu_check` section of
+benchmarks/RESULTS.md. MFU counts the model's FLOPs as
 PaLM's appendix B does: 6·N per token for the N weights that multiply (the output layer included,
 the embedding lookup not) plus 12·layers·hidden·T for attention over each sample's T tokens.
 
@@ -40,6 +43,7 @@ from functools import partial
 from pathlib import Path
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
+from gpu_variants import variant_rows, variant_table
 
 import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
 
@@ -243,6 +247,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
     engine_args = ["--device", plan.device, "--dtype", plan.engine_dtype, "--weight-version", "0",
                    "--max-running-requests", str(plan.rl_prompts * plan.rl_group)]  # fmt: skip
     times, flops, tokens, gen_s, gen_tokens, sync_s = [], [], [], [], [], []
+    rl_batches = []  # trained again by each change's row (benchmarks/gpu_variants.py)
     async with (
         launch_engine(kind="local", model_path=model_dir, extra_args=engine_args,
                       log_path=tmp / "engine.log", startup_timeout_s=600) as launched,
@@ -251,6 +256,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
         for step in range(plan.rl_steps):
             t0 = time.perf_counter()
             batch = await sample_groups(engine, plan, rng, vocab, step)
+            rl_batches.append(batch)
             gen_s.append(time.perf_counter() - t0)
             lengths = [len(s.prompt_ids) + len(s.response_ids) for g in batch.groups for s in g]
             gen_tokens.append(sum(len(s.response_ids) for g in batch.groups for s in g))
@@ -273,15 +279,22 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
             profiles.append(("GRPO update", prof))
             await push_weights(rl, [engine], tmp / "weights")
         served = (await engine.model_info()).weight_version
+    trained_version = str(rl.weight_version)
     if profile is not None:
         write_profiles(plan, profiles, profile)
+    rl.close()
+    del rl
+    sft_rng = random.Random(1)  # sft_phase's batches
+    sft_batches = [sft_samples(plan, sft_rng, vocab) for _ in range(plan.sft_steps)]
+    figures["variants"] = await variant_rows(plan, tmp, model_dir, tok, n_matmul, sft_batches,
+                                             rl_batches)  # fmt: skip
     w = plan.warmup
     figures["grpo"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
     figures["engine"] = {"generate_s": harness.median(gen_s[w:]),
                          "tokens_per_s": sum(gen_tokens[w:]) / sum(gen_s[w:])}  # fmt: skip
     figures["weight_sync_s"] = harness.median(sync_s[w:])
     figures["served_version"] = served
-    figures["trained_version"] = str(rl.weight_version)
+    figures["trained_version"] = trained_version
     return figures
 
 
@@ -437,7 +450,14 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
         f"{figures['weight_sync_s']:.2f} s; the engine serves version "
         f"{figures['served_version']} after {figures['trained_version']} GRPO steps.",
     ]
-    return [table], notes
+    notes.append(
+        "- Changes of issue 43, each row adding one (cumulative; benchmarks/gpu_variants.py): "
+        "fresh backends from the same weights on the same SFT batches and sampled GRPO batches; "
+        "MFU (hardware) counts a shared prompt once per row; GPU busy is the kernel time of "
+        "one profiled step over its wall time. Losses and grad norms must agree across rows."
+    )
+    variants = figures.get("variants")
+    return [table] + ([variant_table(variants, peak)] if variants else []), notes
 
 
 def main() -> int:
@@ -469,10 +489,13 @@ def main() -> int:
                           quick=args.dry_run, started=started, path=args.results,
                           smoke=smoke)  # fmt: skip
     harness.emit({k: v for k, v in figures.items() if k != "process_group"})
+    # a change's failure on the GPU is its row's text and a failed check (CPU skips compile)
+    bad_variants = [k for k, v in figures["variants"].items()
+                    if "error" in v and not v["error"].startswith("skipped on CPU")]  # fmt: skip
     bad = [k for k, _ in PHASES if "error" in figures[k] or not all(
            math.isfinite(v) and v > 0 for v in
            (figures[k]["step_s"], figures[k]["tokens_per_s"], figures[k]["tflops"]))]  # fmt: skip
-    return 1 if bad else 0
+    return 1 if bad or bad_variants else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Contract: `EngineHTTP.request` retries only failures where the server produced n
 and a warning log line, then raises `EngineUnavailableError`; a timeout raises
 `EngineTimeoutError` at once (the request may still run on the server, so it is never silently
 repeated); any other HTTP error raises `EngineError` at once with the status, the server's
-message in the text and the raw body on `.body`.
+message in the text and the raw body on `.body`. A 2xx that is not JSON raises
+`EngineBadAnswerError` (status 502: transient, so a pool fails it over and a rollout retries it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ class EngineTimeouts:
     connect_s: float = 10.0
     generate_s: float | None = 3600.0
     control_s: float = 120.0  # pause, abort, flush, info
-    weight_update_s: float = 1800.0
+    weight_update_s: float = 1800.0  # the HTTP limit; a sync bounds a load far sooner:
+    # `weight_update_floor_s + weight_update_s_per_gb × GB` of the weights it loads
+    # (engines/sync_steps.py `update_bound_s`), then counts that engine down
+    weight_update_floor_s: float = 30.0
+    weight_update_s_per_gb: float = 10.0
     health_s: float = 10.0
 
 
@@ -240,9 +245,19 @@ def decode_json(response: httpx.Response, what: str, url: str) -> Any:
     try:
         return json.loads(response.content)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise EngineError(
-            f"{what}: the answer is not JSON ({exc})",
-            url=url,
-            status=response.status_code,
-            body=response.text[:2000],
-        ) from exc
+        raise EngineBadAnswerError(what, response, exc, url) from exc
+
+
+class EngineBadAnswerError(EngineError):
+    """A 2xx whose body is not JSON: a misrouted load balancer's page, a truncated answer.
+
+    Nothing the request itself got wrong, so it is transient: `status` is 502 (Bad Gateway, an
+    invalid answer from upstream), which pools fail over and rollouts retry like any 5xx; the
+    text keeps the status the server really sent.
+    """
+
+    def __init__(self, what: str, response: httpx.Response, exc: ValueError, url: str) -> None:
+        super().__init__(f"{what}: the answer (HTTP {response.status_code}) is not JSON ({exc}); "
+                         "retried as a 502 Bad Gateway", url=url, body=response.text[:2000])  # fmt: skip
+        self.status = 502
+        self.sent_status = response.status_code

@@ -142,6 +142,7 @@ class EnginePool(PoolMembershipMixin):
                     s.rejoined,
                     s.samples_sent,
                     s.samples_received,
+                    s.down_reason,
                 )
                 for s in self._slots
             )
@@ -227,9 +228,11 @@ class EnginePool(PoolMembershipMixin):
                     failed_on.clear()
                     await trio.sleep_until(min(deadline, trio.current_time() + backoff))
                     backoff = min(2 * backoff, max(self.probe_interval_s, 0.5))
-                logger.warning("request %s failed on %s (%s, attempt %d of at most %d): %.300s; "
-                               "retrying", _what(rids), slot.engine.url, engine_failure_kind(exc),
-                               attempt, self.max_attempts, exc)  # fmt: skip
+                # an engine marked down had its WARNING (pool_membership._mark_down)
+                logger.log(logging.WARNING if slot.healthy else logging.DEBUG,
+                           "request %s failed on %s (%s, attempt %d of at most %d): %.300s; "
+                           "retrying", _what(rids), slot.engine.url, engine_failure_kind(exc),
+                           attempt, self.max_attempts, exc)  # fmt: skip
                 continue
             else:
                 slot.done += 1

@@ -14,9 +14,13 @@ Contract (the membership half of `EnginePool`'s):
   the current weights by a full sync (pause → flush → update → version check → continue), and
   the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
   marked up; if the last push went by broadcast (`expected_weights` without a path) it stays
-  down until a push writes a copy for it (engines/refit.py). Engines this client has paused (a weight sync in progress) are never
-  marked down by a probe. A down engine's `known_down` is set: weight syncs skip it without
-  trying (its retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin.
+  down until a push writes a copy for it (engines/refit.py). It stays `known_down` until then:
+  a push meanwhile only records its weights, which the rejoin gives it before it is marked up.
+  Engines this client has paused (a weight sync in progress) are never marked down by a
+  probe. A down engine's `known_down` is set: weight syncs skip it without trying (its
+  retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin. A sync that gave
+  up on an engine's load (it hangs: engines/sync_steps.py) sets it too, and the next probe marks
+  that engine down.
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
@@ -53,6 +57,7 @@ class EngineStats:
     rejoined: int = 0  # times it came back and was given the current weights
     samples_sent: int = 0  # items of the requests sent to it (a batch counts its items)
     samples_received: int = 0  # items of the answers it returned
+    down_reason: str | None = None  # why it is down now (None: it serves)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class _Slot:
         self.samples_sent = 0
         self.samples_received = 0
         self.last_pick = 0
+        self.down_reason: str | None = None  # why it was marked down, until it rejoins
+        self.rejoin_failed = False  # its failed rejoins were logged once (WARNING) this time
 
     def fail(self, exc: EngineError) -> None:
         self.failed += 1
@@ -118,8 +125,13 @@ class PoolMembershipMixin:
         self._changed = trio.Event()
 
     def _mark_down(self, slot: _Slot, reason: BaseException) -> None:
+        """The one WARNING of an engine going down; what follows while it is down is DEBUG."""
         if slot.healthy:
-            logger.warning("engine %s marked down: %s", slot.engine.url, reason)
+            serving = sum(s.healthy for s in self._slots) - 1
+            logger.warning("engine %s marked down (%d of %d engines serve; it is given the "
+                           "current weights when it answers again): %s", slot.engine.url,
+                           serving, len(self._slots), reason)  # fmt: skip
+            slot.down_reason = f"{type(reason).__name__}: {str(reason)[:200]}"
             slot.healthy = False
             _set_known_down(slot.engine, True)
             self._notify()
@@ -134,6 +146,10 @@ class PoolMembershipMixin:
 
     async def _probe_one(self, slot: _Slot) -> None:
         engine = slot.engine
+        if slot.healthy and getattr(engine, "known_down", False):  # a sync gave up on its load
+            self._mark_down(slot, EngineUnavailableError(
+                "a weight sync gave up on its load (it hangs)", url=engine.url))  # fmt: skip
+            return
         if getattr(engine, "paused", False):
             return  # a weight sync is in progress: its own steps say whether it failed
         if not slot.healthy:
@@ -177,21 +193,38 @@ class PoolMembershipMixin:
             # it stays down, and the next push writes one for it (an engine out of the group)
             slot.rejoining = False
             return
-        _set_known_down(engine, False)  # it answers: the sync below must not skip it
         try:
             with trio.fail_after(self.rejoin_timeout_s):
-                if expected is not None and expected[0] is not None:
-                    await sync_weights_to_engines([engine], expected[0], expected[1])
-                if expected is not None and lora is not None:
-                    await sync_lora_to_engines([engine], lora[1], lora[0], expected[1])
-            logger.info("engine %s is back%s", engine.url,
-                        f" and serves weights {expected[1]}" if expected else "")  # fmt: skip
-            slot.healthy = True
+                # Still `known_down` meanwhile, so a push skips it and only records its weights
+                # (`expected_weights`) instead of syncing it at the same time: given again here
+                # until no push changed them during the sync (issue 49 item D1).
+                while True:
+                    if expected is not None and expected[0] is None and lora is None:
+                        return  # a broadcast since: as above, it waits for a copy on disk
+                    if expected is not None and expected[0] is not None:
+                        await sync_weights_to_engines([engine], expected[0], expected[1],
+                                                      skip_known_down=False)  # fmt: skip
+                    if expected is not None and lora is not None:
+                        await sync_lora_to_engines([engine], lora[1], lora[0], expected[1],
+                                                   skip_known_down=False)  # fmt: skip
+                    now = (getattr(engine, "expected_weights", None),
+                           getattr(engine, "expected_lora", None))  # fmt: skip
+                    if now == (expected, lora):
+                        break
+                    expected, lora = now
+            _set_known_down(engine, False)  # weight syncs reach it again
+            slot.healthy = True  # the one WARNING of its return (the pair of the mark-down's)
+            logger.warning("engine %s is back%s (%d of %d engines serve)", engine.url,
+                           f" and serves weights {expected[1]}" if expected else "",
+                           sum(s.healthy for s in self._slots), len(self._slots))  # fmt: skip
             slot.rejoined += 1
+            slot.down_reason, slot.rejoin_failed = None, False
             self._notify()
         except (EngineError, trio.TooSlowError) as exc:
-            logger.warning("engine %s answers but could not be given the weights: %s",
-                           engine.url, exc)  # fmt: skip
+            level = logging.DEBUG if slot.rejoin_failed else logging.WARNING  # once per outage
+            slot.rejoin_failed = True
+            logger.log(level, "engine %s answers but could not be given the weights: %s",
+                       engine.url, exc)  # fmt: skip
         finally:
             slot.rejoining = False
 

@@ -43,8 +43,10 @@ from plumbing.errors import EngineError
 
 from .launch import find_free_port
 from .pause_renewal import renewing_pauses
+from .sync_steps import flush as _flush
+from .sync_steps import raise_failures as _raise_failures
+from .sync_steps import resume_noting as _resume_noting
 from .types import EngineUnavailableError
-from .weight_sync import _flush, _raise_failures, _resume_noting
 
 logger = logging.getLogger(__name__)
 

@@ -10,12 +10,16 @@ Contract:
   purpose: the time includes queueing behind other requests in the engine, and a big model
   at a large batch decodes 15-30 tokens/s per sequence; a false stall costs a re-sent
   request. Tighten them where the engine's speed is known.
-- `call_unless_stalled(call, engine, bound_s)` runs `call()`; if it has not returned
-  `bound_s` after it started it is cancelled (its HTTP request closed, so its answer can never
-  be returned) and `EngineStalledError` raised. Time the engine spends paused by this client
-  (a weight sync: requests wait behind the pause by design) does not count: a pause seen at
-  the deadline, or one that happened since the timer started (`kv_namespace` changed), starts
-  the timer again.
+- `call_unless_stalled(call, engine, bound_s)` runs `call()`; once it has been outstanding
+  `bound_s` it is cancelled (its HTTP request closed, so its answer can never be returned) and
+  `EngineStalledError` raised. Time the engine spends paused by this client (a weight sync:
+  requests wait behind the pause by design) does not count, and a pause never restarts the
+  count (issue 49 item D6: each pause used to start the whole bound again, so a hung request
+  waited twice its bound or more): the time is counted in `bound_s / 16` ticks, and a tick
+  counts unless the engine was paused at either end of it or paused and resumed inside it
+  (`kv_namespace` changed). A request hung across pauses is given up on at most two ticks
+  per pause after its bound of unpaused time; a weight sync's pause is itself bounded
+  (engines/weight_sync.py), so it cannot hold a request forever.
 
 Not covered: the engine's own progress (tokens so far) is not read; the bound is per request,
 from its length only, so an engine loaded far beyond its usual queue may be taken for stalled
@@ -35,6 +39,8 @@ from .types import EngineTimeoutError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_TICKS = 16  # the stall watch counts unpaused time in ticks of bound_s / _TICKS
 
 
 class EngineStalledError(EngineTimeoutError):
@@ -68,16 +74,17 @@ async def call_unless_stalled(
 
     async def watch(scope: trio.CancelScope) -> None:
         nonlocal stalled
+        counted = 0  # ticks outstanding while the engine was not paused by this client
         namespace = getattr(engine, "kv_namespace", None)
-        while True:
-            await trio.sleep(bound_s)
-            now_ns = getattr(engine, "kv_namespace", None)
-            if getattr(engine, "paused", False) or now_ns != namespace:
-                namespace = now_ns  # paused by a weight sync meanwhile: start again
-                continue
-            stalled = True
-            scope.cancel()
-            return
+        was_paused = getattr(engine, "paused", False)
+        while counted < _TICKS:
+            await trio.sleep(bound_s / _TICKS)
+            now_ns, paused = getattr(engine, "kv_namespace", None), getattr(engine, "paused", False)
+            if not (was_paused or paused or now_ns != namespace):
+                counted += 1
+            namespace, was_paused = now_ns, paused
+        stalled = True
+        scope.cancel()
 
     error: Exception | None = None  # raised as is after the nursery, not wrapped in a group
     async with trio.open_nursery() as nursery:

@@ -89,9 +89,9 @@ async def _relaunch_until_stopped(keep_running: trio.CancelScope, max_relaunches
                     task_status.started(supervision)
                 else:
                     supervision.current = launched
-                    logger.warning("engine %s relaunched (pid %d, relaunch %d of at most %d)",
-                                   launched.url, launched.pid, supervision.relaunches,
-                                   max_relaunches)  # fmt: skip
+                    logger.log(_level(events), "engine %s relaunched (pid %d, relaunch %d of at "
+                               "most %d)", launched.url, launched.pid, supervision.relaunches,
+                               max_relaunches)  # fmt: skip
                     _tell(events, "up", launched.url)
                 supervision.pids.append(launched.pid)
                 await launched.exited.wait()
@@ -108,9 +108,15 @@ async def _relaunch_until_stopped(keep_running: trio.CancelScope, max_relaunches
                 f"{max_relaunches}; last: {reason}",
                 url=supervision.url,
             )
-        logger.warning("engine %s died (%s); relaunching in %.1f s", supervision.url,
-                       reason.splitlines()[0], delay_s)  # fmt: skip
+        logger.log(_level(events), "engine %s died (%s); relaunching in %.1f s", supervision.url,
+                   reason.splitlines()[0], delay_s)  # fmt: skip
         await trio.sleep(delay_s)
+
+
+def _level(events: trio.MemorySendChannel[tuple[str, str]] | None) -> int:
+    """INFO when a pool hears of it (it logs the one WARNING of the engine going down and the
+    one of its return); WARNING when nobody else will say it."""
+    return logging.WARNING if events is None else logging.INFO
 
 
 def _tell(events: trio.MemorySendChannel[tuple[str, str]] | None, what: str, url: str) -> None:

@@ -12,17 +12,21 @@ from_disk(dir, version, flush_cache=False)` → read `/model_info` and check it 
 - "in_place": requests keep running on their KV, so SGLang refuses any flush (and an update
   that asks for one fails without setting the version). The cache is namespaced instead:
   every request the client sends carries `extra_key = engine.kv_namespace`, which `pause()`
-  renews, so nothing sent after the pause matches a prefix cached before it (the local engine
-  also keys its cache by its own weight generation, so there a request queued before the
-  pause, or sent without that key, reuses nothing of the old weights either). The in-place
+  renews, so nothing sent after the pause matches a prefix cached before it. The in-place
   requests themselves finish on KV that mixes old and new weights; their
   `meta_info.weight_versions` spans say so.
 - Every engine that was paused is resumed, whatever happened: a failure, another engine's
   failure, or cancellation (the resume runs shielded, bounded by `resume_timeout_s`).
 - An engine that cannot be reached (`EngineUnavailableError`: dead, restarting), or that an
-  `EnginePool` knows is down (`engine.known_down`, not tried), is skipped and logged, and the sync goes on with the live ones; it fails only if no engine took the weights.
-  Each engine's `expected_weights` (path, version) is set first, so an `EnginePool` gives a
-  skipped or restarted engine these weights before it serves again.
+  `EnginePool` knows is down (`engine.known_down`, not tried), is skipped and logged, and the
+  sync goes on with the live ones. Each engine's `expected_weights` (path, version) is set
+  first, so an `EnginePool` gives a skipped or restarted engine these weights before it serves
+  again. When every engine is down the sync waits up to `wait_s` for one to come back
+  (`engines.unavailable_timeout_s`, as a request does), and fails only if none took the
+  weights by then (engines/sync_steps.py; issue 49 item D1).
+- A load that does not answer within `update_bound_s` (30 s + 10 s/GB by default) is given up:
+  that engine counts as down, not failed, and is no longer held paused (engines/sync_steps.py;
+  issue 49 item D3).
 - Engines do not cancel each other: each finishes its own sequence, then one `WeightSyncError`
   names every engine that failed with the server's message. Engines that succeeded keep the new
   weights (SGLang keeps the old ones on a failed load), so after an error the fleet may be
@@ -45,6 +49,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -53,6 +58,17 @@ from plumbing.errors import EngineError
 
 from .lora import LoraAdapterError
 from .pause_renewal import renewing_pauses
+from .sync_steps import (
+    KNOWN_DOWN,
+    down_level,
+    give_up,
+    update_bound_s,
+    wait_until_one_back,
+    weights_gb,
+)
+from .sync_steps import flush as _flush
+from .sync_steps import raise_failures as _raise_failures
+from .sync_steps import resume_noting as _resume_noting
 from .types import EngineUnavailableError, InferenceEngine, PauseMode, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -68,6 +84,9 @@ async def sync_weights_to_engines(
     resume_timeout_s: float = 30.0,
     flush_retries: int = 5,
     flush_retry_s: float = 0.2,
+    wait_s: float = 0.0,
+    required: bool = True,
+    skip_known_down: bool = True,
 ) -> float:
     """Update every engine's weights from `checkpoint_dir` and label them `weight_version`.
 
@@ -80,6 +99,11 @@ async def sync_weights_to_engines(
             KV, so they finish on mixed weights).
         paused: every engine is already paused (`pause_engines`); skip the pause.
         flush_retries, flush_retry_s: bound on the flush before the update ("abort", "retract").
+        wait_s: when every engine is down, how long to wait for one to come back and take the
+            weights before failing (`engines.unavailable_timeout_s`; engines/sync_steps.py).
+        required: False where other engines already have these weights (the engines left out
+            of a broadcast): every engine down is then no error.
+        skip_known_down: False for the pool's rejoin, which syncs an engine it counts as down.
 
     Returns:
         Seconds the sync took.
@@ -91,13 +115,13 @@ async def sync_weights_to_engines(
     failures: dict[str, list[str]] = {}
     down: dict[str, str] = {}
     started = time.perf_counter()
+    gb = await trio.to_thread.run_sync(weights_gb, path)
 
-    async def sync_one(engine: InferenceEngine) -> None:
-        is_paused = paused
+    async def sync_one(engine: InferenceEngine, is_paused: bool = paused) -> None:
         if hasattr(engine, "expected_weights"):
             engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
-        if getattr(engine, "known_down", False):  # the pool gives it these weights on rejoin
-            down[engine.url] = "known down by the pool (not tried)"
+        if skip_known_down and getattr(engine, "known_down", False):  # given them on rejoin
+            down[engine.url] = KNOWN_DOWN
             return
         try:
             if not is_paused:
@@ -105,7 +129,12 @@ async def sync_weights_to_engines(
                 is_paused = True
             if pause_mode != "in_place":  # "in_place" relies on `kv_namespace` (module doc)
                 await _flush(engine, flush_retries, flush_retry_s)
-            await engine.update_weights_from_disk(path, weight_version, flush_cache=False)
+            bound_s = update_bound_s(engine, gb)
+            with trio.move_on_after(bound_s) as load:
+                await engine.update_weights_from_disk(path, weight_version, flush_cache=False)
+            if load.cancelled_caught:  # it hangs: down, not failed (engines/sync_steps.py)
+                give_up(engine, down, "/update_weights_from_disk", bound_s, gb)
+                return
             info = await engine.model_info()
             if info.weight_version != weight_version:
                 failures.setdefault(engine.url, []).append(
@@ -120,79 +149,23 @@ async def sync_weights_to_engines(
             # Also after a failed pause: the request may have reached the server.
             await _resume_noting(engine, is_paused, resume_timeout_s, down, failures)
 
-    async with renewing_pauses(engines), trio.open_nursery() as nursery:
-        for engine in engines:
-            nursery.start_soon(sync_one, engine)
+    what = f"weight sync to {weight_version!r} from {path}"
+    async with renewing_pauses(engines):
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(sync_one, engine)
+        await wait_until_one_back(engines, weight_version, down, partial(sync_one, is_paused=False),
+                                  wait_s, what)  # fmt: skip
     duration = time.perf_counter() - started
-    await _raise_failures(f"weight sync to {weight_version!r} from {path}", len(engines), down,
-                          failures)  # fmt: skip
+    await _raise_failures(what, len(engines), down, failures, required=required)
     logger.debug("synced weights %s to %d engine(s) in %.3f s", weight_version,
                  len(engines) - len(down), duration)  # fmt: skip
     return duration
 
 
-async def _resume_noting(engine: InferenceEngine, is_paused: bool, timeout_s: float,
-                         down: dict[str, str], failures: dict[str, list[str]]) -> None:  # fmt: skip
-    """Resume `engine` whatever happened (shielded, bounded), noting how that went."""
-    with trio.CancelScope(shield=True), trio.move_on_after(timeout_s) as scope:
-        try:
-            await engine.resume()
-        except EngineUnavailableError as exc:
-            down.setdefault(engine.url, str(exc))
-        except EngineError as exc:
-            failures.setdefault(engine.url, []).append(
-                f"could not be resumed, it may still be paused: {exc}"
-            )
-    if scope.cancelled_caught and is_paused:
-        failures.setdefault(engine.url, []).append(f"resume timed out after {timeout_s} s")
-
-
-async def _raise_failures(what: str, n_engines: int, down: dict[str, str],
-                          failures: dict[str, list[str]]) -> None:  # fmt: skip
-    """Log the engines a sync skipped as down; raise one error naming every failed engine.
-
-    A caller cancelled meanwhile (Ctrl-C, a host app cancelling training) gets its Cancelled
-    instead: its teardown may have taken the engines down during the shielded resume, and
-    that failure is a consequence, not the cause.
-
-    Raises:
-        WeightSyncError: some engine failed, or every engine was down.
-    """
-    await trio.lowlevel.checkpoint_if_cancelled()
-    for url, reason in down.items():
-        logger.warning("%s skipped %s, which is down: %s", what, url, reason)
-    if len(down) == n_engines and not failures:
-        failures = {url: [f"down: {reason}"] for url, reason in down.items()}
-    if failures:
-        lines = [f"{url}: {'; '.join(reasons)}" for url, reasons in failures.items()]
-        raise WeightSyncError(
-            f"{what} failed on {len(failures)} of {n_engines} engine(s):\n  " + "\n  ".join(lines)
-        )
-
-
-async def _flush(engine: InferenceEngine, retries: int, retry_s: float) -> None:
-    """Flush a paused engine's cache ("abort": idle; "retract": only waiting requests left);
-    it answers 400 until aborts settle."""
-    for attempt in range(retries + 1):
-        try:
-            await engine.flush_cache()
-            return
-        except EngineUnavailableError:
-            raise  # gone (it died since the pause): skipped as down, like an unreachable one
-        except EngineError as exc:
-            if exc.status != 400 or attempt == retries:
-                raise EngineError(
-                    f"cache flush before the weight update failed after {attempt + 1} "
-                    f"attempt(s): {exc}",
-                    url=engine.url,
-                ) from exc
-            logger.warning("%s: cache not flushed yet (%s); retrying", engine.url, exc)
-            await trio.sleep(retry_s * 2**attempt)
-
-
 async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMode = "abort", *,
-                        resume_timeout_s: float = 30.0, activate_lora: str | None = None
-                        ) -> None:  # fmt: skip
+                        resume_timeout_s: float = 30.0, activate_lora: str | None = None,
+                        wait_s: float = 0.0) -> None:  # fmt: skip
     """Pause every engine, concurrently; follow with `sync_weights_to_engines(..., paused=True)`
     (or `sync_lora_to_engines(..., paused=True)`).
 
@@ -203,10 +176,12 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
     names only once a pause is over).
 
     An engine that cannot be reached is skipped (logged): the sync that follows skips it too.
+    With `wait_s` > 0 (the `wait_s` of that sync) none reachable is no error here: the sync
+    waits for one to come back.
 
     Raises:
-        WeightSyncError: an engine answered the pause with an error, or none could be reached;
-            every engine is resumed first (the message names each failure).
+        WeightSyncError: an engine answered the pause with an error, or none could be reached
+            (and `wait_s` is 0); every engine is resumed first (the message names each failure).
     """
     failures: dict[str, str] = {}
     down: dict[str, str] = {}
@@ -214,7 +189,7 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
 
     async def pause_one(engine: InferenceEngine) -> None:
         if getattr(engine, "known_down", False):  # the sync that follows skips it too
-            down[engine.url] = "known down by the pool (not tried)"
+            down[engine.url] = KNOWN_DOWN
             return
         try:
             await engine.pause(pause_mode)
@@ -230,8 +205,9 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
         for engine in engines:
             nursery.start_soon(pause_one, engine)
     for url, reason in down.items():
-        logger.warning("not pausing %s for a weight sync: it is down (%s)", url, reason)
-    if len(down) == len(engines):
+        logger.log(down_level(reason), "not pausing %s for a weight sync: it is down (%s)", url,
+                   reason)  # fmt: skip
+    if len(down) == len(engines) and wait_s <= 0:
         failures.update(down)
     if not failures:
         return
@@ -273,6 +249,8 @@ async def sync_lora_to_engines(
     pause_mode: PauseMode = "abort",
     paused: bool = False,
     resume_timeout_s: float = 30.0,
+    wait_s: float = 0.0,
+    skip_known_down: bool = True,
 ) -> float:
     """Load the adapter in `adapter_dir` (peft layout) on every engine as `lora_name`, make it
     the adapter generation uses, and label the weights `weight_version`.
@@ -291,7 +269,8 @@ async def sync_lora_to_engines(
     engine that cannot be reached is skipped and logged (`expected_lora` and
     `expected_weights` are set first, so an `EnginePool` loads the adapter on it when it comes
     back); one `WeightSyncError` names every engine that failed (they keep their old active
-    adapter); it fails if no engine took the adapter. Returns seconds.
+    adapter); with every engine down it waits up to `wait_s` for one, and fails if no engine
+    took the adapter; a load past `update_bound_s` counts that engine down. Returns seconds.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the active adapter stays loaded), got {keep}")
@@ -299,14 +278,20 @@ async def sync_lora_to_engines(
     failures: dict[str, list[str]] = {}
     down: dict[str, str] = {}
     started = time.perf_counter()
+    gb = await trio.to_thread.run_sync(weights_gb, path)
 
     async def load_one(engine: Any) -> bool:
+        bound_s = update_bound_s(engine, gb)
         try:
-            loaded = await engine.load_lora_adapter(lora_name, path)
+            with trio.move_on_after(bound_s) as load:
+                loaded = await engine.load_lora_adapter(lora_name, path)
         except LoraAdapterError as exc:
             if exc.loaded_adapters.get(lora_name) != path:
                 raise
             loaded = exc.loaded_adapters  # already there from this path: a retry or a rejoin
+        if load.cancelled_caught:  # it hangs: down, not failed (engines/sync_steps.py)
+            give_up(engine, down, "/load_lora_adapter", bound_s, gb)
+            return False
         if lora_name not in loaded:
             failures.setdefault(engine.url, []).append(
                 f"loaded_adapters {sorted(loaded)} does not list {lora_name!r} after the load"
@@ -323,13 +308,13 @@ async def sync_lora_to_engines(
             return False
         return True
 
-    async def sync_one(engine: Any) -> None:
-        is_paused, loaded = paused, False
+    async def sync_one(engine: Any, is_paused: bool = paused) -> None:
+        loaded = False
         previous = getattr(engine, "expected_weights", None)
         engine.expected_weights = (previous[0] if previous else None, weight_version)
         engine.expected_lora = (lora_name, path)
-        if getattr(engine, "known_down", False):
-            down[engine.url] = "known down by the pool (not tried)"
+        if skip_known_down and getattr(engine, "known_down", False):
+            down[engine.url] = KNOWN_DOWN
             engine.active_lora = lora_name  # it is given the adapter on rejoin
             return
         try:
@@ -353,12 +338,15 @@ async def sync_lora_to_engines(
         if loaded:
             await _unload_old(engine, keep)
 
-    async with renewing_pauses(engines), trio.open_nursery() as nursery:
-        for engine in engines:
-            nursery.start_soon(sync_one, engine)
+    what = f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path}"
+    async with renewing_pauses(engines):
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(sync_one, engine)
+        await wait_until_one_back(engines, weight_version, down, partial(sync_one, is_paused=False),
+                                  wait_s, what)  # fmt: skip
     duration = time.perf_counter() - started
-    await _raise_failures(f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path}",
-                          len(engines), down, failures)  # fmt: skip
+    await _raise_failures(what, len(engines), down, failures)
     logger.debug("synced LoRA %s to %d engine(s) in %.3f s", lora_name,
                  len(engines) - len(down), duration)  # fmt: skip
     return duration

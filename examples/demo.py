@@ -11,8 +11,12 @@ trained until its held-out accuracy is flat. From that one checkpoint two arms r
 - continued SFT: the same SFT data for the same wall time as RL took, at SFT's final rate.
 More SFT can only imitate the teacher better; a verifiable reward can do better than it.
 
-Every phase starts afresh: a second run overwrites OUT/sft, OUT/rl and OUT/sft_continued.
-`--start CKPT` skips SFT and runs both arms from an existing SFT checkpoint (its run's
+A stopped demo (Ctrl-C or SIGTERM: it says where it stopped and that `make demo` resumes it)
+continues where it was when run again with the same arguments: each phase (OUT/sft, OUT/rl,
+OUT/sft_continued) resumes from its own latest complete checkpoint, and a finished phase is
+skipped with a line saying so (its numbers are kept in OUT/<phase>/demo_phase.json). Its wall
+time counts the earlier run's time up to that checkpoint. `--fresh` deletes the three phases
+first. `--start CKPT` skips SFT and runs both arms from an existing SFT checkpoint (its run's
 metrics.jsonl gives the SFT curve), e.g. to compare arms again without retraining.
 The last lines are a table (accuracy and wall time of each phase) and a verdict; OUT/summary.json
 holds the same numbers, OUT/accuracy.png and OUT/reward.png the curves (with matplotlib).
@@ -25,20 +29,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from rollouts.errors import RolloutsError
-from training.backend.checkpoint import checkpoint_step
+from plumbing.errors import leaf_errors
+from rollouts.errors import ConfigError, Interrupted, RolloutsError
+from training.backend.checkpoint import checkpoint_step, find_latest_checkpoint
 from training.backend.futures import lr_lambda
-from training.config import SFTRunConfig, load_config
+from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.loops.loggers import setup_logging
+from training.recipes.cli_run import run_stoppable
 from training.recipes.plot import read_metrics
 from training.recipes.rl import run_rl_recipe
 from training.recipes.sft import run_sft_recipe
@@ -152,16 +161,99 @@ class DemoResult:
                 f"+{RL_TARGET_POINTS:.0f})\n{beat}{time_note}")  # fmt: skip
 
 
-class StepClock:
-    """A logger recording when each step was logged, in seconds since it was created (just
-    before its arm started), so the plot's time axis is the table's wall time."""
+@dataclass
+class Stage:
+    """Where the demo is (for the message after a stop): the phase, its folder, its last step."""
 
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.seconds: list[tuple[int, float]] = []
+    name: str = "set-up"
+    folder: Path | None = None
+    step: int | None = None
+
+
+class StepClock:
+    """A logger recording when each step was logged, in seconds since its arm started (just
+    before it), so the plot's time axis is the table's wall time.
+
+    With `path`, each step is also appended there; an arm resumed from its checkpoint at step
+    `resumed_at` keeps the earlier run's seconds up to that step and continues from them (the
+    steps after it are run again, so their time is not counted twice).
+    """
+
+    def __init__(self, path: Path | None = None, resumed_at: int = 0,
+                 stage: Stage | None = None) -> None:  # fmt: skip
+        kept = [(s, t) for s, t in _read_clock(path) if s <= resumed_at] if path else []
+        self.offset = kept[-1][1] if kept else 0.0  # seconds the earlier runs spent
+        self.t0 = time.perf_counter() - self.offset
+        self.seconds: list[tuple[int, float]] = kept
+        self._path, self._stage = path, stage
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(f"{s} {t:.3f}\n" for s, t in kept), encoding="utf-8")
 
     def __call__(self, step: int, metrics: dict) -> None:
         self.seconds.append((step, time.perf_counter() - self.t0))
+        if self._path is not None:
+            with self._path.open("a", encoding="utf-8") as f:
+                f.write(f"{step} {self.seconds[-1][1]:.3f}\n")
+        if self._stage is not None:
+            self._stage.step = step
+
+
+def _read_clock(path: Path) -> list[tuple[int, float]]:
+    if not path.is_file():
+        return []
+    rows = [line.split() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [(int(r[0]), float(r[1])) for r in rows if len(r) == 2]
+
+
+RECORD = "demo_phase.json"  # a finished phase's numbers, in its folder
+
+
+async def run_phase(label: str, config: Any, stage: Stage,
+                    run: Callable[[StepClock], Awaitable[dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
+    """Run one phase of the demo in `config.output_dir`, or skip it if an earlier run finished it.
+
+    A phase with checkpoints resumes from its latest complete one (`train.resume=auto`); its
+    wall time adds the earlier run's seconds up to that checkpoint. `run(clock)` runs the
+    recipe (with `clock` as its `on_step`) and returns the phase's numbers (`wall_s` of this
+    call, `line` to print); they are saved in the phase's folder once it is done.
+
+    Raises:
+        ConfigError: the folder holds the phase run with other settings.
+    """
+    folder = Path(config.output_dir)
+    saved = folder / "config.yaml"
+    if saved.is_file() and saved.read_text(encoding="utf-8") != config_to_yaml(config):
+        raise ConfigError(
+            f"{folder} holds the demo's {label} phase run with other settings ({saved}); "
+            "run again with the same arguments to resume it, or pass --fresh (or another "
+            "--out) to start over"
+        )
+    record_path = folder / RECORD
+    if record_path.is_file():
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        print(f"{label}: finished in an earlier run ({folder}): skipped. {record['line']}",
+              flush=True)  # fmt: skip
+        return record
+    latest = find_latest_checkpoint(folder / "checkpoints")
+    resumed_at = 0 if latest is None else checkpoint_step(latest)
+    stage.name, stage.folder, stage.step = label, folder, resumed_at or None
+    if latest is not None:
+        print(f"{label}: resuming from {latest} (step {resumed_at})", flush=True)
+    clock = StepClock(folder / "demo_clock.txt", resumed_at, stage)
+    record = await run(clock)
+    record |= {"wall_s": record["wall_s"] + clock.offset, "clock": clock.seconds}
+    tmp = record_path.with_name(RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(record_path)  # whole or absent
+    print(record["line"], flush=True)
+    return record
+
+
+def last_value(folder: Path, key: str) -> float | None:
+    """The last logged `key` of a run's metrics.jsonl (a resumed finished run logs no step)."""
+    values = [r[key] for r in read_metrics(folder) if key in r]
+    return values[-1] if values else None
 
 
 def arm_curve(rows: list[dict], key: str, clock: Sequence[tuple[int, float]],
@@ -185,23 +277,36 @@ def sft_evals(checkpoint: Path, rows: list[dict]) -> list[tuple[int, float]]:
 
 async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
                    rl_overrides: list[str], sft_config: str, rl_config: str,
-                   start: Path | None = None) -> DemoResult:  # fmt: skip
-    for phase in ("sft", "rl", "sft_continued"):
-        shutil.rmtree(out / phase, ignore_errors=True)
-    sft_cfg = load_config(SFTRunConfig, sft_config, [*sft_overrides, f"output_dir={out / 'sft'}"])
+                   start: Path | None = None, stage: Stage | None = None) -> DemoResult:  # fmt: skip
+    stage = Stage() if stage is None else stage
+    resume = "train.resume=auto"  # each phase continues from its own checkpoint, if any
+    sft_cfg = load_config(SFTRunConfig, sft_config,
+                          [*sft_overrides, f"output_dir={out / 'sft'}", resume])  # fmt: skip
     sft_wall = None
     if start is None:
-        sft = await run_sft_recipe(sft_cfg)
-        print(sft.line(), flush=True)
-        start, sft_wall = sft.checkpoint, sft.wall_time_s
+
+        async def sft_phase(clock: StepClock) -> dict[str, Any]:
+            sft = await run_sft_recipe(sft_cfg, on_step=clock)
+            return {"checkpoint": str(sft.checkpoint), "wall_s": sft.wall_time_s,
+                    "line": sft.line()}  # fmt: skip
+
+        sft = await run_phase("SFT", sft_cfg, stage, sft_phase)
+        start, sft_wall = Path(sft["checkpoint"]), sft["wall_s"]
     sft_rows = read_metrics(start.parent.parent)  # the SFT run's metrics.jsonl
     evals = sft_evals(start, sft_rows)[-FLAT_EVALS:]
 
-    rl_cfg = load_config(RLRunConfig, rl_config,
-                         [*rl_overrides, f"output_dir={out / 'rl'}", f"model.path={start}"])  # fmt: skip
-    rl_clock = StepClock()
-    rl = await run_rl_recipe(rl_cfg, on_step=rl_clock)
-    print(rl.line(), flush=True)
+    rl_cfg = load_config(RLRunConfig, rl_config, [*rl_overrides, f"output_dir={out / 'rl'}",
+                                                  f"model.path={start}", resume])  # fmt: skip
+
+    async def rl_phase(clock: StepClock) -> dict[str, Any]:
+        rl = await run_rl_recipe(rl_cfg, on_step=clock)
+        after = rl.accuracy_after
+        if after is None:  # resumed at its last step: nothing run, the log has it
+            after = last_value(out / "rl", "eval_accuracy")
+        return {"accuracy_before": rl.accuracy_before, "accuracy": after, "steps": rl.steps,
+                "wall_s": rl.wall_time_s, "line": rl.line()}  # fmt: skip
+
+    rl = await run_phase("RL", rl_cfg, stage, rl_phase)
 
     # The baseline gets the same wall time as RL (train.max_wall_s), at the rate SFT's schedule
     # had reached at the checkpoint.
@@ -209,26 +314,43 @@ async def run_demo(out: Path, continued_steps: int, sft_overrides: list[str],
         checkpoint_step(start)
     )
     step_times = sorted(m["step_time_s"] for m in sft_rows if "step_time_s" in m)
-    expected = rl.wall_time_s / step_times[len(step_times) // 2] if step_times else continued_steps
+    expected = rl["wall_s"] / step_times[len(step_times) // 2] if step_times else continued_steps
     every = max(1, int(min(expected, continued_steps)) // 5)
     cont_cfg = load_config(SFTRunConfig, sft_config, [
         *sft_overrides, f"output_dir={out / 'sft_continued'}", f"model.path={start}",
-        f"train.max_steps={continued_steps}", f"train.max_wall_s={rl.wall_time_s:.3f}",
+        f"train.max_steps={continued_steps}", f"train.max_wall_s={rl['wall_s']:.3f}",
         "optim.schedule=constant", "optim.warmup_steps=0", f"optim.lr={final_lr}",
-        f"train.eval_every={every}", f"train.checkpoint_every={continued_steps}",
+        f"train.eval_every={every}", f"train.checkpoint_every={continued_steps}", resume,
     ])  # fmt: skip
-    cont_clock = StepClock()
-    cont = await run_sft_recipe(cont_cfg, on_step=cont_clock)
-    print(cont.line(), flush=True)
+
+    async def continued_phase(clock: StepClock) -> dict[str, Any]:
+        cont = await run_sft_recipe(cont_cfg, on_step=clock)
+        return {"accuracy": cont.accuracy, "steps": cont.steps, "wall_s": cont.wall_time_s,
+                "line": cont.line()}  # fmt: skip
+
+    cont = await run_phase("continued SFT", cont_cfg, stage, continued_phase)
+    stage.name = "the table"
     return DemoResult(
         sft_checkpoint=str(start), sft_accuracy=evals[-1][1],
         sft_last_evals=tuple(a for _, a in evals), sft_last_steps=tuple(s for s, _ in evals),
-        sft_wall_s=sft_wall, rl_before=rl.accuracy_before, rl_accuracy=rl.accuracy_after,
-        rl_steps=rl.steps, rl_wall_s=rl.wall_time_s, continued_accuracy=cont.accuracy,
-        continued_steps=cont.steps, continued_wall_s=cont.wall_time_s,
-        rl_algorithm=rl_cfg.algorithm.preset, rl_clock=tuple(rl_clock.seconds),
-        continued_clock=tuple(cont_clock.seconds),
+        sft_wall_s=sft_wall, rl_before=rl["accuracy_before"], rl_accuracy=rl["accuracy"],
+        rl_steps=rl["steps"], rl_wall_s=rl["wall_s"], continued_accuracy=cont["accuracy"],
+        continued_steps=cont["steps"], continued_wall_s=cont["wall_s"],
+        rl_algorithm=rl_cfg.algorithm.preset, rl_clock=tuple(map(tuple, rl["clock"])),
+        continued_clock=tuple(map(tuple, cont["clock"])),
     )  # fmt: skip
+
+
+def stopped_message(signal_name: str, stage: Stage, argv: Sequence[str]) -> str:
+    """Where a stopped demo stopped, what it kept, and the command that resumes it."""
+    at = f"after step {stage.step}" if stage.step is not None else "before its first step"
+    kept = ""
+    if stage.folder is not None:
+        latest = find_latest_checkpoint(stage.folder / "checkpoints")
+        kept = f"; last checkpoint: {latest}" if latest else "; no checkpoint of it yet"
+    args = [a for a in argv if a != "--fresh"]
+    again = "make demo" + (f" DEMO_ARGS={shlex.quote(shlex.join(args))}" if args else "")
+    return f"stopped by {signal_name} during {stage.name} {at}{kept}; resume with `{again}`"
 
 
 def write_pngs(out: Path, result: DemoResult) -> list[Path]:
@@ -285,7 +407,10 @@ def write_pngs(out: Path, result: DemoResult) -> list[Path]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/demo", help="run directory (overwritten)")
+    parser.add_argument("--out", default="runs/demo",
+                        help="run directory (a stopped demo there is resumed)")  # fmt: skip
+    parser.add_argument("--fresh", action="store_true",
+                        help="delete the phases of an earlier demo in --out and start over")  # fmt: skip
     parser.add_argument("--sft-config", default="configs/demo_sft.yaml")
     parser.add_argument("--rl-config", default="configs/demo_rl.yaml")
     parser.add_argument("--continued-steps", type=int, default=100_000,
@@ -298,16 +423,29 @@ def main() -> int:
                         help="override for the RL phase")  # fmt: skip
     args = parser.parse_args()
     setup_logging()
-    out = Path(args.out)
+    out, stage = Path(args.out), Stage()
+    if args.fresh:
+        for phase in ("sft", "rl", "sft_continued"):
+            shutil.rmtree(out / phase, ignore_errors=True)
     try:
         sft_steps = load_config(SFTRunConfig, args.sft_config, args.sft).train.max_steps
         rl_steps = load_config(RLRunConfig, args.rl_config, args.rl).train.max_steps
         print(plan(None if args.start else sft_steps, rl_steps), flush=True)
-        result = trio.run(run_demo, out, args.continued_steps, args.sft, args.rl,
-                          args.sft_config, args.rl_config, args.start)  # fmt: skip
-    except RolloutsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        demo = partial(run_demo, out, args.continued_steps, args.sft, args.rl, args.sft_config,
+                       args.rl_config, args.start, stage)  # fmt: skip
+        result = trio.run(run_stoppable, demo)  # SIGINT or SIGTERM: stops cleanly, once
+    except BaseException as err:  # a stop is a message, not a traceback
+        leaves = leaf_errors(err)
+        stops = [e for e in leaves if isinstance(e, Interrupted | KeyboardInterrupt)]
+        if stops:  # a second signal arrives as KeyboardInterrupt, wherever the cleanup was
+            name = stops[0].signal_name if isinstance(stops[0], Interrupted) else "SIGINT"
+            print(stopped_message(name, stage, sys.argv[1:]), file=sys.stderr, flush=True)
+            return 130
+        if all(isinstance(e, RolloutsError) for e in leaves):
+            for message in dict.fromkeys(str(e) for e in leaves):
+                print(f"error: {message}", file=sys.stderr)
+            return 2
+        raise
     summary = {
         **asdict(result),
         "plateau_spread_points": result.plateau_spread,

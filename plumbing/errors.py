@@ -102,8 +102,9 @@ def import_extra(module: str, *, package: str, extra: str, feature: str) -> Modu
 class DropSample(RolloutsError):
     """Raised by a reward to say its sample must not be trained on (e.g. a judge that cannot
     parse the answer): the sample is regenerated (`rollout.sample_retries`), and its group is
-    dropped if that fails too. Any other exception from a reward gives the sample
-    `rollout.reward_failure_value`, records the error on it and keeps its group."""
+    dropped if that fails too. Any other exception from a reward does the same by default, but
+    is counted as a failed reward (`reward_failed`); with `rollout.reward_failure_value` set it
+    gives the sample that value instead, records the error on it and keeps its group."""
 
 
 class Interrupted(Exception):

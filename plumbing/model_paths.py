@@ -38,11 +38,13 @@ FORMS = "an HF model directory, a run directory, its checkpoints/ directory or o
 def is_local_path(text: str) -> bool:
     """Whether `text` means a directory here rather than a hub id (`name`, `namespace/name`).
 
-    Absolute, `./`, `~`, two or more slashes, or a path that exists: a directory, so that a
-    typo says "no such directory" rather than the hub client's "Repo id must be ...".
+    Absolute, `./`, `~`, two or more slashes, a path that exists, or `dir/name` whose `dir`
+    exists here (`runs/nope` when `runs/` does): a directory, so that a typo says "no such
+    directory" rather than the hub client's "Repo id must be ..." or, offline, half a minute of
+    retries and "couldn't connect".
     """
     return (Path(text).is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
-            or Path(text).exists())  # fmt: skip
+            or Path(text).exists() or ("/" in text and Path(text).parent.is_dir()))  # fmt: skip
 
 
 def resolve_model_dir(path: str | Path, *, what: str = "model.path (--model)") -> str:

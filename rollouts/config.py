@@ -72,9 +72,10 @@ class RolloutConfig(Strict):
         "before its group is dropped",
     )  # fmt: skip
     reward_failure_value: float | None = Field(
-        0.0,
-        description="reward of a sample whose reward raised or timed out (error kept on it); "
-        "null: the sample fails and its group is dropped",
+        None,
+        description="null: a sample whose reward raised, timed out or gave no number fails "
+        "(generated again under sample_retries, then its group is dropped), never trained on a "
+        "made-up reward; a number: such a sample is trained with this reward (error kept on it)",
     )
     max_failed_group_rate: float = Field(
         0.25, ge=0, le=1,

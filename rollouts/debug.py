@@ -4,12 +4,15 @@
 its loss-mask bit and engine logprob, the reward and its components, status, tool calls.
 `validate_batch(batch)` lists what would make a batch train wrongly or not at all; call it on
 a batch from a new environment or reward before a long run, or in `on_batch` while debugging.
-Both are pure (no torch, no I/O).
+`sample_line(sample, tokenizer)` is the short form the RL loop logs every `train.sample_every`
+steps: prompt, response and reward on one line, each text shortened.
+No torch; the only I/O is `inspect_rollout` printing what it returns.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,14 +23,27 @@ from rollouts.types import RolloutBatch, Sample
 Severity = Literal["error", "warning"]
 
 
-def inspect_rollout(sample: Sample, tokenizer: Any = None, *, max_tokens: int = 200) -> str:
-    """A multi-line description of `sample`, one line per response token.
+def inspect_rollout(sample: Sample, tokenizer: Any = None, *, max_tokens: int = 200,
+                    file: Any = None, quiet: bool = False) -> str:  # fmt: skip
+    """Print a multi-line description of `sample`, one line per response token, and return it.
 
     Args:
         sample: the trajectory.
         tokenizer: decodes the prompt and each token (None: ids only).
         max_tokens: response tokens listed; the rest are summarised in one line.
+        file: where it is printed (default: sys.stdout at the time of the call).
+        quiet: print nothing, only return the text.
+
+    Returns:
+        The text printed.
     """
+    text = _describe(sample, tokenizer, max_tokens)
+    if not quiet:
+        print(text, file=sys.stdout if file is None else file)
+    return text
+
+
+def _describe(sample: Sample, tokenizer: Any, max_tokens: int) -> str:
 
     def text(ids: Sequence[int]) -> str:
         return repr(tokenizer.decode(list(ids))) if tokenizer is not None else ""
@@ -61,6 +77,36 @@ def inspect_rollout(sample: Sample, tokenizer: Any = None, *, max_tokens: int = 
             f"[{outcome}, {call.latency_s:.3f}s]"
         )
     return "\n".join(line.rstrip() for line in lines)
+
+
+def shorten(text: str, max_chars: int, *, keep: Literal["head", "tail"] = "head") -> str:
+    """`text` on one line (newlines shown as ⏎), at most about `max_chars` characters: its head
+    or its tail kept, the cut said with how many characters it dropped."""
+    flat = text.replace("\r", "").replace("\n", "⏎")
+    if len(flat) <= max_chars:
+        return flat
+    cut = f"…[{len(flat) - max_chars} chars]…"
+    return flat[:max_chars] + cut if keep == "head" else cut + flat[-max_chars:]
+
+
+def sample_line(sample: Sample, tokenizer: Any = None, *, max_chars: int = 160) -> str:
+    """One sample on one line: its prompt's end, its response's start, its reward and status.
+
+    The prompt keeps its tail (a chat template puts the question last), the response its head.
+    """
+    if tokenizer is not None:
+        prompt = repr(shorten(tokenizer.decode(list(sample.prompt_ids)), max_chars, keep="tail"))
+    else:
+        prompt = f"<{len(sample.prompt_ids)} tokens>"
+    response_text = sample.response_text
+    if not response_text and tokenizer is not None:
+        response_text = tokenizer.decode(list(sample.response_ids))
+    response = repr(shorten(response_text, max_chars))
+    parts = " ".join(f"{k}={v:.3g}" for k, v in sample.reward_components.items())
+    reward = f"{sample.reward:.4g}" + (f" ({parts})" if parts else "")
+    status = "" if sample.status == "completed" else f" [{sample.status}]"
+    return (f"prompt {prompt} -> response {response} ({len(sample.response_ids)} tokens) "
+            f"reward {reward}{status}")  # fmt: skip
 
 
 @dataclass(frozen=True)

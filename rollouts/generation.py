@@ -11,8 +11,10 @@ single turn) is in `generate_fn.py`; the pure parts (filters, transforms, conver
 
 A failed sample (an engine error the EnginePool could not fail over, a failed generation, a
 reward's `DropSample`) is generated again, alone, up to `sample_retries` times; only then is its
-group dropped and counted. A 4xx is not retried (it would fail again). A reward that raises or
-times out does not fail its sample: it gets `reward_failure_value` and the error is kept on it.
+group dropped and counted. A 4xx is not retried (it would fail again). A reward that raises,
+times out or returns no number fails its sample the same way (it is never trained on a made-up
+reward), unless `reward_failure_value` is set: then the sample gets that value, the error kept
+on it. Every reward failure is counted by cause (`reward_errors`), every try included.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import EngineError, RolloutsError, describe_engine_failure
+from plumbing.errors import EngineError, RolloutsError, describe_engine_failure, leaf_errors
 from rollouts.coalesce import CoalescingEngine
 from rollouts.generate_fn import GenerateContext as GenerateContext
 from rollouts.generate_fn import GenerateEngine as GenerateEngine
@@ -46,7 +48,7 @@ from rollouts.groups import summarize_errors as summarize_errors
 from rollouts.prompts import PromptItem
 from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn
-from rollouts.scoring import score_samples
+from rollouts.scoring import reward_failure, score_samples
 from rollouts.types import Sample
 
 log = logging.getLogger("rollouts.generation")
@@ -63,7 +65,7 @@ class CollectResult:
     n_failed_groups: int = 0
     n_failed_samples: int = 0
     n_retried_samples: int = 0  # failed samples generated again (rollout.sample_retries)
-    n_reward_failed: int = 0  # samples given the failure reward (their reward raised/timed out)
+    n_reward_failed: int = 0  # reward calls that failed (raised, timed out, no number), any try
     n_interrupted: int = 0  # groups with samples aborted by someone else, held for later
     completion_tokens: int = 0
     reward_sum: float = 0.0  # over every scored sample, accepted or filtered out
@@ -71,6 +73,8 @@ class CollectResult:
     wall_time_s: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)  # "url: kind" of dropped groups
     sample_errors: Counter[str] = field(default_factory=Counter)  # error text of failed samples
+    reward_errors: Counter[str] = field(default_factory=Counter)  # each failed reward call's error
+    generation_errors: Counter[str] = field(default_factory=Counter)  # other failed samples'
 
     def metrics(self) -> dict[str, float]:
         # With a group filter (DAPO's dynamic sampling) `reward_mean` is the kept groups' mean;
@@ -133,7 +137,8 @@ async def collect_groups(
         sample_retries: times a group's failed samples (a transient engine error, a failed
             generation, a reward's `DropSample`) are generated again before the group is dropped.
         reward_failure_value: the reward of a sample whose reward raised or timed out (error kept
-            on the sample, counted in `reward_failed`); None: the sample fails like the others.
+            on the sample); None: the sample fails like the others. Counted in `reward_failed`
+            either way.
 
     Raises:
         EngineError: an engine request failed and `engine_fail_fast` is set.
@@ -166,7 +171,8 @@ async def collect_groups(
             except* EngineError as group:  # except*: it arrives wrapped by the nurseries
                 if engine_fail_fast:
                     raise
-                error = group.exceptions[0]
+                # a generate function's own nurseries (an agent's sessions) nest the groups
+                error = leaf_errors(group)[0]
             if error is not None and not _transient(error):
                 break  # a 4xx fails again: drop the group now
         if error is not None:
@@ -185,9 +191,17 @@ async def collect_groups(
         async def score_reported() -> None:
             batch = to_score[:]
             to_score.clear()
-            done.extend(await score_samples(reward_fn, batch, timeout_s=reward_timeout_s,
-                                            fail_fast=reward_fail_fast, threads=threads,
-                                            failure_reward=reward_failure_value))  # fmt: skip
+            scored = await score_samples(reward_fn, batch, timeout_s=reward_timeout_s,
+                                         fail_fast=reward_fail_fast, threads=threads,
+                                         failure_reward=reward_failure_value)  # fmt: skip
+            for before, after in zip(batch, scored, strict=True):
+                if (error := reward_failure(before, after)) is not None:
+                    result.n_reward_failed += 1
+                    result.reward_errors[error] += 1
+                elif after.status == "failed":  # at generation, or its reward's DropSample
+                    failed = before if before.status == "failed" else after
+                    result.generation_errors[failed.error or "failed"] += 1
+            done.extend(scored)
 
         try:
             async with trio.open_nursery() as scoring:
@@ -243,7 +257,6 @@ async def collect_groups(
                 continue
             n_failed = sum(s.status == "failed" for s in group)
             n_reward_failed = sum(s.status != "failed" and s.error is not None for s in group)
-            result.n_reward_failed += n_reward_failed
             result.n_failed_samples += n_failed
             result.sample_errors.update(s.error or "failed" for s in group
                                         if s.status == "failed" or s.error is not None)  # fmt: skip

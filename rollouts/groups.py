@@ -59,6 +59,24 @@ def summarize_errors(errors: Mapping[str, int], *, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
+def failure_line(reward_errors: Mapping[str, int], generation_errors: Mapping[str, int],
+                 failure_value: float | None) -> str | None:  # fmt: skip
+    """One line counting a batch's failed rewards and generations by cause, and what became of
+    their samples (None when nothing failed)."""
+    parts = []
+    if reward_errors:
+        fate = ("generated again, then its group dropped: rollout.reward_failure_value is null"
+                if failure_value is None else
+                f"trained with rollout.reward_failure_value={failure_value}")  # fmt: skip
+        parts.append(f"{sum(reward_errors.values())} rewards failed (each sample {fate}): "
+                     f"{summarize_errors(reward_errors)}")  # fmt: skip
+    if generation_errors:
+        parts.append(f"{sum(generation_errors.values())} samples failed at generation or were "
+                     "dropped by their reward (generated again, then the group dropped): "
+                     f"{summarize_errors(generation_errors)}")  # fmt: skip
+    return "; ".join(parts) or None
+
+
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     """Reward, accuracy, length and truncation statistics of accepted groups (pure).
 

@@ -46,11 +46,12 @@ from rollouts.groups import (
     SampleTransform,
     apply_sample_transforms,
     convert_to_batch,
+    failure_line,
     keep_all,
     keep_if_reward_varies,
-    summarize_errors,
 )
 from rollouts.prompts import PromptItem
+from rollouts.request_ids import RidPrefixes
 from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn, RolloutAlgorithm, shape_reward
 from rollouts.stall import watch_event_loop
@@ -105,6 +106,7 @@ class AsyncRolloutManager:
         self._n_calls = 0
         self._stale_dropped = 0
         self._cut_off = False  # a batch was interrupted: its requests may still run at the engine
+        self._rids = RidPrefixes("b")  # a prefix per collected batch: rids unique for the run
 
     def use_algorithm(self, algorithm: RolloutAlgorithm) -> None:
         """Take reward shaping and group filtering from `algorithm` for groups launched from now on.
@@ -246,9 +248,10 @@ class AsyncRolloutManager:
             self._cut_off = True
             raise
         _check_failure_rate(result, cfg.max_failed_group_rate)
-        if result.sample_errors:
-            log.warning("%d samples failed or had their reward fail: %s",
-                        result.n_failed_samples, summarize_errors(result.sample_errors))  # fmt: skip
+        line = failure_line(result.reward_errors, result.generation_errors,
+                            cfg.reward_failure_value)  # fmt: skip
+        if line is not None:  # one line a batch, every cause counted (any try)
+            log.warning("%s", line)
         version = self.current_version()
         for prompt, samples in result.partial:
             self.data_buffer.hold([_held_record(prompt, samples)], version)
@@ -274,7 +277,7 @@ class AsyncRolloutManager:
             engine_fail_fast=cfg.engine_fail_fast,
             sample_retries=cfg.sample_retries,
             reward_failure_value=cfg.reward_failure_value,
-            rid_prefix=f"b{self._n_calls}-{id(self) % 10_000}",
+            rid_prefix=self._rids.next(),
             tokenizer=self.tokenizer,
         )
 
@@ -358,6 +361,8 @@ def _accumulate(total: CollectResult, part: CollectResult) -> None:
     total.n_filtered += part.n_filtered
     total.n_failed_groups += part.n_failed_groups
     total.n_failed_samples += part.n_failed_samples
+    total.n_retried_samples += part.n_retried_samples
+    total.n_reward_failed += part.n_reward_failed
     total.n_interrupted += part.n_interrupted
     total.completion_tokens += part.completion_tokens
     total.reward_sum += part.reward_sum
@@ -365,6 +370,8 @@ def _accumulate(total: CollectResult, part: CollectResult) -> None:
     total.wall_time_s += part.wall_time_s
     total.failures.update(part.failures)
     total.sample_errors.update(part.sample_errors)
+    total.reward_errors.update(part.reward_errors)
+    total.generation_errors.update(part.generation_errors)
 
 
 async def _abort_all(engine: Any) -> None:

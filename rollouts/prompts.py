@@ -81,6 +81,9 @@ def encode_prompt(tokenizer: Any, messages: list[Mapping[str, Any]], tools=None,
     """
     out = tokenizer.apply_chat_template(
         [dict(m) for m in messages], tools=tools, add_generation_prompt=True, tokenize=True,
+        # callers measure the prompt against the context themselves (and say which record):
+        # no "indexing errors" warning from transformers for one longer than model_max_length
+        tokenizer_kwargs={"verbose": False},
         **dict(template_kwargs or {}),
     )  # fmt: skip
     return list(out["input_ids"] if hasattr(out, "keys") else out)

@@ -1,11 +1,32 @@
 """What a rollout sends with each engine request and reads back: rids and weight versions.
 
 Pure helpers (no trio, no HTTP) shared by the single-turn and multi-turn generate functions.
+
+Rids are unique per request for the life of a run, resumes included: each batch's requests
+share a prefix from `RidPrefixes` (a random token per owner, so a resumed run or a second
+manager never repeats one, and a counter per batch, so async mode's producer and overlap mode's
+prefetch never do), and within a batch a rid names its group, attempt, sample and turn/call.
+The local engine, like SGLang, aborts every in-flight request whose rid starts with the one
+given: a reused rid would let one abort hit two requests.
 """
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from typing import Any
+
+
+class RidPrefixes:
+    """`next()`: "<kind><n>-<token>", n counting from 1 and the token random per instance."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.token = secrets.token_hex(4)
+        self._count = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.kind}{next(self._count)}-{self.token}"
 
 
 def version_number(version: str | None, default: int) -> int:

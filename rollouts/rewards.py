@@ -146,6 +146,11 @@ def overlong_penalty(
     -penalty_factor beyond. Add it to the task reward (see `add_overlong_shaping`).
     cache_len = 0 gives a hard step at the limit.
 
+    A truncated sample (cut by a length limit, the episode's token budget or `max_turns`)
+    gets -penalty_factor whatever its L, as DAPO's response cut at its budget does: in a tool
+    episode the budget counts the tool results too, so the model's own tokens never reach it
+    and the ramp alone would give an episode cut at the budget 0.
+
     Raises:
         ConfigError: cache_len is outside [0, max_response_len].
     """
@@ -157,10 +162,10 @@ def overlong_penalty(
 
     def overlong(sample: Sample) -> float:
         n = sample.num_trained_tokens
+        if sample.status == "truncated" or n > max_response_len:
+            return -penalty_factor
         if n <= soft_start:
             return 0.0
-        if n > max_response_len:
-            return -penalty_factor
         return penalty_factor * (soft_start - n) / cache_len
 
     return overlong

@@ -92,6 +92,17 @@ async def score_sample(
                          failure_reward=failure_reward)  # fmt: skip
 
 
+_DROPPED = "dropped the sample (DropSample)"
+
+
+def reward_failure(before: Sample, after: Sample) -> str | None:
+    """The error of a reward that failed on `before` (raised, timed out, gave no number), as
+    scoring left it on `after`; None if it gave a reward or dropped the sample on purpose."""
+    if before.status == "failed" or after.error is None or after.error == before.error:
+        return None
+    return None if _DROPPED in after.error else after.error
+
+
 def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *,
                   timeout_s: float, fail_fast: bool,
                   failure_reward: float | None = None) -> Sample:  # fmt: skip
@@ -108,7 +119,7 @@ def settle_reward(reward_fn: RewardFn, sample: Sample, outcome: RewardOutcome, *
     else:
         error = f"reward {name} raised {type(outcome).__name__}: {outcome}"
     if isinstance(outcome, DropSample):  # deliberate: regenerated, never scored
-        return sample.failed(error)
+        return sample.failed(f"reward {name} {_DROPPED}: {outcome}")
     if fail_fast:
         raise RewardError(
             f"group {sample.group_id} sample {sample.index_in_group}: {error} "

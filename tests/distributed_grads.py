@@ -7,7 +7,8 @@ rank appends to OUT_DIR/models-rank{R}.txt when it builds a model and when that 
 collected, so the test can check that each rank freed one mode's model before the next was built.
 
     python tests/distributed_grads.py MODEL_DIR OUT_DIR MODE[,MODE...]   # OUT_DIR/MODE/...
-    modes: sft, grpo-token-mean, grpo-seq-mean, and each with `-lora` (LoRA adapters, rank 4)
+    modes: sft, grpo-token-mean, grpo-seq-mean, each with `-lora` (LoRA adapters, rank 4) or
+    `-tied` (the output layer tied to the input embeddings)
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def watched_model(model_dir: str, log_dir: str):
     return model
 
 
+def tied_model(model_dir: str, log_dir: str):
+    """`watched_model` with its output layer tied to the input embeddings (one Parameter)."""
+    return tie_embeddings(watched_model(model_dir, log_dir))
+
+
+def tie_embeddings(model):
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def _note(log: Path, line: str) -> None:
     with log.open("a") as f:
         f.write(line + "\n")
@@ -68,7 +80,8 @@ def sft_samples(tokenizer) -> list:
 async def one_step(model_dir: str, out: Path, mode: str) -> dict:
     import distributed_grads as me  # by import path, so that the other ranks build it too
 
-    build = partial(me.watched_model, model_dir, str(out.parent))
+    mode, tied, _ = mode.partition("-tied")
+    build = partial(me.tied_model if tied else me.watched_model, model_dir, str(out.parent))
     tokenizer = load_tokenizer(model_dir)
     optim = OptimConfig(lr=1e-3, schedule="constant")
     mode, with_lora, _ = mode.partition("-lora")

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).parent.parent
 # Every mode `tests/distributed_grads.py` runs; one launch per world size computes them all, and
 # the full-model and LoRA tests read their own modes from the same runs.
-GRAD_MODES = ("sft", "grpo-token-mean", "grpo-seq-mean", "sft-lora", "grpo-token-mean-lora")
+GRAD_MODES = ("sft", "grpo-token-mean", "grpo-seq-mean", "sft-lora", "grpo-token-mean-lora",
+              "sft-tied", "grpo-token-mean-tied")  # fmt: skip
 
 
 class LaunchTimeout(AssertionError):

@@ -48,13 +48,13 @@ async def run_case(model_dir: str, tokenizer, case: dict[str, Any], out: Path) -
     ctx = current()
     world = ctx.world if ctx is not None else 1
     lora = LoraSettings(rank=4) if case["lora"] else None
+    load = partial(load_model, model_dir, attention=case.get("attention", "sdpa"))
     common = dict(tokenizer=tokenizer, optim=OptimConfig(lr=1e-3, schedule="constant"),
                   max_steps=1, checkpoint_dir=out / "ckpt",
                   micro_batch_tokens=case["micro_batch_tokens"], lora=lora)  # fmt: skip
     extra: dict[str, torch.Tensor] = {}
     if case["kind"] == "greedy":  # held-out decoding: the prompts are split across ranks
-        backend = PyTorchTrainingBackend(partial(load_model, model_dir), pack_length=None,
-                                         **common)  # fmt: skip
+        backend = PyTorchTrainingBackend(load, pack_length=None, **common)
         outputs = await backend.generate_greedy(case["prompts"], max_new_tokens=6,
                                                 batch_size=case["batch_size"]).result()  # fmt: skip
         tensors = {f"greedy/{i}": torch.tensor(ids, dtype=torch.long)
@@ -64,7 +64,7 @@ async def run_case(model_dir: str, tokenizer, case: dict[str, Any], out: Path) -
     if case["kind"] == "rl":
         algorithm = grpo(loss=case["loss"], aggregation=case["aggregation"], max_tokens_norm=16)
         backend = PyTorchTrainingBackend(
-            partial(load_model, model_dir), pack_length=None,
+            load, pack_length=None,
             collate_fn=partial(collate_rl, pad_id=tokenizer.pad_token_id), **common,
         )  # fmt: skip
         rows = build_examples(rl_batch(case), algorithm, share_prompts=case["share_prompts"])
@@ -74,8 +74,7 @@ async def run_case(model_dir: str, tokenizer, case: dict[str, Any], out: Path) -
             rows, loss_fn=rl_loss_fn(algorithm), loss_weight_fn=loss_weight_fn(algorithm)
         ).result()
     else:
-        backend = PyTorchTrainingBackend(partial(load_model, model_dir),
-                                         pack_length=case["pack_length"], **common)  # fmt: skip
+        backend = PyTorchTrainingBackend(load, pack_length=case["pack_length"], **common)
         rows = [TokenizedSample(tuple(s["ids"]), tuple(s["mask"]), f"s{i}")
                 for i, s in enumerate(case["samples"])]  # fmt: skip
         metrics = await backend.forward_backward(rows).result()

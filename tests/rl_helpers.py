@@ -3,6 +3,7 @@ short real RL loop on the in-process engine (`run_loop`)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -92,15 +93,18 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
     with backend:
         manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=reward_fn,
                                       current_version=lambda: backend.weight_version)  # fmt: skip
-        history = await run_rl_training(
-            backend, buffer, manager, [engine],
-            RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every,
-                         **({} if max_empty_batches is None else
-                            {"max_empty_batches": max_empty_batches}), **(loop or {})),
-            objective=RLObjective(schedule or algorithm or grpo(), reference=reference,
-                                  **objective),
-            export_dir=tmp_path / "weights", hooks=hooks,
-        )  # fmt: skip
+        async with contextlib.AsyncExitStack() as stack:
+            if rollout.mode != "sync":  # its background generation lives in the manager's nursery
+                await stack.enter_async_context(manager)
+            history = await run_rl_training(
+                backend, buffer, manager, [engine],
+                RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every,
+                             **({} if max_empty_batches is None else
+                                {"max_empty_batches": max_empty_batches}), **(loop or {})),
+                objective=RLObjective(schedule or algorithm or grpo(), reference=reference,
+                                      **objective),
+                export_dir=tmp_path / "weights", hooks=hooks,
+            )  # fmt: skip
         if reference is not None:
             reference.close()
     return SimpleNamespace(history=history, backend=backend, reference=reference, manager=manager)

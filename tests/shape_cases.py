@@ -6,7 +6,7 @@ loss, LoRA on or off, the micro-batch token budget, and every token id. Each cas
 one seed (`case_from_seed`), named `seed<N>`, so a failure names the case that reproduces it.
 
 The coverage dimensions cycle with the seed (aggregation, loss, LoRA, prompt sharing, SFT every
-fifth case), so that even a handful of consecutive seeds covers each of them; lengths, group
+fifth case, the padding-free `segments` attention in three cases of four), so that even a handful of consecutive seeds covers each of them; lengths, group
 counts, rewards, token ids and the budget are drawn from the seed. Budgets are drawn between
 the widest row and the whole batch, so that most cases split into several micro-batches, and
 the ranks' shares of them are often unequal.
@@ -58,6 +58,7 @@ def case_from_seed(seed: int) -> dict[str, Any]:
     """One case; the coverage dimensions cycle with `seed`, the rest is drawn from it."""
     r = random.Random(seed)
     lora = seed % 3 == 1
+    attention = "sdpa" if seed % 4 == 3 else "segments"
     if seed % 5 == 4:
         pack_length = r.choice((32, 48, 64))
         samples = []
@@ -67,7 +68,7 @@ def case_from_seed(seed: int) -> dict[str, Any]:
             samples.append({"ids": _ids(r, n_prompt + n_answer),
                             "mask": [0] * n_prompt + [1] * n_answer})  # fmt: skip
         return {"name": f"seed{seed}", "seed": seed, "kind": "sft", "lora": lora,
-                "pack_length": pack_length,
+                "attention": attention, "pack_length": pack_length,
                 "micro_batch_tokens": pack_length * r.randint(1, 3),
                 "samples": samples}  # fmt: skip
     groups = []
@@ -85,7 +86,7 @@ def case_from_seed(seed: int) -> dict[str, Any]:
     widest = max(len(g["prompt"]) + max(map(len, g["responses"])) for g in groups)
     total = sum(len(g["prompt"]) + len(x) for g in groups for x in g["responses"])
     return {"name": f"seed{seed}", "seed": seed, "kind": "rl", "lora": lora,
-            "micro_batch_tokens": r.randint(widest, max(widest, total // 2)),
+            "attention": attention, "micro_batch_tokens": r.randint(widest, max(widest, total // 2)),
             "share_prompts": seed % 2 == 0, "aggregation": AGGREGATIONS[seed % 4],
             "loss": LOSSES[(seed // 4) % 4], "groups": groups}  # fmt: skip
 

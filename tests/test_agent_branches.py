@@ -175,3 +175,61 @@ async def test_a_dropped_branch_sample_redoes_its_whole_session(local_engine, ti
     assert [(s.index_in_group, s.sub_index) for s in group] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert result.n_retried_samples == 1 and len(dropped) == 1
     assert all(s.status == "completed" for s in group)
+
+
+def _call(call_id: str, expression: str) -> dict:
+    return {"id": call_id, "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": expression}}}  # fmt: skip
+
+
+async def test_forked_branch_keeps_only_its_own_tool_calls(tiny_tokenizer):
+    """An agent fans out after a tool call (two calls from the same history, in flight at
+    once): each branch's Sample.tool_calls are exactly the tool results whose tokens are in
+    that branch's response, in order, even when its sibling ran more tools before the fork
+    was recorded (issue 42, W3)."""
+    import re
+
+    from rollouts.agent.generate import branch_sample
+    from rollouts.agent.proxy import AgentSession, SessionLimits
+    from rollouts.agent.trajectory import SessionTrajectory
+    from rollouts.chat_turns import ChatTurns
+    from rollouts.generate_fn import GenerateContext
+    from rollouts.tools import calculator_tool, tool_specs
+
+    tok = tiny_tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    specs = tool_specs([calculator_tool()])
+    trajectory = SessionTrajectory(ChatTurns.from_tokenizer(tok))
+
+    def call(messages, answer, text):
+        plan = trajectory.plan(messages, specs)
+        return plan, lambda: trajectory.record(
+            plan, messages, answer, [*tok.encode(text, add_special_tokens=False), eos],
+            None, [(0, 1, 0)], "stop", specs)  # fmt: skip
+
+    first = {"role": "assistant", "content": "", "tool_calls": [_call("c1", "2*3")]}
+    _, record = call([USER], first, "<tool_call>2*3</tool_call>")
+    record()
+    shared = [USER, first, {"role": "tool", "tool_call_id": "c1", "content": "6"}]
+    fan = {q: [*shared, {"role": "user", "content": q}] for q in ("a?", "b?")}
+    a_answer = {"role": "assistant", "content": "", "tool_calls": [_call("c2", "4+4")]}
+    _, record_a = call(fan["a?"], a_answer, "<tool_call>4+4</tool_call>")
+    _, record_b = call(fan["b?"], {"role": "assistant", "content": "b"}, "b")  # planned now
+    record_a()
+    a_more = [*fan["a?"], a_answer, {"role": "tool", "tool_call_id": "c2", "content": "8"}]
+    _, record_a_more = call(a_more, {"role": "assistant", "content": "8"}, "8")
+    record_a_more()
+    record_b()  # recorded last: it forks branch 0 at the shared prefix
+    assert len(trajectory.branches) == 2
+
+    ctx = GenerateContext(None, {}, trio.CapacityLimiter(1), "t", 0, tok)
+    session = AgentSession("s", "k", "http://x", ctx, 0, trajectory, SessionLimits())
+    prompt = prompt_item(tok, [USER], {})
+    outputs = {}
+    for branch in trajectory.branches:
+        sample = branch_sample(session, branch, prompt)
+        # the tiny model's template renders a tool result as its own "tool" turn
+        in_tokens = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", sample.response_text)
+        assert [c.output for c in sample.tool_calls] == in_tokens
+        outputs[tok.decode(branch.ids).count("b?")] = in_tokens
+    assert outputs == {0: ["6", "8"], 1: ["6"]}  # branch a, and b (forked)

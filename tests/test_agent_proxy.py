@@ -234,3 +234,31 @@ def test_two_calls_extending_one_branch_at_once_fork_it_with_the_shared_prefix(t
         text = tok.decode(branch.ids)
         assert q in text and ("b?" if q == "a?" else "a?") not in text
         assert branch.spans == [(0, len(sampled), 7), (len(branch.ids) - 1, len(branch.ids), 8)]
+
+
+async def test_a_session_refused_for_its_body_size_fails_instead_of_training_its_reward(
+    local_engine, tiny_tokenizer
+):
+    """Issue 49: a call refused with 413 on its headers (a body over the proxy's limit) is the
+    session's fault like any bad body: an agent that swallows the refusal and reports 1.0 gives
+    a failed sample naming the 413, not a trained one with the agent's own reward."""
+    from rollouts.agent import session_sample
+    from rollouts.agent.harness import HarnessOutcome
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    prompt = prompt_for(tok, 2, 3)
+    messages = [dict(m) for m in prompt.messages]
+    async with open_agent_proxy(ChatTurns.from_tokenizer(tok)) as proxy:
+        proxy.app.max_body_bytes = 4096
+        session = proxy.open_session(greedy_ctx(engine, tok, "big"), 0)
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
+                                    max_retries=0)  # fmt: skip
+        async with client:
+            await client.chat.completions.create(model="policy", messages=messages)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(model="policy", messages=[
+                    *messages, {"role": "user", "content": "x" * 5000}])  # fmt: skip
+    assert refused.value.status_code == 413
+    sample = session_sample(session, prompt, HarnessOutcome(reward=1.0))
+    assert sample.status == "failed" and "413" in sample.error and "4096 bytes" in sample.error

@@ -129,3 +129,90 @@ def test_agent_config_fails_loudly_on_unknown_keys_and_a_missing_agent():
     setup = build_episode_setup(config.env, config.reward, resolve=resolve_callable,
                                 agent_section=config.agent)  # fmt: skip
     assert setup.reward_fn is env_reward
+
+
+async def test_an_agent_prompt_over_the_context_fails_its_samples_with_the_engines_error(
+    local_engine, tiny_tokenizer
+):
+    """Issue 49 D2: the engine's 400 (a prompt past the context) for a call an agent made is the
+    agent's fault, like a bad request body: its sample fails with the engine's text, counted, and
+    `collect_groups` returns (the run goes on) instead of raising out of the nested nurseries."""
+    _, engine = local_engine
+    tok = tiny_tokenizer
+    calls = []
+
+    async def long_winded(client, task):
+        calls.append(1)
+        messages = [*task["messages"], {"role": "user", "content": " word" * 3000}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        return 1.0
+
+    ctx = greedy_ctx(engine, tok, "long")
+    with trio.fail_after(60):
+        result = await collect_groups(
+            GroupSource(lambda: (prompt_for(tok, 2, 3), [])), n_groups=1, n_samples=2,
+            engine=engine, sampling_params=ctx.sampling_params, reward_fn=env_reward,
+            generate_fn=agent_generate(python_harness(long_winded), tokenizer=tok),
+            group_filter=keep_all, limiter=trio.CapacityLimiter(4), max_launches=2,
+            sample_retries=1,
+        )  # fmt: skip
+    assert result.accepted == [] and result.n_failed_groups == 2
+    assert result.n_failed_samples == 4 and not result.failures  # not an engine outage
+    # failed samples, generated again once like any (sample_retries=1): 2 groups x 2 x 2 calls
+    assert len(calls) == 8 and result.n_retried_samples == 4
+    ((error, count),) = result.sample_errors.items()
+    assert count == 4 and "(HTTP 400)" in error and "context length" in error, error
+
+
+async def test_a_non_json_engine_answer_in_an_agent_session_is_retried_not_a_crash(
+    local_engine, tiny_tokenizer
+):
+    """Issue 49 D2: an engine error an agent's session saw is re-raised through two nurseries
+    (the sessions', the scoring's); a non-JSON 200 (a misrouted load balancer) is transient, so
+    the session is generated again and its group trains, instead of an AttributeError."""
+    from engines import SGLangEngine
+    from engines.testing.fault_proxy import FaultPlan, FaultProxy
+
+    server, _ = local_engine
+    tok = tiny_tokenizer
+    async with trio.open_nursery() as nursery:
+        proxy = FaultProxy(server.url, FaultPlan(script=("nonjson",)))
+        url = await nursery.start(proxy.serve)
+        async with SGLangEngine(url, max_retries=0) as engine:
+            ctx = greedy_ctx(engine, tok, "nonjson")
+            with trio.fail_after(60):
+                result = await collect_groups(
+                    GroupSource(lambda: (prompt_for(tok, 2, 3), [])), n_groups=1, n_samples=2,
+                    engine=engine, sampling_params=ctx.sampling_params, reward_fn=env_reward,
+                    generate_fn=agent_generate(python_harness(calculator_agent), tokenizer=tok),
+                    group_filter=keep_all, limiter=trio.CapacityLimiter(4), sample_retries=1,
+                )  # fmt: skip
+        nursery.cancel_scope.cancel()
+    assert proxy.counts["nonjson"] == 1
+    (group,) = result.accepted
+    assert sorted(s.index_in_group for s in group if s.sub_index == 0) == [0, 1]
+    assert all(s.status in ("completed", "truncated") for s in group)
+    assert result.n_retried_samples >= 1 and result.n_failed_groups == 0
+
+
+async def test_an_evaluation_counts_failed_agent_episodes_as_failed_not_as_reward_failures(
+    local_engine, tiny_tokenizer
+):
+    """An episode whose agent's call the engine refused has no answer to score: the evaluation
+    counts it in `failed` (with the engine's text), not in `reward_failed`."""
+    from rollouts.evaluation import evaluate_greedy
+
+    _, engine = local_engine
+    tok = tiny_tokenizer
+
+    async def long_winded(client, task):
+        messages = [*task["messages"], {"role": "user", "content": " word" * 3000}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        return 1.0
+
+    with trio.fail_after(60):
+        out = await evaluate_greedy(
+            engine, [prompt_for(tok, 2, 3), prompt_for(tok, 4, 5)], env_reward, tokenizer=tok,
+            generate_fn=agent_generate(python_harness(long_winded), tokenizer=tok),
+        )  # fmt: skip
+    assert out["failed"] == 2 and out["reward_failed"] == 0 and out["scored"] == 0

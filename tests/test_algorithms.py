@@ -96,9 +96,12 @@ REWARDS_GN = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 2.0, 1.0, 1.0]])
         (grpo(scale_by_std=False), adv.dr_grpo_advantages(REWARDS_GN)),
         (dr_grpo(max_tokens_norm=8), adv.dr_grpo_advantages(REWARDS_GN)),
         (rloo(), adv.rloo_advantages(REWARDS_GN)),
-        (reinforce_pp(), adv.reinforce_pp_advantages(REWARDS_GN, group_baseline=True)),
         (
-            reinforce_pp(advantage="reinforce_pp"),
+            reinforce_pp(whiten="sequence"),
+            adv.reinforce_pp_advantages(REWARDS_GN, group_baseline=True),
+        ),
+        (
+            reinforce_pp(advantage="reinforce_pp", whiten="sequence"),
             adv.reinforce_pp_advantages(REWARDS_GN, group_baseline=False),
         ),
         (reinforce(), adv.reinforce_baseline_advantages(REWARDS_GN)),
@@ -214,7 +217,8 @@ def test_every_preset_learns_a_toy_bandit(config: AlgorithmConfig):
         )
         rewards_GN = (tokens_B == 2).float().view(n_groups, n_per_group)
         logprobs_BT = torch.log_softmax(logits_V, -1)[tokens_B][:, None]
-        advantages_GN = compute_advantages(config, rewards_GN)
+        advantages_GN = compute_advantages(config, rewards_GN,
+                                           n_tokens_GN=torch.ones_like(rewards_GN))  # fmt: skip
         loss, _ = compute_policy_loss(
             config,
             logprobs_BT,

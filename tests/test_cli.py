@@ -127,9 +127,14 @@ def test_truncated_samples_are_named_with_the_key_that_raises_the_limit(tmp_path
     proc = rollouts(*sft_args(tiny_model_dir, tmp_path, "--data", str(data), "--max-steps", "1",
                               "data.max_seq_len=64", "train.batch_size=4"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    warning = next(line for line in proc.stderr.splitlines() if "WARNING" in line)
-    assert "10 of 20 samples (50%)" in warning and "data.max_seq_len=64" in warning
-    assert f"{data}:1, {data}:3, {data}:5" in warning and "raise data.max_seq_len" in warning
+    [warning] = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert "10 of 20 records were cut or dropped" in warning and "limit 64: cut by" in warning
+    assert f"{data}:1 (tokens" in warning and f"; {data}:3 (tokens" in warning
+    assert "and 5 more" in warning and "raise data.max_seq_len" in warning
+    report = [
+        json.loads(r) for r in (tmp_path / "out" / "data_report.jsonl").read_text().splitlines()
+    ]
+    assert [r["source"] for r in report] == [f"{data}:{k}" for k in range(1, 20, 2)]
 
 
 def test_a_fresh_run_into_an_earlier_runs_directory_is_refused(tmp_path, tiny_model_dir):
@@ -271,6 +276,18 @@ def test_help_and_config_errors_answer_without_loading_torch(tmp_path):
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_overrides_after_flags_are_read_as_overrides(capsys):
+    # issue 42's user wrote `... --output-dir runs/x engines.n_local=2`: argparse refused the
+    # trailing overrides ("unrecognized arguments") because others came before the flags
+    from training.recipes.cli import main
+
+    for cmd in ("sft", "rl"):
+        code = main([cmd, "optim.lr=1e-4", "--max-steps", "2", "--output-dir", "x", "optim.lrr=1"])
+        err = capsys.readouterr().err
+        assert code == 2 and "unrecognized arguments" not in err, err
+        assert "unknown key 'optim.lrr'" in err and "did you mean 'optim.lr'" in err, err
 
 
 # ----- launchers: plain python, torchrun, and `accelerate launch --multi_gpu` (recipes/launcher.py)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rollouts.debug import inspect_rollout, validate_batch
+from rollouts.debug import inspect_rollout, sample_line, shorten, validate_batch
 from rollouts.types import RolloutBatch, Sample, ToolCallRecord
 
 
@@ -38,6 +38,29 @@ def test_inspect_rollout_lists_tokens_masks_logprobs_rewards_and_tool_calls(tiny
     assert "tool call 0: calc({'expr': '3*4'}) -> '12' [ok" in text
     short = inspect_rollout(s, None, max_tokens=1)
     assert f"... {len(ids)} more tokens" in short and "'" not in short.splitlines()[0]
+
+
+def test_inspect_rollout_prints_what_it_returns(capsys, tiny_tokenizer):
+    s = sample(response=(5, 6, 7), mask=(1, 1, 0), logprobs=(-0.5, -1.0, 0.0))
+    text = inspect_rollout(s, tiny_tokenizer)
+    assert capsys.readouterr().out == text + "\n" and "3 tokens, 2 trained" in text
+    assert inspect_rollout(s, tiny_tokenizer, quiet=True) == text
+    assert capsys.readouterr().out == ""
+
+
+def test_sample_line_keeps_the_prompts_end_and_the_responses_start_on_one_line(tiny_tokenizer):
+    assert shorten("abc\ndef", 20) == "abc⏎def"
+    assert shorten("x" * 10 + "QUESTION", 8, keep="tail") == "…[10 chars]…QUESTION"
+    assert shorten("ANSWER" + "y" * 50, 6) == "ANSWER…[50 chars]…"
+    prompt = tiny_tokenizer.encode("a long preamble " * 30 + "what is 2+3?",
+                                   add_special_tokens=False)  # fmt: skip
+    s = Sample(tuple(prompt), (5, 6), (1, 1), (-0.5, -1.0), response_text="5\nbecause",
+               reward=0.5, reward_components={"correct": 0.0, "digits": 0.5},
+               status="truncated")  # fmt: skip
+    line = sample_line(s, tiny_tokenizer, max_chars=40)
+    assert "\n" not in line and "what is 2+3?' -> response '5⏎because' (2 tokens)" in line
+    assert line.endswith("reward 0.5 (correct=0 digits=0.5) [truncated]"), line
+    assert "prompt '…[" in line and len(line) < 200
 
 
 def test_a_consistent_batch_has_no_problems():

@@ -1,12 +1,19 @@
 """examples/demo.py: SFT, then RL and continued SFT from the same checkpoint, one verdict."""
 
 import json
+import os
+import re
+import shlex
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests import warm_python
+from training.backend.checkpoint import checkpoint_step, find_latest_checkpoint
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -52,8 +59,19 @@ def test_table_gives_each_arm_its_gain_over_sft():
     assert "+21.0" in lines[2] and "+1.0" in lines[3] and "1000" in lines[3]
 
 
+def wait_for_rows(path: Path, n: int, proc: subprocess.Popen, deadline_s: float = 300) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if path.is_file() and len(path.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"{path} did not reach {n} rows within {deadline_s} s")
+
+
 @pytest.mark.slow
-def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
+def test_demo_stopped_by_sigterm_mid_rl_resumes_from_its_checkpoints(tiny_model_dir, tmp_path):
+    """Issue 42: a stopped `make demo` started over, and SIGTERM printed nothing."""
     out = tmp_path / "demo"
     (out / "rl").mkdir(parents=True)
     (out / "rl" / "stale.txt").write_text("from an earlier run")
@@ -61,20 +79,49 @@ def test_demo_runs_all_three_phases_and_starts_afresh(tiny_model_dir, tmp_path):
             "data.arithmetic.n_rl=64", "data.arithmetic.n_eval=16"]  # fmt: skip
     sft = [*data, f"model.path={tiny_model_dir}", "train.max_steps=4", "train.eval_every=2",
            "train.greedy_eval_samples=8", "train.eval_samples=8", "backend.num_threads=1"]  # fmt: skip
-    rl = [*data, "train.max_steps=2", "train.eval_every=1", "train.eval_samples=8",
-          "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.filter_groups=none"]  # fmt: skip
+    rl = [*data, "train.max_steps=8", "train.eval_every=4", "train.eval_samples=8",
+          "train.checkpoint_every=1", "rollout.batch_size=2", "rollout.n_samples_per_prompt=2",
+          "rollout.filter_groups=none"]  # fmt: skip
     args = ["--out", str(out), "--continued-steps", "2"]
     args += [a for kv in sft for a in ("--sft", kv)] + [a for kv in rl for a in ("--rl", kv)]
-    proc = warm_python.run([ROOT / "examples" / "demo.py", *args], cwd=ROOT, timeout=600)
+    demo = str(ROOT / "examples" / "demo.py")
+    # a process of its own (a warm child cannot be signalled), stopped as `kill` stops it
+    first = subprocess.Popen([sys.executable, demo, "--fresh", *args], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)  # fmt: skip
+    wait_for_rows(out / "rl" / "metrics.jsonl", 2, first)
+    os.killpg(first.pid, signal.SIGTERM)
+    _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 130, stderr[-3000:]
+    assert not (out / "rl" / "stale.txt").exists()  # --fresh cleared the earlier demo
+    assert "Traceback" not in stderr
+    kept = checkpoint_step(find_latest_checkpoint(out / "rl" / "checkpoints"))
+    resume = f"make demo DEMO_ARGS={shlex.quote(shlex.join(args))}"
+    assert re.fullmatch(rf"stopped by SIGTERM during RL after step (\d+); last checkpoint: "
+                        rf"{out}/rl/checkpoints/step_0*{kept}; resume with `{re.escape(resume)}`",
+                        stderr.strip().splitlines()[-1]), stderr[-2000:]  # fmt: skip
+    assert 2 <= kept < 8
+
+    proc = warm_python.run([demo, *args], cwd=ROOT, timeout=600)  # what `make demo` runs again
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not (out / "rl" / "stale.txt").exists()
+    assert f"SFT: finished in an earlier run ({out / 'sft'}): skipped. SFT done:" in proc.stdout
+    assert re.search(rf"RL: resuming from {out}/rl/checkpoints/step_0*{kept} \(step {kept}\)",
+                     proc.stdout)  # fmt: skip
+    rl_lines = [int(m[1]) for m in re.finditer(r"rollouts: step (\d+)/8 ", proc.stderr)]
+    assert rl_lines == list(range(kept + 1, 9))  # the step numbers continue
+    assert " step 1/4 " not in proc.stderr  # SFT did not run again
+    rows = [json.loads(x)["step"] for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, 9))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rl_steps"] == 2 and summary["continued_steps"] == 2
+    assert summary["rl_steps"] == 8 and summary["continued_steps"] == 2
     assert summary["sft_last_steps"] == [2, 4]  # its evals
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("RL beat continued SFT") or "did NOT beat" in lines[-1]
     assert lines[-2].startswith("RL gain over the plateau mean")
     assert lines[-3].startswith("SFT plateau: last")
+    # RL's wall time and clock count the first run's seconds up to its checkpoint, too
+    clock = dict(summary["rl_clock"])
+    assert sorted(clock) == list(range(1, 9)) and clock[kept] < clock[kept + 1]
     for arm in ("rl", "continued"):  # the plotted arm ends where the table's wall time does
         (*_, (last_step, last_s)) = summary[f"{arm}_clock"]
         assert last_step == summary[f"{arm}_steps"]

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from tests.distributed_launch import GRAD_MODES, ROOT, launch
 from tests.torchrun_exit import judge, launch_probed, rl_args
 
-MODES = ("sft", "grpo-token-mean", "grpo-seq-mean")
+MODES = ("sft", "grpo-token-mean", "grpo-seq-mean", "sft-tied", "grpo-token-mean-tied")
 # The recipe's 20,000 SFT examples cost each process ~7 s of CPU to write and tokenize (about half
 # of a 4-step launch); a few steps at batch 16 read 400 at most.
 SMALL_DATA = ("data.arithmetic.n_sft=400", "data.arithmetic.n_eval=50")

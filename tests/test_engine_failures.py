@@ -5,6 +5,7 @@ engines; failures come from `engines.testing.fault_proxy` or from killing the en
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -22,10 +23,12 @@ from engines.http import EngineTimeouts
 from engines.pool import NoEngineAvailableError
 from engines.supervisor import supervise_engine
 from engines.testing.fault_proxy import FaultPlan, FaultProxy
+from engines.weight_sync import pause_engines
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.errors import RolloutsError
 from rollouts.manager import AsyncRolloutManager
 from training.data.buffer import DataBuffer
+from training.recipes.rl_summary import EngineWatch, RLSummary
 
 SHORT = {"max_new_tokens": 4}
 
@@ -117,6 +120,59 @@ async def test_dead_engine_is_skipped_by_the_sync_and_given_the_weights_before_i
             assert {r.weight_version for r in results} == {"1"}
             assert pool.statistics().engines[1].done >= 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_engine_warns_once_going_down_and_once_coming_back_whatever_the_steps(
+    tiny_model_dir, tiny_model_dir_seed1, caplog
+):
+    # Issue 42: a dead engine logged 2 WARNINGs per step (the pause and the push skipping it).
+    caplog.set_level(logging.DEBUG, logger="engines")
+    port, steps = find_free_port(), 8
+    url = f"http://127.0.0.1:{port}"
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        doomed = trio.CancelScope()
+
+        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with doomed:
+                await run_engine(tiny_model_dir, port, task_status=task_status)
+
+        await nursery.start(run_doomed)
+        async with client(live.url) as a, client(url) as b, \
+                EnginePool([a, b], probe_interval_s=0.2) as pool:  # fmt: skip
+
+            async def step(version: int) -> None:  # what an RL step does with the engines
+                await pool.generate([3, version], SHORT)
+                await pause_engines([a, b])
+                model = tiny_model_dir_seed1 if version % 2 else tiny_model_dir
+                await sync_weights_to_engines([a, b], model, str(version), paused=True)
+
+            watch = EngineWatch(pool)  # what the recipe's summary reports
+            await step(0)
+            watch(1, {})
+            doomed.cancel()  # engine b dies during step 2; the probe finds it serves no weights
+            await wait_for(lambda: not pool.statistics().engines[1].healthy)
+            for version in range(1, steps + 1):
+                await step(version)
+                watch(version + 1, {})
+            down = pool.statistics().engines[1].down_reason
+            summary = RLSummary(0.5, 0.5, steps + 1, 1.0, None, (), engines_total=watch.total,
+                                engines_lost=watch.lost()).line()  # fmt: skip
+            await nursery.start(run_engine, tiny_model_dir, port)  # b is back
+            await wait_for(lambda: pool.statistics().engines[1].healthy)
+            await step(steps + 1)
+            watch(steps + 2, {})
+            assert pool.statistics().engines[1].down_reason is None and watch.lost() == ()
+        nursery.cancel_scope.cancel()
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno >= logging.WARNING and r.name.startswith("engines")]  # fmt: skip
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"engine {url} marked down (1 of 2 engines serve;")
+    assert warnings[1] == f"engine {url} is back and serves weights {steps} (2 of 2 engines serve)"
+    skipped = [r for r in caplog.records if "down" in r.getMessage() and r.levelno == logging.DEBUG]
+    assert len(skipped) == 2 * steps  # each step's pause and push still say so, at DEBUG
+    assert down is not None and down.startswith("EngineUnavailableError: probe failed")
+    assert summary.endswith(f"; finished on 1 of 2 engines; lost {url}: {down} at step 2"), summary
 
 
 async def test_an_engine_restarted_between_probes_never_has_its_old_weights_used(

@@ -39,6 +39,23 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
         assert "| SFT step, fused AdamW" in text
     section = results.read_text()
     assert "<!-- begin gpu_check -->" in section and "Dry run" in section
+    assert "| MFU (hardware)" in section and "| GPU busy" in section
+    # one row per change of issue 43 (benchmarks/gpu_variants.py): the same batches from the
+    # same weights, so the same losses and grad norms up to bf16 rounding
+    variants = figures["variants"]
+    assert list(variants) == ["today", "+accumulate", "+segments", "+large micro-batch",
+                              "+compile"]  # fmt: skip
+    assert variants.pop("+compile")["error"].startswith("skipped on CPU")
+    for phase in ("sft", "grpo"):
+        base = variants["today"][phase]
+        for name, row in variants.items():
+            f = row[phase]
+            for key in ("step_s", "tokens_per_s", "tflops", "hw_tflops", "peak_memory_gib"):
+                assert math.isfinite(f[key]) and f[key] > 0, (name, phase, key, f[key])
+            assert f["gpu_busy"] is None  # no CUDA events on CPU
+            assert abs(f["loss"] - base["loss"]) <= 2e-2 * abs(base["loss"]) + 1e-3, (name, phase)
+            assert abs(f["grad_norm"] - base["grad_norm"]) <= 2e-2 * base["grad_norm"], name
+        assert variants["+large micro-batch"][phase]["hw_tflops"] > 0
     # --profile: both phases' top ops, the backend thread's matmuls and optimizer among them
     profile = (tmp_path / "profile.txt").read_text()
     sft, grpo = profile.split("## GRPO update")

@@ -148,7 +148,9 @@ def test_kl_fn_replaces_the_estimator_in_the_loss_and_the_reward_penalty():
     _, default = compute_policy_loss(*args, ref_logprobs_BT=ref_BT)
     _, custom = compute_policy_loss(*args, ref_logprobs_BT=ref_BT, kl_fn=kl_fn)
     assert custom["kl"] == pytest.approx(truncated_sum / 3, abs=1e-6)
-    assert custom["loss"] == pytest.approx(custom["policy_loss"] + 0.5 * custom["kl"], abs=1e-6)
+    assert custom["loss"] == pytest.approx(
+        float(custom["policy_loss"] + 0.5 * custom["kl"]), abs=1e-6
+    )
     assert default["kl"] != pytest.approx(custom["kl"])
 
 

@@ -89,6 +89,19 @@ def test_a_path_without_a_model_names_the_cause_not_the_tokenizer(tmp_path, layo
         assert cause in str(err.value) and "sentencepiece" not in str(err.value)
 
 
+def test_a_missing_dir_under_an_existing_folder_is_no_such_directory_not_a_hub_id(
+    tmp_path, monkeypatch
+):
+    # issue 42's user typed `--model runs/nope`: one slash reads as `namespace/name`, so the hub
+    # client retried for half a minute offline and said "couldn't connect"
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model_dir("runs/nope")
+    assert "runs/nope: no such directory" in str(err.value)
+    assert resolve_model_dir("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # no Qwen/ here: a hub id
+
+
 def test_the_cli_entry_points_name_the_cause_of_a_model_path_without_a_model(tmp_path):
     ckpts = tmp_path / "runs" / "x" / "checkpoints"
     ckpts.mkdir(parents=True)

@@ -216,6 +216,20 @@ def test_forward_refuses_packed_batch_when_attention_cannot_isolate_samples():
         forward_logits(model, batch)
 
 
+@pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3"])
+def test_flash_attention_is_refused_for_multi_row_packed_batches(attn):
+    # transformers' flash path sees packed samples only in a single-row batch; in this
+    # batch's two packed rows it would run one causal kernel per row, across sample boundaries.
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    batch = prepare_sft_batch(of_lengths(3, 4, 3, 4), pad_id=PAD, max_tokens_per_row=7)
+    assert batch.is_packed and batch.input_ids.shape[0] == 2
+    assert not _is_packed_sequence(batch.position_ids, batch_size=2)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn))
+    with pytest.raises(ConfigError, match=rf"{attn}.*'eager', 'flex_attention', 'sdpa'"):
+        forward_logits(model, batch)
+
+
 # --- losses on synthetic logits ----------------------------------------------------------------
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -67,7 +69,9 @@ def test_value_loss_stops_pulling_a_value_past_the_clip(tiny_tokenizer):
     assert metrics2["value_clip_fraction"] == 0.5
 
 
-async def test_critic_learns_the_returns_and_ppo_trains_the_policy(tiny_model_dir, tmp_path):
+async def test_critic_learns_the_returns_and_ppo_trains_the_policy(tiny_model_dir, tmp_path,
+                                                                  capfd, caplog):  # fmt: skip
+    caplog.set_level(logging.INFO, logger="rollouts.critic")
     batch = batch_of(REWARDS)
     optim = OptimConfig(lr=3e-3, schedule="constant", weight_decay=0.0)
     with (
@@ -101,6 +105,17 @@ async def test_critic_learns_the_returns_and_ppo_trains_the_policy(tiny_model_di
                      checkpoint_dir=tmp_path / "c2") as again:  # fmt: skip
         torch.testing.assert_close(await again.compute_values(examples).result(), values)
     assert reloaded.score.weight.abs().sum() > 0
+    # transformers' LOAD REPORT table (issue 42) is one line of ours: the new value head is said
+    # for the LM checkpoint, nothing for the critic's own checkpoint (it has the head)
+    captured = capfd.readouterr()
+    assert "LOAD REPORT" not in captured.out + captured.err + caplog.text
+    loads = [r.getMessage() for r in caplog.records if r.name == "rollouts.critic"]
+    assert loads == [
+        f"critic: value model from {tiny_model_dir}; new (value head, starts at 0): score.bias, "
+        "score.weight; not used (the LM head): lm_head.weight",
+        f"critic: value model from {path}",
+        f"critic: value model from {path}",
+    ]
 
 
 def test_the_ppo_preset_needs_a_critic():

@@ -53,7 +53,8 @@ async def test_hung_sync_rewards_leave_trios_shared_thread_pool_free(
         return float(sample.index_in_group)
 
     manager, batch = await one_batch(engine, tiny_tokenizer, hangs_on_the_first_sample,
-                                     batch_size=4, n_samples_per_prompt=4, reward_timeout_s=0.2)  # fmt: skip
+                                     batch_size=4, n_samples_per_prompt=4, reward_timeout_s=0.2,
+                                     reward_failure_value=0.0)  # fmt: skip
     hung = int(batch.metrics["reward_failed"])
     assert hung == 4  # every group had one hung sample, scored with the failure reward
     # the hung threads are counted in the rewards' own pool, not held in trio's shared one

@@ -16,9 +16,9 @@ from rollouts.evaluation import evaluate_greedy
 from rollouts.prompts import prompt_item
 from tests.rl_helpers import index_reward, run_loop
 
-# 2 groups x 2 samples, and no over-sampling: a batch whose samples all fail is 4 reward calls
+# 2 groups x 2 samples, no over-sampling nor retry: a batch whose samples all fail is 4 reward calls
 ROLLOUT = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
-                        max_launch_factor=1.0, max_failed_group_rate=1.0,
+                        max_launch_factor=1.0, max_failed_group_rate=1.0, sample_retries=0,
                         sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
 
 

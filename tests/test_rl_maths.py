@@ -125,7 +125,9 @@ ALL_ESTIMATORS = [*GROUP_BASELINE, "reinforce_pp", "reinforce_baseline"]
 @pytest.mark.parametrize("value", [1.2, 0.1, -3.7, 1e6 + 0.3, 0.7 / 3])
 def test_a_batch_of_equal_rewards_has_exactly_zero_advantage(estimator, value):
     rewards_GN = torch.full((3, 8), value)
-    advantages = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN)
+    lengths_GN = torch.arange(24.0).view(3, 8) % 7 + 1
+    advantages = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN,
+                                    n_tokens_GN=lengths_GN)  # fmt: skip
     assert torch.equal(advantages, torch.zeros_like(rewards_GN))
 
 
@@ -134,7 +136,9 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantage(estimator):
     gen = torch.Generator().manual_seed(0)
     rewards_GN = torch.rand(64, 8, generator=gen) * 3
     rewards_GN[::2] = rewards_GN[::2, :1]  # every other group: all its samples score the same
-    advantages = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN)
+    lengths_GN = torch.randint(1, 20, rewards_GN.shape, generator=gen).float()
+    advantages = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN,
+                                    n_tokens_GN=lengths_GN)  # fmt: skip
     assert torch.equal(advantages[::2], torch.zeros_like(advantages[::2]))
     assert (advantages[1::2].abs() > 0).any(dim=1).all()
 
@@ -255,7 +259,8 @@ def test_token_whitening_weights_each_sequence_by_its_length():
         per_token = torch.repeat_interleave(adv_GN.flatten(), lengths_GN.long().flatten())
         assert per_token.mean().item() == pytest.approx(0.0, abs=1e-6)
         assert per_token.std().item() == pytest.approx(1.0, abs=1e-5)
-        by_sequence = compute_advantages(AlgorithmConfig(advantage=estimator), rewards_GN)
+        by_sequence = compute_advantages(AlgorithmConfig(advantage=estimator, whiten="sequence"),
+                                         rewards_GN)  # fmt: skip
         same_length = compute_advantages(algo, rewards_GN, n_tokens_GN=torch.full((2, 3), 5.0))
         assert not torch.allclose(adv_GN, by_sequence)
         # equal lengths: token whitening is sequence whitening up to the n-1 in the std

@@ -239,7 +239,13 @@ async def test_stalled_reward_in_a_batch_scored_group_costs_only_that_samples_re
             release.wait(timeout=30)  # stalls far past the timeout
         return 1.0
 
-    cfg = config(batch_size=2, n_samples_per_prompt=3, filter_groups="none", reward_timeout_s=0.5)
+    cfg = config(
+        batch_size=2,
+        n_samples_per_prompt=3,
+        filter_groups="none",
+        reward_timeout_s=0.5,
+        reward_failure_value=0.0,
+    )  # the policy that trains it with a set value
     manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tiny_tokenizer, 8),
                                                      shuffle=False), cfg, reward_fn=reward)  # fmt: skip
     try:
@@ -258,16 +264,22 @@ async def test_stalled_reward_in_a_batch_scored_group_costs_only_that_samples_re
     assert "timed out" in (stalled.error or "")
 
 
-async def two_groups_of_four(engine, tokenizer, reward_fn, **manager_kwargs):
-    """One batch of 2 groups x 4 samples from the first prompts, in order (60 s deadline)."""
-    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none")
+async def two_groups_of_four(engine, tokenizer, reward_fn, rollout=None, **manager_kwargs):
+    """One batch of 2 groups x 4 samples from the first prompts, in order (60 s deadline);
+    `rollout`: more RolloutConfig fields."""
+    cfg = config(batch_size=2, n_samples_per_prompt=4, filter_groups="none", **(rollout or {}))
     manager = AsyncRolloutManager(engine, DataBuffer(make_prompts(tokenizer, 8), shuffle=False),
                                   cfg, reward_fn=reward_fn, **manager_kwargs)  # fmt: skip
     with trio.fail_after(60):
-        return await manager.generate_batch()
+        if cfg.mode == "sync":
+            return await manager.generate_batch()
+        async with manager:
+            return await manager.generate_batch()
 
 
-async def test_a_reward_that_fails_on_one_sample_keeps_its_group(local_engine, tiny_tokenizer):
+async def test_a_reward_failure_value_keeps_the_group_with_that_reward(
+    local_engine, tiny_tokenizer
+):
     _, engine = local_engine
 
     def reward(sample: Sample) -> float:
@@ -275,13 +287,45 @@ async def test_a_reward_that_fails_on_one_sample_keeps_its_group(local_engine, t
             raise ValueError("judge could not parse")
         return 1.0
 
-    batch = await two_groups_of_four(engine, tiny_tokenizer, reward)
+    batch = await two_groups_of_four(engine, tiny_tokenizer, reward,
+                                     rollout={"reward_failure_value": 0.0})  # fmt: skip
     assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1]
     assert batch.metrics["groups_launched"] == 2 and batch.metrics["groups_failed"] == 0
     assert batch.metrics["reward_failed"] == 1
     failed = next(g for g in batch.groups if prompt_index(g[0]) == 0)[2]
     assert failed.reward == 0.0 and failed.status != "failed"
     assert "ValueError: judge could not parse" in (failed.error or "")
+
+
+@pytest.mark.parametrize(("bad", "mode"), [("raise", "sync"), ("raise", "async"),
+                                           (float("nan"), "sync"), (float("inf"), "sync"),
+                                           ("1.0", "sync"), (None, "sync")])  # fmt: skip
+async def test_a_sample_whose_reward_failed_is_never_trained_and_each_batch_says_why(
+    local_engine, tiny_tokenizer, caplog, bad, mode
+):
+    """Issue 49: a reward that raised or gave NaN, inf, a string or None was trained as 0.0.
+    By default such a sample fails: generated again once (rollout.sample_retries), its group is
+    dropped when the reward fails again, another prompt takes its place; one WARNING line of
+    the batch counts the failures by cause."""
+    _, engine = local_engine
+
+    def reward(sample: Sample):
+        if prompt_index(sample) == 0 and sample.index_in_group == 2:
+            if bad == "raise":
+                raise ValueError("judge could not parse")
+            return bad
+        return 1.0
+
+    with caplog.at_level("WARNING", logger="rollouts.manager"):
+        batch = await two_groups_of_four(engine, tiny_tokenizer, reward, rollout={"mode": mode})
+    trained = [s for g in batch.groups for s in g]
+    assert sorted(prompt_index(g[0]) for g in batch.groups) == [1, 2]  # prompt 0 replaced
+    assert all(s.reward == 1.0 and s.error is None for s in trained)
+    assert batch.metrics["reward_failed"] == 2 and batch.metrics["samples_retried"] == 1
+    assert batch.metrics["groups_failed"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "rollouts.manager"]
+    assert line.startswith("2 rewards failed (each sample generated again, then its group "
+                           "dropped: rollout.reward_failure_value is null): 2x reward reward ")  # fmt: skip
 
 
 def generate_failing_once(failures: set[tuple[int, int]], calls: list[tuple[int, int]]):
@@ -319,7 +363,7 @@ async def test_one_failing_sample_is_retried_and_its_group_kept(local_engine, ti
     assert sorted(calls) == [(0, 1), (0, 4), (1, 4)]
 
 
-async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_tokenizer):
+async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_tokenizer, caplog):
     _, engine = local_engine
     dropped: list[int] = []
 
@@ -333,6 +377,11 @@ async def test_a_sample_its_reward_drops_is_generated_again(local_engine, tiny_t
     assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1] and dropped == [1]
     assert batch.metrics["samples_retried"] == 1 and batch.metrics["reward_failed"] == 0
     assert all(s.error is None and s.reward == 1.0 for g in batch.groups for s in g)
+    assert (
+        "1 samples failed at generation or were dropped by their reward (generated again, "
+        "then the group dropped): 1x reward reward dropped the sample (DropSample): unusable "
+        "answer" in caplog.text
+    )
 
 
 class FailingForPromptZero:

@@ -12,6 +12,7 @@ from tests import warm_python
 from tests.rl_helpers import batch_of
 from training.loops.progress import Eta, console_logging_if_unconfigured, format_duration
 from training.recipes.quick import heldout_split
+from training.recipes.rl_summary import RLSummary
 from training.rl.signal import NoSignalWatch, signal_metrics, why_no_signal
 
 ROOT = Path(__file__).parent.parent
@@ -55,6 +56,52 @@ def test_eta_is_the_mean_step_time_since_the_first_step_seen():
     assert eta.describe(404) == "elapsed 1:30, ~2:12:00 left"  # 396 x (60 s / 3 steps)
     assert eta.describe(800) == "elapsed 1:30"
     assert format_duration(3725) == "1:02:05"
+
+
+def test_a_time_capped_phase_estimates_the_time_left_before_its_cap():
+    # continued SFT in the demo: 100,000 steps capped at RL's 120 s of wall time
+    now = [0.0]
+    eta = Eta(100_000, max_wall_s=120.0, clock=lambda: now[0])
+    now[0] += 10.0
+    eta.describe(1)
+    now[0] += 1.0
+    assert eta.describe(2) == "elapsed 0:11, ~1:49 left (time cap)"  # 120 - 11 s, not 27.8 h
+    now[0] += 200.0  # past the cap (the step that crosses it is the last): nothing negative
+    assert eta.describe(3) == "elapsed 3:31, ~0:00 left (time cap)"
+    uncapped = Eta(10, max_wall_s=3600.0, clock=lambda: now[0])
+    uncapped.describe(1)
+    now[0] += 2.0
+    assert uncapped.describe(2) == "elapsed 0:02, ~0:16 left"  # the steps end first: no note
+
+
+def test_rl_summary_shows_the_partial_credit_reward_moving_while_accuracy_stays_at_zero():
+    # issue 42: exact match 0 -> 0 while the held-out eval_reward_mean went 0.073 -> 0.10
+    line = RLSummary(0.0, 0.0, 30, 61.0, None, (0.1,), reward_before=0.073,
+                     reward_after=0.1).line()  # fmt: skip
+    assert "heldout_accuracy before=0.0% after=0.0% (+0.0 points)" in line
+    assert "heldout_reward_mean before=0.073 after=0.1 (+0.027)" in line
+
+
+def test_rl_summary_without_held_out_prompts_says_what_to_set_instead_of_n_a():
+    # issue 42's user: `data.train_path=` alone printed "heldout_accuracy before=n/a after=n/a"
+    line = RLSummary(None, None, 6, 15.4, None, (0.01,)).line()
+    assert line.startswith("RL done: heldout: not measured (no data.eval_path) steps=6"), line
+    assert "n/a" not in line
+
+
+def test_a_clean_evaluation_line_shows_its_scores_not_a_row_of_zero_failure_counters(caplog):
+    from training.loops.loggers import ConsoleLogger
+
+    clean = {"eval_accuracy": 0.25, "eval_reward_mean": 0.5, "eval_failed": 0, "eval_aborted": 0,
+             "eval_abort_retries": 0, "eval_scored": 20, "eval_reward_failed": 0,
+             "eval_reward_failure_rate": 0.0}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="rollouts"):
+        ConsoleLogger(10, tty=False)(5, {"loss": 0.1, **clean})
+        ConsoleLogger(10, tty=False)(5, {"loss": 0.1, **clean, "eval_aborted": 2})
+    quiet, troubled = (r.getMessage() for r in caplog.records)
+    assert "eval_accuracy=0.25 eval_reward_mean=0.5 [" in quiet, quiet
+    assert "eval_aborted=2" in troubled and "eval_scored=20" in troubled, troubled
+    assert "eval_failed" not in troubled  # still zero
 
 
 def test_heldout_split_is_deterministic_a_tenth_capped_and_disjoint():
@@ -108,7 +155,8 @@ def test_train_rl_on_a_model_that_never_succeeds_warns_once_and_reports_heldout(
                            overrides=["train.no_signal_steps=2", "rollout.batch_size=2",
                                       "rollout.n_samples_per_prompt=2",
                                       "rollout.sampling.max_new_tokens=4",
-                                      "train.eval_max_new_tokens=4", "train.eval_every=100"])
+                                      "train.eval_max_new_tokens=4", "train.eval_every=100",
+                                      "train.sample_every=3"])
         print(summary.line())
     """, tmp_path)  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -118,8 +166,13 @@ def test_train_rl_on_a_model_that_never_succeeds_warns_once_and_reports_heldout(
     warnings = [line for line in proc.stderr.splitlines() if "no learning signal" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0] and "never succeeds" in warnings[0]
     assert "held out 2 of the 20 prompts given" in proc.stderr
+    samples = re.findall(r"INFO rollouts\.rl: step (\d+) sample: prompt '.*' -> response '.*' "
+                         r"\(\d+ tokens\) reward 0 .*its group's rewards: 0 0$", proc.stderr,
+                         re.MULTILINE)  # fmt: skip
+    assert samples == ["1", "3"], proc.stderr[-3000:]  # the first step, then every 3rd
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith("RL done: heldout_accuracy before=0.0% after=0.0%"), summary
+    assert "heldout_reward_mean before=0 after=0 (+0)" in summary, summary
     assert "n/a" not in summary
     assert "Writing model shards" not in out
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

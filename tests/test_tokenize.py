@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from rollouts.errors import ConfigError, DataError
+from training.data.accounting import DataIssue
 from training.data.sft_data import SFTRecord
 from training.data.tokenize import TokenizedSample, tokenize_conversation, tokenize_records
 
@@ -186,14 +187,62 @@ def test_truncation_cuts_to_max_seq_len_and_counts_cut_tokens(tiny_tokenizer):
     assert "truncated 1" in stats.summary()
 
 
-def test_sample_left_without_trained_tokens_is_dropped_and_counted(tiny_tokenizer):
+def test_a_record_cut_to_no_trained_token_is_counted_over_long_and_named(tiny_tokenizer):
     full, _ = tokenize_records(records(5, 60), tiny_tokenizer, max_seq_len=10_000)
     max_len = len(full[0]) + 1  # the long record's answer lies entirely beyond this
     assert full[1].loss_mask.index(1) >= max_len
     samples, stats = tokenize_records(records(5, 60), tiny_tokenizer, max_seq_len=max_len)
     assert [s.source for s in samples] == ["d.jsonl:1"]
-    assert (stats.n_kept, stats.n_truncated, stats.n_dropped_empty) == (1, 0, 1)
-    assert stats.n_truncated_tokens == 0
+    # over-long, so counted with the over-long records, not as "no trained tokens" alone
+    assert (stats.n_kept, stats.n_truncated, stats.n_dropped_overlong) == (1, 0, 1)
+    assert stats.n_dropped_empty == stats.n_truncated_tokens == 0
+    assert stats.issues == (
+        DataIssue("d.jsonl:2", len(full[1]), max_len, "no trained tokens left",
+                  tokens_cut=len(full[1]) - max_len),
+    )  # fmt: skip
+    assert "dropped 1 over-long" in stats.summary()
+
+
+def records_of_known_lengths(tokenizer, n: int) -> tuple[list[SFTRecord], list[tuple[int, int]]]:
+    """`n` records of three shapes, with (tokens, index of the first trained token) of each:
+    a short one, a long question with a one-token answer (cutting it removes the answer) and a
+    short question with a long answer (cutting it keeps the answer's start)."""
+    recs = []
+    for i in range(n):
+        shape = i % 3
+        question, answer = ("1" * 4, "7") if shape == 0 else ("1" * (10 * i), "7")
+        if shape == 2:
+            question, answer = "1", "a " * (5 * i)
+        recs.append(SFTRecord(({"role": "user", "content": question},
+                               {"role": "assistant", "content": answer}), None, f"g.jsonl:{i + 1}"))  # fmt: skip
+    whole = [tokenize_conversation(tokenizer, r.messages) for r in recs]
+    return recs, [(len(s), s.loss_mask.index(1)) for s in whole]
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_every_cut_or_dropped_record_is_counted_and_named(tiny_tokenizer, overlong):
+    recs, shapes = records_of_known_lengths(tiny_tokenizer, 45)
+    limit = 200
+    samples, stats = tokenize_records(recs, tiny_tokenizer, max_seq_len=limit, overlong=overlong)
+
+    over = [i for i, (n, _) in enumerate(shapes) if n > limit]
+    emptied = [i for i in over if shapes[i][1] >= limit]  # its first trained token is cut off
+    keep_answer = [i for i in over if i not in emptied]
+    assert len(keep_answer) >= 3 and len(emptied) >= 3  # the shapes above make both kinds
+    cut = [] if overlong == "drop" else keep_answer
+    dropped = over if overlong == "drop" else emptied
+    assert stats.n_records == 45 and stats.n_kept == 45 - len(dropped) == len(samples)
+    assert (stats.n_truncated, stats.n_dropped_overlong, stats.n_dropped_empty) == (
+        len(cut), len(dropped), 0)  # fmt: skip
+    assert stats.n_truncated_tokens == sum(shapes[i][0] - limit for i in cut)
+    assert [(i.source, i.tokens, i.limit, i.tokens_cut) for i in stats.issues] == [
+        (f"g.jsonl:{i + 1}", shapes[i][0], limit, shapes[i][0] - limit) for i in over
+    ]
+    what = {"truncate": "no trained tokens left", "drop": "dropped over-long"}[overlong]
+    assert [i.what for i in stats.issues] == [
+        "cut" if j in cut else what for j in over
+    ]  # fmt: skip
+    assert all(len(s) <= limit for s in samples)
 
 
 def test_drop_mode_drops_and_counts_overlong_samples(tiny_tokenizer):

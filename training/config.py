@@ -17,6 +17,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from plumbing.errors import ConfigError
 from rollouts.config import Strict
 from training.config_hints import locate, trl_hint, unknown_key_hint
+from training.logging_config import LoggingConfig as LoggingConfig
+from training.logging_config import TensorBoardSettings as TensorBoardSettings
+from training.logging_config import WandbSettings as WandbSettings
 from training.trl_names import SFT_TABLES
 
 C = TypeVar("C", bound=BaseModel)
@@ -69,6 +72,11 @@ class ModelConfig(Strict):
     tiny_seed: int = 0
     tiny_size: Literal["tiny", "small"] = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["sdpa", "segments"] = Field(
+        "sdpa",
+        description="segments: padding-free attention over packed and prompt-shared rows (no 4D "
+        "mask, no K/V expansion; FlashAttention varlen / FlexAttention on CUDA): docs/gpus.md",
+    )
     enable_thinking: bool | None = Field(
         None,
         description="thinking mode of chat templates that take it (Qwen3): passed to the "
@@ -159,6 +167,8 @@ class DataConfig(TaskDataSource):
         ge=8,
         description=f"tokens per packed row; null: max({DEFAULT_PACK_LENGTH}, max_seq_len)",
     )
+    report_path: str | None = Field(None, description="JSONL: every record cut or dropped; "
+                                    "null: <output_dir>/data_report.jsonl")  # fmt: skip
 
 
 class OptimConfig(Strict):
@@ -194,7 +204,17 @@ class FSDPConfig(Strict):
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="mixed precision: dtype of gradient reduce-scatter"
     )
+    accumulate_unsharded: bool = Field(
+        True,
+        description="keep params gathered and gradients unreduced across an op's micro-batches; "
+        "reduce-scatter once, on the last (memory: gathered params + fp32 grads per rank)",
+    )
     activation_checkpointing: bool = False
+    compile_layers: bool = Field(
+        False,
+        description="torch.compile each decoder layer (fewer, fused kernels); off until the GPU "
+        "check measures it faster (benchmarks/gpu_check.py, docs/gpus.md)",
+    )
     cpu_offload: bool = Field(False, description="keep sharded params and grads on CPU")
     command_timeout_s: float = Field(
         1800.0, gt=0, description="how long ranks ≥ 1 wait for rank 0's next operation"
@@ -235,8 +255,11 @@ class BackendConfig(Strict):
 
 
 class SFTLoopConfig(Strict):
+    """How long SFT trains (`max_steps` or `epochs`, not both: see docs/sft.md), evaluates, saves."""
+
     batch_size: int = Field(32, ge=1, description="samples per optimizer step")
-    max_steps: int = Field(400, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; null: from epochs")
+    epochs: float | None = Field(None, gt=0, description="passes over the records; null: 3")
     max_wall_s: float | None = Field(
         None,
         gt=0,
@@ -244,49 +267,23 @@ class SFTLoopConfig(Strict):
         "this call's training (a time-matched baseline); evaluated and saved like the last step",
     )
     log_every: int = Field(1, ge=1, description="a console line every this many steps")
-    eval_every: int = Field(100, ge=1)
+    eval_every: int | None = Field(None, ge=1, description="null: 10 evals in a run")
     eval_samples: int = Field(256, ge=0, description="held-out samples for eval loss")
     greedy_eval_samples: int = Field(500, ge=0, description="held-out prompts for accuracy")
     checkpoint_every: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
+    keep_best: bool = Field(False, description="checkpoints/best: the lowest eval loss's step")
     resume: Literal["auto", "never"] = "auto"
 
-
-class WandbSettings(Strict):
-    """A Weights & Biases run for the metrics (`pip install 'rollouts[wandb]'`).
-
-    ```yaml
-    logging:
-      wandb: {project: my-project}   # or: logging.wandb.project=my-project
-    ```
-    """
-
-    project: str = Field(min_length=1)
-    entity: str | None = None
-    name: str | None = Field(None, description="run name; None: wandb picks one")
-    group: str | None = None
-    tags: list[str] = []
-    mode: Literal["online", "offline", "disabled"] = "online"
-    dir: str | None = Field(None, description="where wandb writes its files; None: output_dir")
-
-
-class TensorBoardSettings(Strict):
-    """TensorBoard scalars for the metrics (`pip install 'rollouts[tensorboard]'`)."""
-
-    dir: str | None = Field(None, description="event files; None: <output_dir>/tensorboard")
-
-
-class LoggingConfig(Strict):
-    """Where a run's metrics go besides metrics.jsonl and the console; a section turns one on.
-
-    ```yaml
-    logging:
-      tensorboard: {}                # or on the command line: logging.tensorboard={}
-    ```
-    """
-
-    wandb: WandbSettings | None = None
-    tensorboard: TensorBoardSettings | None = None
+    @model_validator(mode="after")
+    def _one_length(self) -> SFTLoopConfig:
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"train.max_steps={self.max_steps} and train.epochs={self.epochs:g} both set "
+                "the run's length: give one and set the other to null (on the command line, "
+                "--max-steps or --epochs replaces the other)"
+            )
+        return self
 
 
 class SFTRunConfig(Strict):

@@ -56,7 +56,8 @@ class EnginesConfig(Strict):
         60.0,
         gt=0,
         description="how long a request waits for an engine to come back after a transient "
-        "failure (reset, 5xx, truncated body, timeout) before its group fails",
+        "failure (reset, 5xx, truncated body, timeout) before its group fails, and a weight "
+        "push whose engines are all down waits for one before the run fails",
     )
     stall_floor_s: float | None = Field(
         60.0,
@@ -66,6 +67,15 @@ class EnginesConfig(Strict):
         "The time includes queueing in the engine: the defaults allow 5 tokens/s per sequence",
     )
     stall_s_per_token: float | None = Field(0.2, gt=0, description="see stall_floor_s")
+    weight_update_floor_s: float = Field(
+        30.0,
+        gt=0,
+        description="a weight load (/update_weights_from_disk, /load_lora_adapter) unanswered "
+        "after weight_update_floor_s + weight_update_s_per_gb × the weights' GB is given up: "
+        "that engine counts as down (one WARNING), is no longer held paused, and is given the "
+        "weights when it loads them in time. Raise both where loads are slow (network disks)",
+    )
+    weight_update_s_per_gb: float = Field(10.0, ge=0, description="see weight_update_floor_s")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort",
         description=(
@@ -209,6 +219,11 @@ class RLLoopConfig(Strict):
     max_steps: int = Field(50, ge=1)
     sync_every: int = Field(1, ge=1)
     log_every: int = Field(1, ge=1)
+    sample_every: int = Field(
+        10, ge=0,
+        description="log one sample's prompt, response and reward at the run's first step and "
+        "every this many steps (0: never), so a person sees what the model writes",
+    )  # fmt: skip
     eval_every: int = Field(10, ge=1)
     eval_samples: int = Field(300, ge=0, description="held-out prompts for greedy accuracy")
     eval_max_new_tokens: int = Field(16, ge=1)

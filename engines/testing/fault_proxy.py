@@ -14,15 +14,17 @@ test can place one fault exactly; the seeded draws take over after it.
 
 One request per connection (`Connection: close` both ways), so a fault hits exactly one request.
 Every wait is bounded (`io_timeout_s` per read, `hang_s`); `counts` tallies each fault and each
-forwarded request, and `longest_s` the longest time a request of each path was outstanding at
-the proxy (head read to answer sent or connection closed). `on_request(path)`, if set, is called
-as each request's head arrives (before its fault), e.g. to kill the client mid-weight-push.
-Only bodies with `Content-Length` are read (what httpx sends).
+forwarded request; `rids` lists the rid of each request drawn for, in order (an engine's request
+log); `longest_s` the longest time a request of each path was outstanding at the proxy (head
+read to answer sent or connection closed). `on_request(path)`, if set, is called as each
+request's head arrives (before its fault), e.g. to kill the client mid-weight-push. Only bodies
+with `Content-Length` are read (what httpx sends).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -57,6 +59,7 @@ class FaultProxy:
         self.counts: Counter[str] = Counter()
         self.longest_s: dict[str, float] = {}
         self.on_request: Callable[[str], None] | None = None
+        self.rids: list[str] = []  # of each request on `plan.paths`, as sent (a batch: each item)
         self.enabled = True
         self._rng = random.Random(plan.seed)
         self._n_drawn = 0
@@ -67,6 +70,12 @@ class FaultProxy:
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started(f"http://127.0.0.1:{port}")
+
+    def replan(self, plan: FaultPlan) -> None:
+        """Follow `plan` from the next request on: its script first, then its own seeded draws."""
+        self.plan = plan
+        self._rng = random.Random(plan.seed)
+        self._n_drawn = 0
 
     def _draw(self, path: str) -> str | None:
         if not self.enabled or path not in self.plan.paths:
@@ -101,6 +110,8 @@ class FaultProxy:
 
     async def _answer(self, client: trio.SocketStream, head: bytes, body: bytes, path: str) -> None:
         fault = self._draw(path)
+        if self.enabled and path in self.plan.paths:
+            self.rids.extend(_rids_of(body))
         self.counts[fault or "forwarded"] += 1
         if fault == "reset":
             return
@@ -142,6 +153,14 @@ class FaultProxy:
             while chunk := await upstream.receive_some(65536):
                 chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _rids_of(body: bytes) -> list[str]:
+    try:
+        rid = json.loads(body).get("rid")
+    except (ValueError, AttributeError):
+        return []
+    return [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str)]
 
 
 async def _read_message(stream: trio.SocketStream) -> tuple[bytes, bytes]:

@@ -11,10 +11,12 @@ extra sample of the group (`sub_index` 1, 2, ...), so a group of n sessions may 
 than n samples. A session that failed, was aborted or was cut short gives only its one sample.
 
 Failures are data, never fatal: a harness that raises, exits non-zero, prints no number or
-passes `timeout_s`, a bad request body, and a session that made no call give a failed sample
+passes `timeout_s`, a bad request body (or one over the size limit), a call the engine refused
+with a 4xx (a prompt past the context) and a session that made no call give a failed sample
 whose `error` names the cause (counted in `samples_failed` and the error summary, retried
-under `rollout.sample_retries` like any failed sample). An engine error the agent saw is
-re-raised after its session, so the pool's failure policy applies as to any rollout.
+under `rollout.sample_retries` like any failed sample). Any other engine error the agent saw
+(no answer, a 5xx) is re-raised after its session, so the pool's failure policy applies as to
+any rollout.
 """
 
 from __future__ import annotations

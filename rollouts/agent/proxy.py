@@ -13,8 +13,10 @@ Guarantees:
   before the body is read: 401 otherwise, 404 for a session that is not open, so one harness
   cannot write into another's session;
 - a bad body is answered 400 with OpenAI's error object naming the field, and recorded as
-  the session's `fault` (its sample fails); an engine error is answered 502 and kept in
-  `engine_error` (the rollout re-raises it, so the pool's failure policy applies); a request
+  the session's `fault` (its sample fails), and so are a body over the size limit (413) and
+  the engine's own 4xx (a prompt past the context: answered with the engine's status and text);
+  any other engine error is answered 502 and kept in `engine_error` (the rollout re-raises it,
+  so the pool's failure policy applies); a request
   aborted at the engine (surplus, pause) is answered 503 and marks the session aborted;
 - every engine request holds a `ctx.limiter` token and is listed in `ctx.in_flight`
   (`rollouts.multiturn.generate_turn`); the session's limits (`SessionLimits`) bound calls
@@ -131,7 +133,9 @@ class _ProxyApp(App):
         request.path_params = params
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            return _error(413, f"request body over {self.max_body_bytes} bytes")
+            message = f"request body over {self.max_body_bytes} bytes ({length})"
+            session.fault = session.fault or f"refused (HTTP 413): {message}"
+            return _error(413, message)
         return None
 
 
@@ -200,6 +204,9 @@ class AgentProxy:
         try:
             result = await generate_turn(session.ctx, plan.input_ids, params, rid)
         except EngineError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:  # the agent's request: a fault
+                session.fault = session.fault or f"the engine refused call {session.n_calls}: {exc}"
+                return _error(exc.status, f"the engine refused the request: {exc}")
             session.engine_error = session.engine_error or exc
             return _error(502, f"the engine failed: {exc}", kind="server_error")
         finish = result.finish_reason.type

@@ -47,15 +47,19 @@ class Branch:
     finish: str | None = None
     n_calls: int = 0
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    tool_calls_at: list[int] = field(default_factory=list)  # len(history) before each record
     pending_calls: list[Mapping[str, Any]] = field(default_factory=list)  # last answer's calls
 
     def fork(self, n_ids: int, n_history: int) -> Branch:
-        """A new branch with this one's first `n_ids` response ids and `n_history` messages."""
+        """A new branch with this one's first `n_ids` response ids and `n_history` messages,
+        and only the tool-call records made before that point (a record made by a later call
+        of this branch belongs to tokens the fork does not have)."""
+        kept = [j for j, at in enumerate(self.tool_calls_at) if at < n_history]
         return Branch(self.prompt_ids, self.tools_key, self.history[:n_history],
                       self.ids[:n_ids], self.mask[:n_ids], self.logprobs[:n_ids],
                       self.has_logprobs, [s for s in self.spans if s[1] <= n_ids],
                       self.last_output, self.finish, self.n_calls,
-                      self.tool_calls[:], self.pending_calls[:])  # fmt: skip
+                      [self.tool_calls[j] for j in kept], [self.tool_calls_at[j] for j in kept])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Plan:
     appended: tuple[int, ...]  # template tokens added before sampling (mask 0)
     base_ids: int  # len(branch.ids) when planned
     base_history: int
+    pending_calls: tuple[Mapping[str, Any], ...] = ()  # the branch's last answer's tool calls
 
 
 def _tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -102,7 +107,7 @@ class SessionTrajectory:
         new = [dict(m) for m in messages[len(branch.history) :]]
         appended = self.chat.appended_ids(branch.last_output, new, list(tools) if tools else None)
         return Plan((*branch.prompt_ids, *branch.ids, *appended), best, tuple(appended),
-                    len(branch.ids), len(branch.history))  # fmt: skip
+                    len(branch.ids), len(branch.history), tuple(branch.pending_calls))  # fmt: skip
 
     def response_len(self, plan: Plan) -> int:
         """Response tokens the branch will hold before this call samples (for budgets)."""
@@ -126,7 +131,11 @@ class SessionTrajectory:
                 branch = branch.fork(plan.base_ids, plan.base_history)
                 self.branches.append(branch)
                 index = len(self.branches) - 1
-            branch.tool_calls += _tool_records(branch.pending_calls, messages[plan.base_history :])
+            # The calls answered are those of the branch as planned: a sibling recorded since
+            # (a fork) has its own last answer.
+            records = _tool_records(plan.pending_calls, messages[plan.base_history :])
+            branch.tool_calls += records
+            branch.tool_calls_at += [plan.base_history] * len(records)
             branch.ids += plan.appended
             branch.mask += [0] * len(plan.appended)
             branch.logprobs += [0.0] * len(plan.appended)

@@ -12,7 +12,8 @@ Layout of one checkpoint directory (`<checkpoint_dir>/step_000010/`):
     trainer_state.pt     scheduler and RNG states, extra tensors (torch.load(weights_only=True));
         checkpoints older than dcp/ hold the optimizer here
     trainer_state.json   step, weight_version, metrics, extra state (DataBuffer, resolved config)
-`<checkpoint_dir>/latest` names the newest complete checkpoint.
+`<checkpoint_dir>/latest` names the newest complete checkpoint; `<checkpoint_dir>/best`, when
+SFT's `train.keep_best` is on, is a symlink to the one with the lowest eval loss (kept by pruning).
 
 Guarantees: a checkpoint is written into a temporary sibling directory and renamed into place
 only when complete, and `latest` is replaced atomically after that, so a crash at any point
@@ -44,6 +45,7 @@ from plumbing.errors import CheckpointError
 from training.backend.hf_progress import hf_progress_bars_off
 
 LATEST = _paths.LATEST  # plumbing/model_paths.py reads the layout by these names
+BEST = "best"  # symlink to the lowest eval loss's checkpoint (mark_best_checkpoint)
 STATE_JSON = _paths.STATE_JSON
 STATE_PT = "trainer_state.pt"
 DCP_DIR = "dcp"  # model + optimizer shards (torch.distributed.checkpoint), any world size
@@ -229,7 +231,7 @@ def reclaim_temp_dirs(checkpoint_dir: Path) -> list[Path]:
         pid = path.name.rsplit(TMP_MARK, 1)[1]
         if pid.isdigit() and int(pid) != os.getpid() and _process_alive(int(pid)):
             continue
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
@@ -306,11 +308,20 @@ def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
 
 
 def prune_checkpoints(checkpoint_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names)."""
-    latest = find_latest_checkpoint(checkpoint_dir)
+    """Delete all but the newest `keep_last` checkpoints (never those `latest` and `best` name)."""
+    keep = {find_latest_checkpoint(checkpoint_dir), (checkpoint_dir / BEST).resolve()}
     for old in list_checkpoints(checkpoint_dir)[:-keep_last]:
-        if old != latest:
+        if old not in keep and old.resolve() not in keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def mark_best_checkpoint(checkpoint_dir: Path, step: int) -> Path:
+    """Point the `best` symlink at step `step`'s checkpoint (atomically); returns the link."""
+    tmp = checkpoint_dir / f".{BEST}{TMP_MARK}{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(checkpoint_name(step), target_is_directory=True)
+    tmp.replace(checkpoint_dir / BEST)
+    return checkpoint_dir / BEST
 
 
 def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:

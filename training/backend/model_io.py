@@ -46,8 +46,10 @@ def load_tokenizer(path: str | Path) -> Any:
     return tokenizer
 
 
-def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
-    """An HF causal LM from a directory (any form `resolve_model_dir` takes) or hub id.
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu",
+               attention: str = "sdpa") -> torch.nn.Module:  # fmt: skip
+    """An HF causal LM from a directory (any form `resolve_model_dir` takes) or hub id;
+    `attention="segments"` selects the padding-free attention (training/data/segment_attention.py).
 
     Raises:
         ModelLoadError: the path does not hold a loadable model (names the path).
@@ -60,6 +62,10 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load model from {path!s}: {err}") from err
+    if attention == "segments":
+        from training.data.segment_attention import use_segment_attention
+
+        use_segment_attention(model)
     return model.to(device)
 
 
@@ -108,7 +114,9 @@ def generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
     for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    with torch.no_grad(), eval_mode(model):
+    from training.data.segment_attention import dense_attention
+
+    with torch.no_grad(), eval_mode(model), dense_attention(model):
         gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                              pad_token_id=pad, synced_gpus=synced)  # fmt: skip

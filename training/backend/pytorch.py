@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,16 +50,18 @@ from training.backend.optim import (
 )
 from training.backend.persistence import StateOps
 from training.backend.rank_ops import RankOps
+from training.backend.state import Mean as Mean
 from training.backend.state import merge_metrics as merge_metrics
 from training.config import LoraSettings, OptimConfig
-from training.data.packing import sft_loss, temper_logits, token_logprobs
+from training.data.logprob_head import DEFAULT_CHUNK_TOKENS, TemperedLogprobs
+from training.data.packing import sft_loss
 from training.distributed import context as dctx
 from training.distributed.split import even_shares
 from training.distributed.wire import SentById
 from training.distributed.worker import issue
 
 R = TypeVar("R")
-LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float | Mean]]]
 CollateFn = Callable[[Sequence[Any]], Any]
 
 
@@ -70,8 +71,8 @@ def trained_tokens(batch: Any) -> float:
 
 
 def tempered_logprobs(logits: torch.Tensor, batch: Any, *, temperature: float) -> torch.Tensor:
-    """[B, T] logprobs of the target tokens under logits / temperature."""
-    return token_logprobs(temper_logits(logits, temperature), batch.target_ids)
+    """[B, T] logprobs of the target tokens under logits / temperature (the logits path)."""
+    return TemperedLogprobs(temperature)(logits, batch)
 
 
 def first_output(logits: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -142,6 +143,8 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         self.pack_length = pack_length
         self.loss_fn = loss_fn
         self.loss_weight_fn = loss_weight_fn
+        # tokens per chunk of the fused logprob head (training/data/logprob_head.py)
+        self.logprob_chunk_tokens = DEFAULT_CHUNK_TOKENS
         self.collate_fn = collate_fn
         self.keep_last = keep_last
         self.lora = lora
@@ -289,8 +292,10 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         """Queue forward + backward over `samples`; gradients accumulate until `optim_step`.
 
         `loss_fn` / `loss_weight_fn` replace the backend's defaults for this call (e.g. the RL
-        loss of this step's algorithm). Loss metrics are averaged over micro-batches with the
-        same weights as the loss; keys ending in `_max` / `_min` take the maximum / minimum.
+        loss of this step's algorithm). Loss metrics merge over micro-batches and ranks by
+        `training.backend.state.merge_rule`: a `max` / `min` word takes the extreme, counts
+        (`num_*`) add, means are weighted by their own units (a `state.Mean`) or else by the
+        loss's weights, so the metrics do not depend on micro-batching or world size.
         `dropout=False` sets every dropout probability to 0 for this call (RL: the loss pass
         then computes the same logprobs as the old-policy and reference passes, which run in
         eval mode; see training/rl/step.py).
@@ -340,7 +345,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         RL loss and with the engine's. `base_model`: with the LoRA adapters off (the frozen
         base: a LoRA policy's reference); the same as False without LoRA.
         """
-        fn = partial(tempered_logprobs, temperature=temperature)
+        fn = TemperedLogprobs(temperature)  # through the fused head (logprob_head.py)
         return self._per_trained_token(samples, fn, base_model=base_model)
 
     def compute_values(self, samples: Sequence[Any]) -> TrainFuture[list[torch.Tensor]]:

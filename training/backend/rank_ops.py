@@ -33,10 +33,12 @@ from training.backend import lora as lo
 from training.backend import model_io
 from training.backend import state as st
 from training.backend.futures import BackendError
-from training.backend.state import merge_metrics
+from training.data.logprob_head import forward_scores
 from training.data.packing import forward_logits, pack_balanced, prepare_sft_batch
 from training.data.prefix_sharing import split_rows_by_budget
+from training.data.scores import ReadsScores, TokenScores
 from training.distributed import watchdog
+from training.distributed.accumulation import gathered_for_op
 from training.distributed.split import rank_shares
 from training.distributed.worker import gather_results, issue
 
@@ -134,19 +136,31 @@ class RankOps:
         if watch is not None:
             watch.phase(text)
 
-    def _passes(self, items: Sequence[T], n_agreed: int,
-                idle: Callable[[], object]) -> Iterator[T]:  # fmt: skip
+    def _gathered(self) -> contextlib.AbstractContextManager:
+        """FSDP keeps the params gathered across the op's passes (training/distributed/
+        accumulation.py); yields its `GatheredOp`, or None when that is off or not sharded."""
+        fsdp = self._dist.fsdp if self._dist is not None else None
+        return gathered_for_op(self.model, enabled=fsdp is not None and fsdp.accumulate_unsharded,
+                               reshard_after_forward=fsdp is None or fsdp.reshard_after_forward)  # fmt: skip
+
+    def _passes(self, items: Sequence[T], n_agreed: int, idle: Callable[[], object],
+                gathered: Any = None) -> Iterator[T]:  # fmt: skip
         """Yield this rank's `items` (the caller runs one pass on each), then run `idle()`
-        until the rank has made `n_agreed` passes."""
+        until the rank has made `n_agreed` passes; `gathered` (a `GatheredOp`) is told of
+        each pass before it runs, so that only the last one reduces the gradients."""
         if n_agreed < len(items):
             raise BackendError(f"agreed on {n_agreed} passes but this rank has {len(items)}")
         counts = getattr(self, "_counts", None)
         of = f"of {n_agreed}" + (f" (passes by rank: {counts})" if counts else "")
         for k, item in enumerate(items):
             self._phase(f"pass {k + 1} {of}")
+            if gathered is not None:
+                gathered.before_pass(k, n_agreed)
             yield item
         for k in range(len(items), n_agreed):
             self._phase(f"idle pass {k + 1} {of}")
+            if gathered is not None:
+                gathered.before_pass(k, n_agreed)
             idle()
 
     def _idle_pass(self, *, backward: bool) -> None:
@@ -158,32 +172,44 @@ class RankOps:
             if backward:
                 (logits.float().sum() * 0.0).backward()
 
+    def _forward_for(self, batch: Any, consumer: Any) -> torch.Tensor | TokenScores:
+        """What `consumer` (a loss or per-token reader) reads: the fused head's `TokenScores`
+        (training/data/logprob_head.py) for a `ReadsScores`, else [B, T, V] logits."""
+        if isinstance(consumer, ReadsScores):
+            return forward_scores(self.model, batch, temperature=consumer.temperature,
+                                  entropy=consumer.wants_entropy,
+                                  chunk_tokens=self.logprob_chunk_tokens)  # fmt: skip
+        return forward_logits(self.model, batch)
+
     # -- the ops -----------------------------------------------------------------------------------
 
     def _local_forward_backward(self, samples: list[Any], loss_fn: LossFn, weight_fn,
                                 dropout: bool = True) -> dict:  # fmt: skip
         t0 = time.perf_counter()
-        batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
+        # every micro-batch copied at the start (non-blocking from pinned memory on a GPU)
+        batches = [self._collate(mb).to(self.device) for mb in self.split_microbatches(samples)]
         local_weight = float(sum(weight_fn(b) for b in batches))
         n_passes, total_weight = self._agree_passes(len(batches), local_weight)
         if total_weight <= 0:
             raise BackendError("forward_backward got a batch with no trained tokens")
-        merged: dict[str, float] = {}
+        per_mb: list[tuple[dict, float]] = []  # device values, read once after the passes
         n_tokens = n_slots = n_trained = 0
         idle = lambda: self._idle_pass(backward=True)  # noqa: E731
-        with contextlib.nullcontext() if dropout else model_io.dropout_off(self.model):
-            for batch in self._passes(batches, n_passes, idle):
-                batch = batch.to(self.device)  # the loss reads it beside the logits
-                logits = forward_logits(self.model, batch)
-                loss, metrics = loss_fn(logits, batch)
-                weight = weight_fn(batch) / total_weight
-                (loss * weight).backward()
-                merge_metrics(merged, {**metrics, "loss": loss.item()}, weight)
+        with (contextlib.nullcontext() if dropout else model_io.dropout_off(self.model),
+              self._gathered() as gathered):  # fmt: skip
+            for batch in self._passes(batches, n_passes, idle, gathered):
+                loss, metrics = loss_fn(self._forward_for(batch, loss_fn), batch)
+                weight = weight_fn(batch)
+                (loss * (weight / total_weight)).backward()
+                per_mb.append(({**metrics, "loss": loss.detach()}, weight))
                 n_tokens += batch.n_tokens
                 n_slots += batch.n_slots
                 n_trained += batch.n_trained_tokens
+        sums: st.MetricSums = {}
+        for metrics, weight in st.read_metrics_once(per_mb):
+            st.accumulate_metrics(sums, metrics, weight)
         return {
-            "weighted": merged,
+            "metric_sums": sums,
             "n_samples": len(samples),
             "n_tokens": n_tokens,
             "n_slots": n_slots,
@@ -212,14 +238,14 @@ class RankOps:
         batches = [self._collate(mb) for mb in self.split_microbatches(samples)]
         local_weight = float(sum(self.loss_weight_fn(b) for b in batches))
         n_passes, total_weight = self._agree_passes(len(batches), local_weight)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         idle = lambda: self._idle_pass(backward=False)  # noqa: E731
-        with torch.no_grad(), model_io.eval_mode(self.model):
+        with torch.no_grad(), model_io.eval_mode(self.model), self._gathered():
             for batch in self._passes(batches, n_passes, idle):
                 batch = batch.to(self.device)
-                loss, _ = self.loss_fn(forward_logits(self.model, batch), batch)
-                loss_sum += loss.item() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
-        return loss_sum
+                loss, _ = self.loss_fn(self._forward_for(batch, self.loss_fn), batch)
+                loss_sum += loss.double() * self.loss_weight_fn(batch) / max(total_weight, 1e-12)
+        return float(loss_sum)  # read once per op
 
     def _local_per_trained_token(self, samples: list[Any], fn,
                                  base_model: bool = False) -> list[torch.Tensor]:  # fmt: skip
@@ -229,14 +255,16 @@ class RankOps:
         n_passes, _ = self._agree_passes(len(mbs))
         idle = lambda: self._idle_pass(backward=False)  # noqa: E731
         base = lo.base_model_pass(self.model) if base_model else contextlib.nullcontext()
-        with torch.no_grad(), model_io.eval_mode(self.model), base:
+        with torch.no_grad(), model_io.eval_mode(self.model), base, self._gathered():
             for mb in self._passes(mbs, n_passes, idle):
-                batch = self._collate(mb).to(self.device)
-                values_BT = fn(forward_logits(self.model, batch), batch)
-                trained = batch.target_ids != -100
-                for i in range(len(mb)):
-                    sel = (batch.segment_ids == i) & trained
-                    out.append(values_BT[sel].float().cpu())
+                host = self._collate(mb)
+                batch = host.to(self.device)
+                values_BT = fn(self._forward_for(batch, fn), batch)
+                # one transfer per micro-batch, split into samples on the host
+                trained = host.target_ids != -100
+                values_N = values_BT[trained.to(values_BT.device)].float().cpu()
+                segments_N = host.segment_ids[trained]
+                out += [values_N[segments_N == i] for i in range(len(mb))]
         return out
 
     def _local_generate_greedy(self, prompts: list[list[int]], max_new_tokens: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -224,12 +224,96 @@ def model_bytes(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
                if p.requires_grad or not trainable_only)  # fmt: skip
 
 
+class Mean(NamedTuple):
+    """A loss metric that is a mean over `weight` units of one micro-batch (trained tokens,
+    sequences, pairs): merged over micro-batches and ranks as Σ value·weight / Σ weight, so
+    that it is the value one pass over the whole batch gives. A plain float metric is a mean
+    over the loss's own weight (`loss_weight_fn`)."""
+
+    value: float | torch.Tensor
+    weight: float | torch.Tensor
+
+
+def merge_rule(key: str) -> str:
+    """How a metric named `key` merges: "max" / "min" for a name with a `max` / `min` word
+    (`ratio_max`, `logprob_diff_max_abs`), "sum" for counts and sums (`num_pairs`,
+    `n_tokens`, `loss_sum`), otherwise "mean" (weighted)."""
+    words = key.split("_")
+    if "max" in words:
+        return "max"
+    if "min" in words:
+        return "min"
+    return "sum" if words[0] in ("n", "num") or words[-1] == "sum" else "mean"
+
+
+MetricSums = dict[str, list[float]]  # key -> [Σ value·weight, Σ weight] (means) or [value]
+
+
+def accumulate_metrics(into: MetricSums, metrics: dict[str, Any], loss_weight: float) -> None:
+    """Add one micro-batch's metrics into `into` by each one's `merge_rule`; a `Mean` brings
+    its own weight, a plain number is weighted by `loss_weight`. JSON-able, so that ranks'
+    parts travel to rank 0 and add up there (`combine_metric_sums`)."""
+    for key, value in metrics.items():
+        if isinstance(value, Mean):
+            v, w = float(value.value), float(value.weight)
+        elif isinstance(value, int | float):
+            v, w = float(value), float(loss_weight)
+        else:
+            continue
+        if merge_rule(key) == "mean":
+            _combine(into, key, [v * w if w else 0.0, w])
+        else:
+            _combine(into, key, [v])
+
+
+def read_metrics_once(per_mb: list[tuple[dict[str, Any], float]]
+                      ) -> list[tuple[dict[str, Any], float]]:  # fmt: skip
+    """The micro-batches' (metrics, loss weight) with every tensor value (0-dim, on the device;
+    also inside a `Mean`) read to a float in one device-to-host transfer, so that an op's
+    passes never wait on the host for a metric."""
+    leaves = [t for metrics, _ in per_mb for v in metrics.values()
+              for t in (v if isinstance(v, Mean) else (v,)) if isinstance(t, torch.Tensor)]  # fmt: skip
+    if not leaves:
+        return per_mb
+    values = iter(torch.stack([t.detach().reshape(()).double() for t in leaves]).tolist())
+
+    def read(v: Any) -> Any:
+        return next(values) if isinstance(v, torch.Tensor) else v
+
+    return [({k: Mean(read(v.value), read(v.weight)) if isinstance(v, Mean) else read(v)
+              for k, v in metrics.items()}, weight) for metrics, weight in per_mb]  # fmt: skip
+
+
+def _combine(into: MetricSums, key: str, part: list[float]) -> None:
+    if key not in into:
+        into[key] = list(part)
+        return
+    rule, have = merge_rule(key), into[key]
+    if rule == "mean":
+        have[0] += part[0]
+        have[1] += part[1]
+    elif rule == "max":
+        have[0] = max(have[0], part[0])
+    elif rule == "min":
+        have[0] = min(have[0], part[0])
+    else:
+        have[0] += part[0]
+
+
+def combine_metric_sums(parts: list[MetricSums]) -> dict[str, float]:
+    """The metrics of one op from each rank's `accumulate_metrics` sums."""
+    total: MetricSums = {}
+    for part in parts:
+        for key, value in part.items():
+            _combine(total, key, value)
+    return {key: (v[0] / v[1] if v[1] else 0.0) if merge_rule(key) == "mean" else v[0]
+            for key, v in total.items()}  # fmt: skip
+
+
 def combine_step_metrics(results: list[dict[str, Any]]) -> dict[str, float]:
-    """One forward_backward's metrics from each rank's part: loss metrics are already weighted
-    by the global normaliser, so they add up; `_max` / `_min` take the extreme; counts add."""
-    merged: dict[str, float] = {}
-    for part in results:
-        merge_metrics(merged, part["weighted"], 1.0)
+    """One forward_backward's metrics from each rank's part: each loss metric merges by its
+    `merge_rule` over every micro-batch of every rank; counts add."""
+    merged = combine_metric_sums([part["metric_sums"] for part in results])
 
     def total(key: str) -> int:
         return sum(int(part[key]) for part in results)
@@ -246,13 +330,17 @@ def combine_step_metrics(results: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def merge_metrics(into: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
-    """Add `weight` × each numeric metric into `into`; `_max` / `_min` keys keep the extreme."""
+    """Add `weight` × each numeric metric into `into` (e.g. 1/n for the mean of n updates);
+    by `merge_rule`, extremes keep the extreme and counts add unweighted."""
     for key, value in metrics.items():
         if not isinstance(value, int | float):
             continue
-        if key.endswith("_max"):
+        rule = merge_rule(key)
+        if rule == "max":
             into[key] = max(into.get(key, float("-inf")), float(value))
-        elif key.endswith("_min"):
+        elif rule == "min":
             into[key] = min(into.get(key, float("inf")), float(value))
+        elif rule == "sum":
+            into[key] = into.get(key, 0.0) + float(value)
         else:
             into[key] = into.get(key, 0.0) + float(value) * weight

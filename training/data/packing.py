@@ -3,8 +3,8 @@
 Packing puts several samples in one row. Attention isolation comes from `position_ids`: they
 restart at 0 for every sample, and `forward_logits` calls the model with `attention_mask=None`
 and no cache, so transformers' masking utilities (≥4.53; `find_packed_sequence_indices`) split
-each row into its samples and build a block-diagonal causal mask (sdpa/eager/flex), or pass
-the boundaries to varlen kernels (flash attention). RoPE positions restart too, so a packed
+each row into its samples and build a block-diagonal causal mask (sdpa/eager/flex); flash
+attention is refused for packed rows (`PACKING_AWARE_ATTENTION`). RoPE positions restart too, so a packed
 sample sees exactly what it would see alone. Padding continues the positions of the row's last
 sample, so a row holding one sample plus padding still counts as a single sequence: a batch
 without packing keeps SDPA's fast `is_causal` path, and real tokens never attend to the pads
@@ -20,8 +20,6 @@ Pure: imports torch only (no engines, no HTTP).
 
 from __future__ import annotations
 
-import heapq
-from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,15 +27,21 @@ from typing import Any
 import torch
 
 from plumbing.errors import ConfigError
+from training.data.row_packing import pack_balanced as pack_balanced
+from training.data.row_packing import pack_sequences as pack_sequences
+from training.data.scores import ReadsScores, TokenScores
+from training.data.segment_attention import segment_kwargs
 from training.data.tokenize import TokenizedSample
 
 IGNORE_INDEX = -100
 
 # Attention implementations whose transformers mask/kernel path detects packed rows from
-# position_ids when attention_mask is None. sdpa and eager are tested here (CPU).
-PACKING_AWARE_ATTENTION = frozenset(
-    {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"}
-)
+# position_ids when attention_mask is None. sdpa and eager are tested here (CPU). Not flash
+# attention: transformers finds packed samples from position_ids only in a batch of ONE row
+# (modeling_flash_attention_utils.py, `batch_size != 1`), and packed micro-batches have
+# several, whose samples would attend across their boundaries; "rollouts_segments" is the
+# varlen path (training/data/segment_attention.py).
+PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flex_attention"})
 # Attention implementations that apply a custom 4D mask as given (transformers ≥4.53 returns a
 # 4D mask unchanged): sdpa takes it boolean, eager adds it, so it gets an additive float copy.
 CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager"})
@@ -68,6 +72,9 @@ class SFTBatch:
     is_packed: bool
     attention_mask: torch.Tensor | None = None
     source_index: torch.Tensor | None = None
+    # the samples' lengths along the flattened [B*T] rows (a row's pads count with its last
+    # sample), from the host: the segment attention's layout (training/data/segment_attention.py)
+    segment_lengths: tuple[int, ...] = ()
 
     @property
     def padding_efficiency(self) -> float:
@@ -78,98 +85,23 @@ class SFTBatch:
         """The same batch with its tensors on `device`."""
         return replace(
             self,
-            input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device),
-            target_ids=self.target_ids.to(device),
-            segment_ids=self.segment_ids.to(device),
-            attention_mask=_move(self.attention_mask, device),
-            source_index=_move(self.source_index, device),
+            input_ids=move_to(self.input_ids, device),
+            position_ids=move_to(self.position_ids, device),
+            target_ids=move_to(self.target_ids, device),
+            segment_ids=move_to(self.segment_ids, device),
+            attention_mask=move_to(self.attention_mask, device),
+            source_index=move_to(self.source_index, device),
         )
 
 
-def _move(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
-
-
-def pack_sequences(samples: Sequence[TokenizedSample], max_tokens_per_row: int) -> list[list[int]]:
-    """Assign samples to rows of at most `max_tokens_per_row` tokens, by best-fit decreasing.
-
-    Best-fit decreasing (longest sample first, into the fullest row it fits in; ties by lower
-    index) packs about as tightly as first-fit decreasing, is deterministic, and runs in
-    O(n log n). Data order is kept where it does not cost efficiency: each row lists its
-    samples in index order and rows are ordered by their first sample.
-
-    Args:
-        samples: the samples to pack (only their lengths are used).
-        max_tokens_per_row: row capacity in tokens.
-
-    Returns:
-        Rows of indices into `samples`; every index appears exactly once.
-
-    Raises:
-        ConfigError: if a sample is longer than `max_tokens_per_row`.
-    """
-    lengths = [len(s) for s in samples]
-    too_long = [i for i, n in enumerate(lengths) if n > max_tokens_per_row]
-    if too_long:
-        i = too_long[0]
-        raise ConfigError(
-            f"max_tokens_per_row={max_tokens_per_row} is shorter than {len(too_long)} sample(s), "
-            f"e.g. {samples[i].source or f'sample {i}'} with {lengths[i]} tokens; raise it to at "
-            "least max_seq_len"
-        )
-    rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (tokens left, row index), sorted: the best fit is first
-    for i in sorted(range(len(samples)), key=lambda i: (-lengths[i], i)):
-        k = bisect_left(free, (lengths[i], -1))
-        if k == len(free):
-            row, left = len(rows), max_tokens_per_row
-            rows.append([])
-        else:
-            left, row = free.pop(k)
-        rows[row].append(i)
-        if left - lengths[i] > 0:
-            insort(free, (left - lengths[i], row))
-    return sorted((sorted(r) for r in rows), key=lambda r: r[0])
-
-
-def pack_balanced(samples: Sequence[TokenizedSample], max_tokens_per_row: int) -> list[list[int]]:
-    """Assign samples to the fewest rows that fit, keeping the rows about equally long.
-
-    Batches are padded to their longest row, so for a small batch (one step of short samples)
-    equal rows waste far less than filling rows to capacity and leaving a short last one:
-    32 samples of 17 tokens in rows of 256 fill 3 rows as 255/255/34 (71 % efficiency) with
-    best-fit, but 187/187/170 (97 %) here. Longest sample first onto the currently shortest row;
-    if a row would overflow, one more row is added and the assignment redone. Deterministic.
-
-    Args:
-        samples: the samples to pack (only their lengths are used).
-        max_tokens_per_row: row capacity in tokens.
-
-    Returns:
-        Rows of indices into `samples` (each row in index order; rows by first index).
-
-    Raises:
-        ConfigError: if a sample is longer than `max_tokens_per_row`.
-    """
-    lengths = [len(s) for s in samples]
-    if not lengths:
-        return []
-    if max(lengths) > max_tokens_per_row:
-        return pack_sequences(samples, max_tokens_per_row)  # raises the named ConfigError
-    order = sorted(range(len(samples)), key=lambda i: (-lengths[i], i))
-    n_rows = max(1, -(-sum(lengths) // max_tokens_per_row))
-    while True:
-        heap = [(0, r) for r in range(n_rows)]
-        rows: list[list[int]] = [[] for _ in range(n_rows)]
-        for i in order:
-            used, r = heapq.heappop(heap)
-            rows[r].append(i)
-            heapq.heappush(heap, (used + lengths[i], r))
-        if max(used for used, _ in heap) <= max_tokens_per_row:
-            break
-        n_rows += 1
-    return sorted((sorted(r) for r in rows if r), key=lambda r: r[0])
+def move_to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    """`t` on `device`; from host memory to a GPU through pinned memory, without blocking the
+    host (a copy from pageable memory waits for all queued GPU work)."""
+    if t is None:
+        return None
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def prepare_sft_batch(
@@ -211,8 +143,10 @@ def prepare_sft_batch(
     positions: list[int] = []
     targets: list[int] = []
     segments: list[int] = []
+    segment_lengths: list[int] = []
     for row in rows:
         used = 0
+        segment_lengths.extend(lengths[i] for i in row)
         for i in row:
             ids, mask, n = samples[i].input_ids, samples[i].loss_mask, lengths[i]
             ids_.extend(ids)
@@ -223,6 +157,7 @@ def prepare_sft_batch(
             used += n
         # Pads continue the last sample's positions: see the module docstring.
         pads, last = width - used, lengths[row[-1]]
+        segment_lengths[-1] += pads
         ids_.extend([pad_id] * pads)
         positions.extend(range(last, last + pads))
         targets.extend([IGNORE_INDEX] * pads)
@@ -241,10 +176,19 @@ def prepare_sft_batch(
         n_tokens=sum(lengths),
         n_slots=shape[0] * shape[1],
         is_packed=any(len(row) > 1 for row in rows),
+        segment_lengths=tuple(segment_lengths),
     )
 
 
 def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
+    """Logits [B, T, V] of a causal LM on a batch, in the per-sample view (see `run_model`)."""
+    out = run_model(model, batch)
+    if batch.source_index is None:
+        return out.logits
+    return out.logits.flatten(0, 1)[batch.source_index]
+
+
+def run_model(model: Any, batch: SFTBatch) -> Any:
     """Run a causal LM on a batch so that no token attends across samples or to padding.
 
     Args:
@@ -253,8 +197,8 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
             `batch.to(device)` if needed).
 
     Returns:
-        Logits [B, T, V] in the per-sample view (row b is sample b, aligned with
-        `batch.target_ids`), whatever rows the model ran on.
+        The model's output on the rows it ran on ([R, W], `batch.input_ids`'s shape): its
+        `logits` map to the per-sample view through `batch.source_index` when it is set.
 
     Raises:
         ConfigError: if the model's attention implementation cannot run the batch: packed rows
@@ -263,7 +207,10 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
     """
     impl = getattr(model.config, "_attn_implementation", None)
     mask = batch.attention_mask
-    if mask is not None:
+    layout = segment_kwargs(model, batch)
+    if layout:  # its own kernels isolate samples and apply the tree mask (no 4D mask built)
+        mask = None
+    elif mask is not None:
         if impl not in CUSTOM_MASK_ATTENTION:
             raise ConfigError(
                 f"attn_implementation {impl!r} cannot run prompt-shared rows (a 4D attention "
@@ -282,15 +229,13 @@ def forward_logits(model: Any, batch: SFTBatch) -> torch.Tensor:
         )
     # Without a 4D mask, attention_mask must stay None: a 2D mask would switch off packed-row
     # detection.
-    out = model(
+    return model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=mask,
         use_cache=False,
+        **layout,
     )
-    if batch.source_index is None:
-        return out.logits
-    return out.logits.flatten(0, 1)[batch.source_index]
 
 
 def temper_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -330,28 +275,35 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tens
     return logprobs.masked_fill(~valid, 0.0)
 
 
-def sft_loss(
-    logits: torch.Tensor, batch: SFTBatch, *, normalizer: int | None = None
-) -> tuple[torch.Tensor, dict]:
-    """Token-mean cross-entropy over the batch's trained tokens.
+@dataclass(frozen=True)
+class SFTLoss(ReadsScores):
+    """Token-mean cross-entropy over the batch's trained tokens (`sft_loss`).
 
-    Args:
-        logits: [B, T, V] from `forward_logits`.
-        batch: the batch the logits came from.
-        normalizer: divide the summed loss by this instead of the batch's own
-            `n_trained_tokens`; for gradient accumulation pass the whole step's trained-token
-            count to every micro-batch, so the step's gradient is the token-mean over the step.
+    Called with the fused head's `TokenScores` (the backend) or with [B, T, V] logits from
+    `forward_logits`, and the batch they came from. `normalizer`: divide the summed loss by
+    this instead of the batch's own `n_trained_tokens`; for gradient accumulation pass the
+    whole step's trained-token count to every micro-batch, so the step's gradient is the
+    token-mean over the step.
 
-    Returns:
-        The loss tensor, and metrics: `loss` (this batch's token-mean, float), `loss_sum`
-        (summed cross-entropy, float; add these up across micro-batches) and
-        `n_trained_tokens`.
+    Returns the loss tensor, and metrics: `loss` (this batch's token-mean), `loss_sum` (summed
+    cross-entropy; add these up across micro-batches) and `n_trained_tokens`. `loss` and
+    `loss_sum` are 0-dim tensors (read on the host once per operation, not per micro-batch).
     """
-    loss_sum = -token_logprobs(logits, batch.target_ids).sum()
-    n = batch.n_trained_tokens
-    loss = loss_sum / (normalizer if normalizer is not None else max(n, 1))
-    total = float(loss_sum.detach())
-    return loss, {"loss": total / max(n, 1), "loss_sum": total, "n_trained_tokens": n}
+
+    def __call__(self, inputs: torch.Tensor | TokenScores, batch: SFTBatch, *,
+                 normalizer: int | None = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+        if isinstance(inputs, TokenScores):
+            logprobs_BT = inputs.logprobs_BT
+        else:
+            logprobs_BT = token_logprobs(inputs, batch.target_ids)
+        loss_sum = -logprobs_BT.sum()
+        n = batch.n_trained_tokens
+        loss = loss_sum / (normalizer if normalizer is not None else max(n, 1))
+        total = loss_sum.detach()
+        return loss, {"loss": total / max(n, 1), "loss_sum": total, "n_trained_tokens": n}
+
+
+sft_loss = SFTLoss()
 
 
 def per_sample_loss(logits: torch.Tensor, batch: SFTBatch) -> torch.Tensor:

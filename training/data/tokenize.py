@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from plumbing.errors import ConfigError, DataError
 from rollouts.jsonl import format_errors
+from training.data.accounting import DataIssue
 from training.data.sft_data import SFTRecord
 
 Overlong = Literal["truncate", "drop"]
@@ -58,9 +60,12 @@ class TokenizedSample:
 class TokenizeStats:
     """What `tokenize_records` kept, cut and dropped; nothing disappears without a count here.
 
-    `n_records == n_kept + n_dropped_overlong + n_dropped_empty`. `n_tokens` and
-    `n_trained_tokens` count the kept samples after truncation; `n_truncated_tokens` counts the
-    tokens cut from the `n_truncated` kept samples.
+    `n_records == n_kept + n_dropped_overlong + n_dropped_empty`. An over-long record counts
+    once: in `n_truncated` when kept after the cut, in `n_dropped_overlong` when dropped
+    (`overlong="drop"`, or the cut left it no trained token). `n_dropped_empty` counts records
+    that were not over-long and still had no trained token. `n_tokens` and `n_trained_tokens`
+    count the kept samples after truncation; `n_truncated_tokens` counts the tokens cut from
+    the `n_truncated` kept samples. `issues` names every record cut or dropped, in order.
     """
 
     n_records: int
@@ -71,39 +76,13 @@ class TokenizeStats:
     n_tokens: int
     n_trained_tokens: int
     n_truncated_tokens: int
-    cut_sources: tuple[str, ...] = ()  # the first `SHOWN_CUT` samples truncated or dropped
+    issues: tuple[DataIssue, ...] = ()
     longest: int = 0  # tokens of the longest sample before any cut
-
-    SHOWN_CUT = 5
-    WARN_SHARE = 0.1  # `overlong_report` warns when more than this share is cut or dropped
 
     @property
     def n_overlong(self) -> int:
         """Samples longer than the limit (truncated or dropped)."""
         return self.n_truncated + self.n_dropped_overlong
-
-    def overlong_report(self, max_seq_len: int, key: str = "data.max_seq_len"
-                        ) -> tuple[bool, str] | None:  # fmt: skip
-        """(warn?, message) naming the over-long samples and the key that raises the limit.
-
-        `warn` is True when more than `WARN_SHARE` of the records were cut or dropped (the data
-        probably does not fit the configured length); None when no sample was over-long.
-        """
-        if not self.n_overlong:
-            return None
-        share = self.n_overlong / max(1, self.n_records)
-        what = f"truncated {self.n_truncated}" if self.n_truncated else ""
-        if self.n_dropped_overlong:
-            what += (", " if what else "") + f"dropped {self.n_dropped_overlong}"
-        first = ", ".join(self.cut_sources)
-        more = f" and {self.n_overlong - len(self.cut_sources)} more" * (
-            self.n_overlong > len(self.cut_sources)
-        )
-        return share > self.WARN_SHARE, (
-            f"{self.n_overlong} of {self.n_records} samples ({share:.0%}) are longer than "
-            f"{key}={max_seq_len} tokens ({what}; the longest has {self.longest}): "
-            f"{first}{more}; raise {key} to keep them whole"
-        )
 
     def summary(self) -> str:
         """One line for the log."""
@@ -112,7 +91,7 @@ class TokenizeStats:
             f"({self.n_tokens} tokens, {self.n_trained_tokens} trained); "
             f"truncated {self.n_truncated} ({self.n_truncated_tokens} tokens cut), "
             f"dropped {self.n_dropped_overlong} over-long, "
-            f"{self.n_dropped_empty} with no trained tokens left"
+            f"{self.n_dropped_empty} with no trained tokens"
         )
 
 
@@ -208,7 +187,7 @@ def tokenize_records(
     kept: list[TokenizedSample] = []
     errors: list[str] = []
     n_records = n_truncated = n_dropped_overlong = n_dropped_empty = n_truncated_tokens = 0
-    cut_sources: list[str] = []
+    issues: list[DataIssue] = []
     longest = 0
     special_ids = _special_ids(tokenizer)
     for record in records:
@@ -227,10 +206,10 @@ def tokenize_records(
             continue
         n_cut = max(0, len(sample) - max_seq_len)
         longest = max(longest, len(sample))
-        if n_cut and len(cut_sources) < TokenizeStats.SHOWN_CUT:
-            cut_sources.append(sample.source)
+        issue = partial(DataIssue, sample.source, len(sample), max_seq_len, tokens_cut=n_cut)
         if n_cut and overlong == "drop":
             n_dropped_overlong += 1
+            issues.append(issue("dropped over-long"))
             continue
         if n_cut:
             sample = TokenizedSample(
@@ -238,12 +217,17 @@ def tokenize_records(
                 loss_mask=sample.loss_mask[:max_seq_len],
                 source=sample.source,
             )
-        if sample.n_trained == 0:
-            n_dropped_empty += 1
+        if sample.n_trained == 0:  # an over-long record cut to no trained token is over-long
+            if n_cut:
+                n_dropped_overlong += 1
+            else:
+                n_dropped_empty += 1
+            issues.append(issue("no trained tokens left"))
             continue
         if n_cut:
             n_truncated += 1
             n_truncated_tokens += n_cut
+            issues.append(issue("cut"))
         kept.append(sample)
     if errors:
         raise DataError(format_errors(errors, what="the chat-template rendering"))
@@ -256,7 +240,7 @@ def tokenize_records(
         n_tokens=sum(len(s) for s in kept),
         n_trained_tokens=sum(s.n_trained for s in kept),
         n_truncated_tokens=n_truncated_tokens,
-        cut_sources=tuple(cut_sources),
+        issues=tuple(issues),
         longest=longest,
     )
     return kept, stats
@@ -291,6 +275,9 @@ class _Renderer:
                 tokenize=True,
                 add_generation_prompt=generation_prompt,
                 return_dict=False,
+                # we measure and cut lengths ourselves (tokenize_records): no "indexing errors"
+                # warning from transformers for a record longer than model_max_length
+                tokenizer_kwargs={"verbose": False},
                 **self.template_kwargs,
             )
         except Exception as e:  # jinja raises many types (TemplateError, TypeError, ...)

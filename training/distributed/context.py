@@ -195,6 +195,8 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     layers = decoder_layers(model)
     if cfg.activation_checkpointing:
         _checkpoint_layers(model)
+    if cfg.compile_layers:
+        compile_layers(layers)
     for layer in layers:
         fully_shard(layer, mesh=None, **kwargs)
     fully_shard(model, **kwargs)
@@ -204,6 +206,14 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
             if ctx.device.type == "cpu":  # gloo has no PREMUL_SUM; a plain SUM is what we want
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def compile_layers(layers: list[torch.nn.Module]) -> None:
+    """`torch.compile` each decoder layer in place (torchtitan's `apply_compile`): Inductor fuses
+    its norms, RoPE, SwiGLU, residual adds and casts into a few kernels. Shapes are dynamic, so
+    micro-batches of other sizes do not recompile; FSDP's hooks stay outside the graphs."""
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def _checkpoint_layers(model: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the exports, loaded on first use (plumbing/lazy.py)
     from training.loops.loggers import fan_out as fan_out
     from training.loops.loggers import setup_logging as setup_logging
     from training.loops.rl import run_rl_training as run_rl_training
+    from training.loops.run_length import sft_run_length as sft_run_length
     from training.loops.sft import SFTData as SFTData
     from training.loops.sft import run_sft_training as run_sft_training
 

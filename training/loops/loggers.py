@@ -53,6 +53,20 @@ class JsonlLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def restore_row(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append row `step` from `metrics` unless the file has one: a resumed run passes its
+        checkpoint's step and metrics, whose row a run killed between the checkpoint and the
+        row (in the step's evaluation, say: SIGKILL runs no `finally`) never wrote."""
+        if self.path.is_file():
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+            if any(_step_of(line) == step for line in lines):
+                return
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+        log.warning("metrics.jsonl had no row of step %d (the run was killed before writing it): "
+                    "restored from its checkpoint, without evaluation metrics", step)  # fmt: skip
+
     def _drop_rows_from(self, step: int) -> None:
         if not self.path.is_file():
             return
@@ -85,6 +99,18 @@ def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
     return " ".join(parts)
 
 
+_FAILURE_WORDS = ("failed", "aborted", "retries", "failure")
+
+
+def shown_evals(evals: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation metrics worth a person's eye: failure counters only when not zero, and
+    the number scored only when some were not (a row of zeros buried the accuracy)."""
+    counters = {k for k in evals if any(w in k for w in _FAILURE_WORDS)}
+    troubled = any(evals[k] for k in counters)
+    return {k: v for k, v in evals.items() if (v if k in counters else
+            troubled or not k.endswith("scored"))}  # fmt: skip
+
+
 class ConsoleLogger:
     """What a person watches: one progress bar on a terminal, one line per step elsewhere.
 
@@ -107,13 +133,14 @@ class ConsoleLogger:
     )
 
     def __init__(self, total_steps: int, *, every: int = 1, initial: int = 0, keys=KEYS,
-                 stream: Any = None, tty: bool | None = None):  # fmt: skip
+                 stream: Any = None, tty: bool | None = None,
+                 max_wall_s: float | None = None):  # fmt: skip
         self.every = every
         self.keys = keys
         self.total = total_steps
         self._stream = sys.stderr if stream is None else stream
         self._bar = None
-        self._eta = Eta(total_steps)
+        self._eta = Eta(total_steps, max_wall_s=max_wall_s)  # a time cap ends it sooner
         if self._stream.isatty() if tty is None else tty:
             from tqdm import tqdm
 
@@ -125,7 +152,7 @@ class ConsoleLogger:
     WHEN_NONZERO = ("samples_failed", "groups_failed")
 
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
-        evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
+        evals = shown_evals({k: v for k, v in metrics.items() if k.startswith("eval_")})
         failed = tuple(k for k in self.WHEN_NONZERO if metrics.get(k))
         note = signal_note(metrics)
         if self._bar is not None:

@@ -33,10 +33,17 @@ class Eta:
     counts from the first step described: set-up (engine launch, a first evaluation) is not a
     step's time, and a resumed phase (first step 401 of 800) is not credited with the steps an
     earlier run did. The first step's line has no estimate (its time includes the set-up).
+
+    A phase capped by time (`max_wall_s`, counted from when it is made: the SFT loop counts its
+    `train.max_wall_s` from just after) ends at whichever comes first: its estimate is the
+    smaller of the steps-based one and the time left before the cap, and then says so
+    (`~2:05 left (time cap)`), not the hours its 100,000 capped steps would take.
     """
 
-    def __init__(self, total: int, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, total: int, *, max_wall_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.total = total
+        self.max_wall_s = max_wall_s
         self._clock = clock
         self._t0 = clock()
         self._first: tuple[int, float] | None = None  # (step, when it was described)
@@ -51,7 +58,11 @@ class Eta:
         if step >= self.total or step <= first:
             return elapsed
         per_step = (now - at) / (step - first)
-        return f"{elapsed}, ~{format_duration(per_step * (self.total - step))} left"
+        left = per_step * (self.total - step)
+        if self.max_wall_s is not None and self.max_wall_s - (now - self._t0) < left:
+            capped = self.max_wall_s - (now - self._t0)
+            return f"{elapsed}, ~{format_duration(capped)} left (time cap)"
+        return f"{elapsed}, ~{format_duration(left)} left"
 
 
 def signal_note(metrics: Mapping[str, Any]) -> str:

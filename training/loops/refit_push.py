@@ -13,8 +13,11 @@ the rest finishes in the caller's nursery; a failure raises `WeightSyncError` th
 
 Faults: an engine that is down or does not answer is left out of the group, and that push
 also writes the HF export under `weights/` for it (the pool gives it those weights when it
-comes back, as with disk). A broadcast that fails (an engine died or stalled mid-way: every
-collective is under the group's deadline) tears the group down; the same queued operation
+comes back, as with disk); the push succeeds with the members alone, even when every engine
+left out is down. With every engine down there is no group: the whole push goes through
+disk, which waits up to `unavailable_timeout_s` for an engine to come back (issue 49 item
+D1). A broadcast that fails (an engine died or stalled mid-way: every collective is under the
+group's deadline) tears the group down; the same queued operation
 then writes the export, and every live engine loads it from disk (the disk contract), so the
 run goes on; the next push re-forms the group without the missing engine.
 
@@ -43,7 +46,8 @@ log = logging.getLogger("rollouts.rl")
 
 async def start_distributed_push(backend: PyTorchTrainingBackend, engines: Sequence[Any],
                                  export_root: Path, nursery: trio.Nursery, group: RefitGroup, *,
-                                 pause_mode: str = "abort", done: Any) -> None:  # fmt: skip
+                                 pause_mode: str = "abort", done: Any,
+                                 unavailable_timeout_s: float = 60.0) -> None:  # fmt: skip
     """Push `backend`'s weights to `engines` by broadcast (module docstring); `done` is the
     `PendingPush` whose `engines_s` and `done` this fills in."""
     version = str(backend.weight_version)
@@ -51,8 +55,8 @@ async def start_distributed_push(backend: PyTorchTrainingBackend, engines: Seque
     plan = plan_buckets(backend.model, group.bucket_bytes)
     members = await group.ensure(engines)
     left_out = [e for e in engines if e not in members]
-    await pause_engines(engines, pause_mode)
-    if not members:  # no group this time: the disk path, in queue order
+    await pause_engines(engines, pause_mode, wait_s=unavailable_timeout_s)
+    if not members:  # no group this time: the whole push goes the disk path, in queue order
         path = await backend.export_weights(out)
         future = None
     else:
@@ -90,9 +94,9 @@ async def start_distributed_push(backend: PyTorchTrainingBackend, engines: Seque
             done.done.set()
 
     async def update() -> None:
-        if future is None:
+        if future is None:  # every engine down waits for one, as a disk push does
             await sync_weights_to_engines(engines, path, version, pause_mode=pause_mode,
-                                          paused=True)  # fmt: skip
+                                          paused=True, wait_s=unavailable_timeout_s)  # fmt: skip
             return
 
         async def engines_part() -> None:
@@ -106,15 +110,15 @@ async def start_distributed_push(backend: PyTorchTrainingBackend, engines: Seque
         failures = verdict["failures"]
         if failed is None and not failures:
             await resume_updated(members, version, None if exported is None else str(exported))
-            if left_out:
-                await sync_weights_to_engines(left_out, exported, version,
-                                              pause_mode=pause_mode, paused=True)  # fmt: skip
+            if left_out:  # the members took the weights: the left out need not (down, as a rule)
+                await sync_weights_to_engines(left_out, exported, version, pause_mode=pause_mode,
+                                              paused=True, required=False)  # fmt: skip
             return
         log.warning("weight push %s by broadcast failed (%s); the engines load it from disk (%s) "
                     "and the group is re-formed at the next push", version, failed or failures,
                     exported)  # fmt: skip
         await group.close(engines)
         await sync_weights_to_engines(engines, exported, version, pause_mode=pause_mode,
-                                      paused=True)  # fmt: skip
+                                      paused=True, wait_s=unavailable_timeout_s)  # fmt: skip
 
     nursery.start_soon(finish)

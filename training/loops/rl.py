@@ -31,6 +31,7 @@ import trio
 from engines.refit import RefitGroup
 from plumbing.errors import CheckpointError, ConfigError, RolloutsError
 from plumbing.nursery import open_nursery
+from rollouts.debug import sample_line
 from rollouts.generation import summarize_errors
 from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
@@ -67,6 +68,7 @@ async def run_rl_training(
     pause_mode: str = "abort",
     resolved_config: dict[str, Any] | None = None,
     refit: RefitGroup | None = None,
+    unavailable_timeout_s: float = 60.0,
 ) -> list[dict[str, Any]]:
     """Train with RL until `config.max_steps` optimizer steps are done (or a stop hook says stop).
 
@@ -83,7 +85,8 @@ async def run_rl_training(
             algorithm: `dapo()` gets its overlong penalty and dynamic sampling).
         engines: every engine that serves the policy; all receive each weight update.
         config: the loop's section of the run config (steps, sync/checkpoint/eval cadence,
-            mini-batches, epochs, `share_prompts`, resume).
+            mini-batches, epochs, `share_prompts`, resume; `sample_every`: one sample's
+            prompt, response and reward logged at the first step and every that many).
         objective: the algorithm (or schedule), reference, critic and replacement maths
             (`training.rl.objective.RLObjective`).
         export_dir: where exported weights go for the engines to load (same filesystem).
@@ -94,6 +97,9 @@ async def run_rl_training(
         resolved_config: the full run config, saved with each checkpoint.
         refit: push full weights by broadcast over this group (`engines.weight_transport:
             distributed`, training/loops/refit_push.py) instead of through `export_dir`.
+        unavailable_timeout_s: how long a weight push whose engines are all down waits for one
+            to come back before the run fails (`engines.unavailable_timeout_s`, the bound a
+            request waits too).
 
     Returns:
         The metrics of each step this call ran.
@@ -110,7 +116,8 @@ async def run_rl_training(
     if start > 0 and critic is not None:
         await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
     if start > 0:  # the engines must serve the resumed weights, not the initial ones
-        await push_weights(backend, engines, export_root, pause_mode=pause_mode, refit=refit)
+        await push_weights(backend, engines, export_root, pause_mode=pause_mode, refit=refit,
+                           unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip
     history: list[dict[str, Any]] = []
     previous = resumed_metrics(backend.checkpoint_dir) if start > 0 else {}  # holds the EMAs
     empty_total = 0
@@ -136,6 +143,10 @@ async def run_rl_training(
             t_generated = time.perf_counter()
             if hooks.on_batch is not None:
                 hooks.on_batch(step, batch)
+            if config.sample_every and (step == start + 1 or step % config.sample_every == 0):
+                log.info(
+                    "step %d sample: %s", step, _first_sample_line(batch, backend)
+                )  # watchable
             metrics: dict[str, Any] = dict(batch.metrics) | signal.observe(step, batch)
             metrics |= await train_on_batch(backend, batch, algo,
                                             temperature=objective.temperature,
@@ -163,7 +174,8 @@ async def run_rl_training(
                     metrics["time_wait_generation_s"] = time.perf_counter() - t_trained
                 t_push = time.perf_counter()
                 pending = await start_push(backend, engines, export_root, pushes,
-                                           pause_mode=pause_mode, refit=refit)  # fmt: skip
+                                           pause_mode=pause_mode, refit=refit,
+                                           unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip
                 sync_s = time.perf_counter() - t_push
             metrics |= {
                 "empty_batches_skipped": skipped,
@@ -234,6 +246,14 @@ async def _generate_nonempty(rollout_manager: Any, step: int, max_empty: int
         f"step {step}: {max_empty} rollout batches in a row had no group to train on "
         f"(train.max_empty_batches={max_empty}); the last one: {why}"
     )
+
+
+def _first_sample_line(batch: RolloutBatch, backend: PyTorchTrainingBackend) -> str:
+    """The first group's first sample (`rollouts.debug.sample_line`), and its group's rewards."""
+    group = batch.groups[0]
+    rewards = " ".join(f"{s.reward:.3g}" for s in group)
+    tokenizer = getattr(backend, "tokenizer", None)
+    return f"{sample_line(group[0], tokenizer)}; its group's rewards: {rewards}"
 
 
 def _why_empty(batch: RolloutBatch) -> str:

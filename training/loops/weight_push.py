@@ -30,7 +30,8 @@ from training.loops.refit_push import start_distributed_push
 
 async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
                        *, pause_mode: str = "abort", keep: int = 2,
-                       refit: RefitGroup | None = None) -> float:  # fmt: skip
+                       refit: RefitGroup | None = None,
+                       unavailable_timeout_s: float = 60.0) -> float:  # fmt: skip
     """Export the current weights (HF layout) and load them into every engine; with LoRA
     (`backend.lora`) export only the adapter and load it as `<name>-v<version>` (see
     `start_push`).
@@ -41,7 +42,7 @@ async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], 
     t0 = time.perf_counter()
     async with open_nursery() as nursery:  # `start_push`, waiting for its background part
         await start_push(backend, engines, export_root, nursery, pause_mode=pause_mode, keep=keep,
-                         refit=refit)  # fmt: skip
+                         refit=refit, unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip
     return time.perf_counter() - t0
 
 
@@ -55,7 +56,8 @@ class PendingPush:
 
 async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
                      nursery: trio.Nursery, *, pause_mode: str = "abort", keep: int = 2,
-                     refit: RefitGroup | None = None) -> PendingPush:  # fmt: skip
+                     refit: RefitGroup | None = None,
+                     unavailable_timeout_s: float = 60.0) -> PendingPush:  # fmt: skip
     """`push_weights` with the engines' part in `nursery`: returns once every engine is paused.
 
     From then on any request sent to the engines (the next batch, an evaluation) waits in them
@@ -63,6 +65,10 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     with its next step instead of waiting for the engines to load (update, verify and resume:
     ~10 ms a step over loopback for the tiny model, more for real ones). A failure raises
     `WeightSyncError` in `nursery`.
+
+    Engines that are down are skipped (each is given these weights when it comes back); when
+    every engine is down the push waits up to `unavailable_timeout_s` for one to come back and
+    take them, in every transport, as a request waits for an engine (issue 49 item D1).
 
     With LoRA the export is the adapter alone (peft's layout) and each engine loads it with
     `/load_lora_adapter` as `<lora.name>-v<version>`, makes it the adapter its generation
@@ -76,7 +82,8 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     if refit is not None and backend.lora is None:
         pending = PendingPush()
         await start_distributed_push(backend, engines, export_root, nursery, refit,
-                                     pause_mode=pause_mode, done=pending)  # fmt: skip
+                                     pause_mode=pause_mode, done=pending,
+                                     unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip
         return pending
     version = backend.weight_version
     path = await backend.export_weights(export_root / f"v{version:06d}")
@@ -84,18 +91,20 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     name = None if lora is None else lora_version_name(lora.name, version)
     # With LoRA the paused engines name the new adapter at once: requests sent before the
     # background sync loads it (the next batch) wait for it and run on it, as for full weights.
-    await pause_engines(engines, pause_mode, activate_lora=name)
+    await pause_engines(engines, pause_mode, activate_lora=name, wait_s=unavailable_timeout_s)
     pending = PendingPush()
 
     async def finish() -> None:
         t0 = time.perf_counter()
         try:
             if lora is None or name is None:
-                await sync_weights_to_engines(engines, path, str(version), pause_mode=pause_mode,
-                                              paused=True)  # fmt: skip
+                await sync_weights_to_engines(engines, path, str(version),
+                                              pause_mode=pause_mode, paused=True,
+                                              wait_s=unavailable_timeout_s)  # fmt: skip
             else:
                 await sync_lora_to_engines(engines, path, name, str(version), keep=lora.keep,
-                                           pause_mode=pause_mode, paused=True)  # fmt: skip
+                                           pause_mode=pause_mode, paused=True,
+                                           wait_s=unavailable_timeout_s)  # fmt: skip
             # An adapter still loaded may be reloaded from its path (SGLang does so for a name
             # unloaded and asked for again): keep the exports of every loaded version.
             _prune_exports(export_root, keep if lora is None else max(keep, lora.keep + 1))

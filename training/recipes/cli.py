@@ -88,9 +88,19 @@ def sft_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
                         model_help="HF model directory or id (default: the tiny model)")  # fmt: skip
     parser.add_argument("--data", help="SFT JSONL (chat messages or prompt/completion)")
     parser.add_argument("--eval-data", help="held-out SFT JSONL for eval loss")
-    args = parser.parse_args(argv)
+    parser.add_argument("--epochs", type=float,
+                        help="passes over the data (replaces train.max_steps; default: 3 when "
+                        "neither is set)")  # fmt: skip
+    parser.add_argument("--data-report", help="JSONL listing every record cut or dropped "
+                        "(default: OUTPUT_DIR/data_report.jsonl)")  # fmt: skip
+    args = parser.parse_intermixed_args(argv)  # overrides may follow flags: `--max-steps 3 k=v`
+    if args.epochs is not None and args.max_steps is not None:
+        parser.error("--epochs and --max-steps both set the run's length: give one")
     _setup_logging(args)
-    data_flags = {"data.train_path": args.data, "data.eval_path": args.eval_data}
+    data_flags = {"data.train_path": args.data, "data.eval_path": args.eval_data,
+                  "data.report_path": args.data_report, "train.epochs": args.epochs}  # fmt: skip
+    if args.epochs is not None or args.max_steps is not None:  # a flag replaces the other
+        data_flags["train.max_steps" if args.epochs is not None else "train.epochs"] = "null"
     config = load_or_exit(SFTRunConfig, args.config, overrides_from_args(args, data_flags))
     if config is None:
         return EXIT_ERROR
@@ -128,7 +138,7 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     parser.add_argument("--admin-api-key", default=None,
                         help="the engines' --admin-api-key (pause, weight update, abort)")  # fmt: skip
     parser.set_defaults(config=default_config)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow flags: `--max-steps 3 k=v`
     _setup_logging(args)
     urls = json.dumps(args.engine_url) if args.engine_url else None
     engine_flags = {"engines.urls": urls, "engines.router_url": args.router_url,

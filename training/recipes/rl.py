@@ -26,7 +26,6 @@ from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
 from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
-from rollouts.evaluation import evaluate_greedy
 from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -38,6 +37,7 @@ from training.backend.model_io import check_model_path
 from training.backend.pytorch import load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
+from training.loops.ema import resumed_metrics
 from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import (
     ConsoleLogger,
@@ -46,6 +46,8 @@ from training.loops.loggers import (
     check_logger_extras,
     config_loggers,
     fan_out,
+    format_metrics,
+    shown_evals,
 )
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import push_weights
@@ -54,6 +56,8 @@ from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
 from training.recipes.rl_env import build_episode_setup
 from training.recipes.rl_models import build_rl_models
+from training.recipes.rl_summary import EngineWatch, rl_console_keys
+from training.recipes.rl_summary import RLSummary as RLSummary
 from training.recipes.sft import check_input_file, sft_data_files
 from training.recipes.sft_preamble import run_sft_preamble, same_recipe
 from training.rl import algorithms
@@ -136,7 +140,8 @@ def sft_checkpoint_mismatch(checkpoint: Path, sft: SFTRunConfig) -> str | None:
     Compares the step count, the saved config (defaults of newer fields filled in) and the
     fingerprint of the data files (task files are regenerated, so a changed generator counts).
     """
-    if checkpoint_step(checkpoint) < sft.train.max_steps:
+    steps = sft.train.max_steps or _saved_extra(checkpoint).get("max_steps")  # null: epochs
+    if steps is None or checkpoint_step(checkpoint) < steps:
         return "is unfinished"
     if not same_recipe(_saved_config(checkpoint), sft):  # train.log_every etc. aside
         return "was made with another config"
@@ -223,39 +228,6 @@ def _closing(resource: Any) -> contextlib.AbstractContextManager:
 
 
 @dataclass(frozen=True)
-class RLSummary:
-    accuracy_before: float | None
-    accuracy_after: float | None
-    steps: int
-    wall_time_s: float
-    checkpoint: Path | None
-    reward_curve: tuple[float, ...]
-    tool_use_before: float | None = None  # share of episodes that called a tool (tool envs)
-    tool_use_after: float | None = None
-    tool_success_before: float | None = None  # share of tool calls that succeeded
-    tool_success_after: float | None = None
-
-    def line(self) -> str:
-        def pct(v: float | None) -> str:
-            return "n/a" if v is None else f"{v:.1%}"
-
-        gain = ""
-        if self.accuracy_before is not None and self.accuracy_after is not None:
-            gain = f" ({(self.accuracy_after - self.accuracy_before) * 100:+.1f} points)"
-        tools = ""
-        if self.tool_use_before is not None:
-            tools = (f" tool_use before={pct(self.tool_use_before)} "
-                     f"after={pct(self.tool_use_after)} tool_success "
-                     f"before={pct(self.tool_success_before)} "
-                     f"after={pct(self.tool_success_after)}")  # fmt: skip
-        return (
-            f"RL done: heldout_accuracy before={pct(self.accuracy_before)} "
-            f"after={pct(self.accuracy_after)}{gain}{tools} steps={self.steps} "
-            f"wall_time={self.wall_time_s:.1f}s checkpoint={self.checkpoint}"
-        )
-
-
-@dataclass(frozen=True)
 class RLExtensions:
     """Extension points a program passes to `run_rl_recipe` (config files cannot name these).
 
@@ -334,11 +306,12 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "rollouts.jsonl").unlink(missing_ok=True)
     jsonl = JsonlLogger(out / "metrics.jsonl")
+    latest = find_latest_checkpoint(backend.checkpoint_dir)
+    if config.train.resume != "never" and latest is not None:  # a row a kill lost (its eval)
+        jsonl.restore_row(checkpoint_step(latest), resumed_metrics(backend.checkpoint_dir))
     dump = RolloutDumpWriter(out / "rollouts.jsonl") if config.train.dump_rollouts else None
     console = ConsoleLogger(config.train.max_steps, every=config.train.log_every,
-                            keys=("reward_mean", *(f"{k}_ema" for k in config.train.ema_metrics),
-                                  "accuracy", "eval_accuracy", "loss", "time_step_s",
-                                  "weight_version"))  # fmt: skip
+                            keys=rl_console_keys(config.train.ema_metrics))  # fmt: skip
     loggers = [jsonl, console, *config_loggers(config.logging, out, config.model_dump(mode="json"))]
     with backend, _closing(critic), _closing(reference), contextlib.ExitStack() as closing, \
             _closing(dump):  # fmt: skip
@@ -347,24 +320,30 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         async with open_engines(config, model_path, out) as (engine, clients), \
                 _refit_group(config.engines) as refit:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
-                await push_weights(backend, clients, out / "weights",
-                                   pause_mode=config.engines.pause_mode, refit=refit)  # fmt: skip
+                await push_weights(
+                    backend, clients, out / "weights", pause_mode=config.engines.pause_mode,
+                    refit=refit, unavailable_timeout_s=config.engines.unavailable_timeout_s)  # fmt: skip
 
             async def evaluate() -> dict[str, float]:
-                return await evaluate_greedy(engine, held_out, reward_fn,
-                                             max_new_tokens=config.train.eval_max_new_tokens,
-                                             generate_fn=episodes.generate_fn,
-                                             tokenizer=tokenizer)  # fmt: skip
+                return await episodes.evaluate(engine, held_out, reward_fn, rollout=config.rollout,
+                                               max_new_tokens=config.train.eval_max_new_tokens,
+                                               tokenizer=tokenizer)  # fmt: skip
 
             before = await evaluate() if held_out else {}
-            log.info("held-out before RL: %s", before)
+            if held_out:
+                log.info("held-out before RL (%d prompts): %s", len(held_out),
+                         format_metrics(shown_evals(before), tuple(shown_evals(before))))  # fmt: skip
+            else:  # an empty dict printed here read as a failed evaluation
+                log.info("no held-out prompts: accuracy and reward are not measured before and "
+                         "after RL (set data.eval_path=FILE, a prompts JSONL, to measure them)")  # fmt: skip
             manager = AsyncRolloutManager(  # the loop gives it each step's algorithm
                 engine, buffer, config.rollout, reward_fn=reward_fn,
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,
                 tokenizer=tokenizer, generate_fn=episodes.generate_fn,
             )  # fmt: skip
 
-            hooks = RLHooks(logger=fan_out(*loggers, *([on_step] if on_step else [])),
+            watch = EngineWatch(engine)  # the engines lost, for the summary
+            hooks = RLHooks(logger=fan_out(*loggers, watch, *([on_step] if on_step else [])),
                             evaluate_fn=evaluate if held_out else None,
                             stop_fn=extensions.stop_fn,
                             checkpoint_hook=extensions.checkpoint_hook, on_batch=dump)  # fmt: skip
@@ -375,10 +354,13 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     export_dir=out / "weights", hooks=hooks,
                     pause_mode=config.engines.pause_mode,
                     resolved_config=config.model_dump(mode="json"), refit=refit,
+                    unavailable_timeout_s=config.engines.unavailable_timeout_s,
                 )  # fmt: skip
     last = history[-1] if history else {}
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)
     return RLSummary(before.get("accuracy"), last.get("eval_accuracy"), backend.step,
                      time.perf_counter() - t0, find_latest_checkpoint(out / "checkpoints"), curve,
                      before.get("tool_use_rate"), last.get("eval_tool_use_rate"),
-                     before.get("tool_success_rate"), last.get("eval_tool_success_rate"))  # fmt: skip
+                     before.get("tool_success_rate"), last.get("eval_tool_success_rate"),
+                     before.get("reward_mean"), last.get("eval_reward_mean"), watch.total,
+                     watch.lost())  # fmt: skip

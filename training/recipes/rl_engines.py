@@ -47,7 +47,9 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
     must run SGLang >= 0.5.6 (`SGLangEngine.check_server`).
     """
     ec = config.engines
-    timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s)
+    timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s,
+                              weight_update_floor_s=ec.weight_update_floor_s,
+                              weight_update_s_per_gb=ec.weight_update_s_per_gb)  # fmt: skip
     # supervisors tell the pool at once when a local engine dies and when its relaunch is up
     engine_events_send, engine_events_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
     async with contextlib.AsyncExitStack() as stack:

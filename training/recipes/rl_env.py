@@ -10,7 +10,7 @@ the config names another reward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,9 +23,12 @@ from rollouts.agent import (
     subprocess_harness,
 )
 from rollouts.agent.harness import Harness, OpenAIAgent
+from rollouts.config import RolloutConfig
 from rollouts.envs import env_reward, tool_env_factory
+from rollouts.evaluation import evaluate_greedy
 from rollouts.generate_fn import GenerateFn, single_turn_generate
 from rollouts.multiturn import MultiTurnConfig, multiturn_generate
+from rollouts.prompts import PromptItem
 from rollouts.rewards import RewardFn
 from rollouts.tools import Tool, calculator_tool, parse_hermes_tool_calls, parse_xml_tool_calls
 from rollouts.tools import python_tool as make_python_tool
@@ -44,6 +47,16 @@ def build_tools(section: EnvSection) -> list[Tool]:
 class EpisodeSetup:
     generate_fn: GenerateFn
     reward_fn: RewardFn
+
+    async def evaluate(self, engine: Any, prompts: Sequence[PromptItem], reward_fn: RewardFn, *,
+                       rollout: RolloutConfig, max_new_tokens: int,
+                       tokenizer: Any) -> dict[str, float]:  # fmt: skip
+        """Greedy held-out episodes of this env, scored as training scores: the reward under
+        `rollout.reward_timeout_s` (not evaluate_greedy's own 30 s default)."""
+        return await evaluate_greedy(engine, prompts, reward_fn, max_new_tokens=max_new_tokens,
+                                     generate_fn=self.generate_fn, tokenizer=tokenizer,
+                                     timeout_s=rollout.reward_timeout_s,
+                                     stall_warning_s=rollout.stall_warning_s)  # fmt: skip
 
 
 def build_harness(section: AgentSection, resolve: Callable[[str], Any],

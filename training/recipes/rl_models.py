@@ -24,8 +24,8 @@ def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps:
                optim: OptimConfig | None = None, tokenizer: Any = None,
                micro_batch_tokens: int = 8192, keep_last: int | None = 2,
                num_threads: int | None = None, seed: int = 0, dtype: str = "float32",
-               device: str = "cpu", lora: LoraSettings | None = None
-               ) -> PyTorchTrainingBackend:  # fmt: skip
+               device: str = "cpu", lora: LoraSettings | None = None,
+               attention: str = "sdpa") -> PyTorchTrainingBackend:  # fmt: skip
     """A `PyTorchTrainingBackend` that trains on RL batches (what `run_rl_training` needs).
 
     RL examples are one row per sample (or per group sharing a prompt), never packed SFT rows,
@@ -39,11 +39,13 @@ def rl_backend(model_path: str | Path, *, checkpoint_dir: str | Path, max_steps:
         max_steps: the run's length (the LR schedule's horizon).
         optim: optimizer settings (default `OptimConfig()`).
         lora: train LoRA adapters on the model instead of all its weights (`model.lora`).
+        attention: "sdpa", or "segments", the padding-free attention (`model.attention`).
     """
     tokenizer = load_tokenizer(model_path) if tokenizer is None else tokenizer
     pad_id = tokenizer.pad_token_id
     return PyTorchTrainingBackend(
-        partial(load_model, str(model_path), dtype=dtype, device=device), tokenizer,
+        partial(load_model, str(model_path), dtype=dtype, device=device, attention=attention),
+        tokenizer,
         optim=optim or OptimConfig(), max_steps=max_steps, checkpoint_dir=checkpoint_dir,
         micro_batch_tokens=micro_batch_tokens, pack_length=None,
         collate_fn=partial(collate_rl, pad_id=pad_id), keep_last=keep_last,
@@ -63,6 +65,7 @@ def build_rl_models(config: RLRunConfig, model_path: str, tokenizer: Any,
                          micro_batch_tokens=config.backend.micro_batch_tokens,
                          keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
                          seed=config.backend.seed, dtype=config.model.dtype,
+                         attention=config.model.attention,
                          device=config.backend.device, lora=config.model.lora)  # fmt: skip
     steps = range(1, config.train.max_steps + 1)
     needs_ref = any(schedule(s, {}).needs_ref_logprobs for s in steps)

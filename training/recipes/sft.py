@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -26,6 +27,7 @@ from rollouts.thinking import thinking_template_kwargs
 from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
 from training.backend.tiny_model import ensure_tiny_model
 from training.config import DEFAULT_PACK_LENGTH, ModelConfig, SFTRunConfig, config_to_yaml
+from training.data.accounting import issues_warning, write_data_report
 from training.data.buffer import DataBuffer
 from training.data.sft_data import load_sft_jsonl
 from training.data.tokenize import TokenizeStats, tokenize_records
@@ -39,6 +41,7 @@ from training.loops.loggers import (
     config_loggers,
     fan_out,
 )
+from training.loops.run_length import sft_run_length
 from training.loops.sft import SFTData, run_sft_training
 
 log = logging.getLogger("rollouts.recipes")
@@ -55,7 +58,7 @@ def resolve_model_path(config: ModelConfig) -> str:
 @dataclass(frozen=True)
 class PreparedSFTData:
     data: SFTData
-    stats: TokenizeStats
+    stats: tuple[TokenizeStats, TokenizeStats]  # train, eval
     accuracy_prompts: tuple[EvalPrompt, ...]
     fingerprint: str  # of the files trained and evaluated on (see `sft_data_files`)
     lengths: SampleLengths
@@ -135,13 +138,22 @@ def check_pack_length(config: SFTRunConfig, samples: list[Any], what: str,
         )
 
 
-def report_overlong(stats: TokenizeStats, max_seq_len: int, what: str,
-                    key: str = "data.max_seq_len") -> None:  # fmt: skip
-    """Log the over-long samples by file:line; a warning when more than 10 % were cut."""
-    report = stats.overlong_report(max_seq_len, key)
-    if report is not None:
-        warn, message = report
-        log.log(logging.WARNING if warn else logging.INFO, "%s: %s", what, message)
+def data_report_path(config: SFTRunConfig) -> Path:
+    """Where the run lists every record cut or dropped: `data.report_path`, or the output dir's."""
+    return Path(config.data.report_path or Path(config.output_dir) / "data_report.jsonl")
+
+
+def report_data_issues(config: SFTRunConfig, stats: Sequence[TokenizeStats]) -> None:
+    """One WARNING naming the records cut or dropped (the first few), and the report of all."""
+    issues = [issue for s in stats for issue in s.issues]
+    path = write_data_report(data_report_path(config), issues)
+    n_records = sum(s.n_records for s in stats)
+    fix = ("raise data.max_seq_len to keep over-long records whole" if config.data.max_seq_len
+           else "they are longer than the model's context (max_position_embeddings): shorten "
+           "or split them")  # fmt: skip
+    warning = issues_warning(issues, n_records, fix, path)
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 class SampleLengths(NamedTuple):
@@ -210,31 +222,40 @@ def prepare_sft_data(config: SFTRunConfig, tokenizer: Any, *, context: int | Non
     log.info("train data %s: %s", files.train, stats.summary())
     log.info("data.max_seq_len=%d (%s), data.pack_length=%d", lengths.max_seq_len, lengths.why,
              lengths.pack_length)  # fmt: skip
-    key = "data.max_seq_len" if dc.max_seq_len else "the model's context (max_position_embeddings)"
-    report_overlong(stats, lengths.max_seq_len, "train data", key)
-    report_overlong(eval_stats, lengths.max_seq_len, "eval data", key)
+    if eval_samples:
+        log.info("eval data %s: %s", files.eval, eval_stats.summary())
     check_pack_length(config, train_samples, str(files.train), lengths)
     check_pack_length(config, eval_samples, str(files.eval), lengths)
     buffer = DataBuffer(train_samples, seed=dc.shuffle_seed)
     data = SFTData(buffer, tuple(eval_samples))
-    return PreparedSFTData(data, stats, accuracy_prompts, files.fingerprint(), lengths)
+    return PreparedSFTData(data, (stats, eval_stats), accuracy_prompts, files.fingerprint(),
+                           lengths)  # fmt: skip
 
 
 def build_backend(config: SFTRunConfig, model_path: str, *, tokenizer: Any = None,
-                  pack_length: int | None = None) -> PyTorchTrainingBackend:  # fmt: skip
+                  pack_length: int | None = None, max_steps: int | None = None
+                  ) -> PyTorchTrainingBackend:  # fmt: skip
     """Load the model and tokenizer and wrap them in a backend configured by `config`.
 
     Args:
         tokenizer: the model's tokenizer if already loaded (else loaded from `model_path`).
         pack_length: tokens per packed row (`SampleLengths.pack_length`); None: the config's
             `data.pack_length`, or its default when that is null.
+        max_steps: the run's length (`sft_run_length`), the LR schedule's horizon; None: the
+            config's `train.max_steps`.
     """
     pack = pack_length or config.data.pack_length or DEFAULT_PACK_LENGTH
     return PyTorchTrainingBackend(
-        partial(load_model, model_path, dtype=config.model.dtype, device=config.backend.device),
+        partial(
+            load_model,
+            model_path,
+            dtype=config.model.dtype,
+            device=config.backend.device,
+            attention=config.model.attention,
+        ),
         tokenizer if tokenizer is not None else load_tokenizer(model_path),
         optim=config.optim,
-        max_steps=config.train.max_steps,
+        max_steps=max_steps or config.train.max_steps,
         checkpoint_dir=Path(config.output_dir) / "checkpoints",
         micro_batch_tokens=config.backend.micro_batch_tokens,
         pack_length=pack if config.data.packing else None,
@@ -287,13 +308,15 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
     )
     out = Path(config.output_dir)  # created only once the config and the data are valid
     out.mkdir(parents=True, exist_ok=True)
+    report_data_issues(config, prepared.stats)
+    length = sft_run_length(config.train, len(prepared.data.train))
     resolved = config.model_dump(mode="json")
     (out / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
     log.debug("resolved config:\n%s", config_to_yaml(config))
 
     backend = await trio.to_thread.run_sync(partial(
         build_backend, config, model_path, tokenizer=tokenizer,
-        pack_length=prepared.lengths.pack_length))  # fmt: skip
+        pack_length=prepared.lengths.pack_length, max_steps=length.steps))  # fmt: skip
     with backend:
 
         async def accuracy(b: PyTorchTrainingBackend) -> dict[str, float]:
@@ -302,7 +325,8 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
         if config.train.resume == "never":
             (out / "metrics.jsonl").unlink(missing_ok=True)
         jsonl = JsonlLogger(out / "metrics.jsonl")
-        console = ConsoleLogger(config.train.max_steps, every=config.train.log_every)
+        console = ConsoleLogger(length.steps, every=config.train.log_every,
+                                max_wall_s=config.train.max_wall_s)  # fmt: skip
         loggers = [jsonl, console, *config_loggers(config.logging, out, resolved)]
         try:
             history = await run_sft_training(
@@ -319,6 +343,7 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
                 extra_state={
                     "data_sha256": prepared.fingerprint,
                     "data_lengths": prepared.lengths._asdict(),
+                    "max_steps": length.steps,  # with train.max_steps null: from the epochs
                 },
             )
         finally:

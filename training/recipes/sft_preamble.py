@@ -25,7 +25,7 @@ from training.recipes.sft import SFTSummary, run_sft_recipe, sft_data_files
 
 log = logging.getLogger("rollouts.rl_recipe")
 
-RUN_ONLY = ("resume", "checkpoint_every", "keep_last", "log_every")
+RUN_ONLY = ("resume", "checkpoint_every", "keep_last", "keep_best", "log_every")
 """`train` fields that change neither the trained weights nor the data cursor."""
 
 
@@ -45,7 +45,9 @@ def same_recipe(saved: SFTRunConfig | None, sft: SFTRunConfig) -> bool:
 
 def preamble_config(sft: SFTRunConfig, *, resume: bool) -> SFTRunConfig:
     """`sft` with checkpoints at least every 1/32 of its steps, resuming if `resume`."""
-    every = min(sft.train.checkpoint_every, max(1, sft.train.max_steps // 32))
+    steps = sft.train.max_steps  # null (epoch-sized): unknown before the data is read
+    every = sft.train.checkpoint_every if steps is None else min(sft.train.checkpoint_every,
+                                                                 max(1, steps // 32))  # fmt: skip
     train = sft.train.model_copy(update={"checkpoint_every": every,
                                          "resume": "auto" if resume else "never"})  # fmt: skip
     return sft.model_copy(update={"train": train})
@@ -53,13 +55,15 @@ def preamble_config(sft: SFTRunConfig, *, resume: bool) -> SFTRunConfig:
 
 def resumable(checkpoint: Path | None, sft: SFTRunConfig) -> bool:
     """Whether `checkpoint` is an unfinished run of recipe `sft` on its current data."""
-    if checkpoint is None or checkpoint_step(checkpoint) >= sft.train.max_steps:
+    if checkpoint is None:
         return False
     try:
         state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
         extra = dict(state["extra"])
         saved = SFTRunConfig.model_validate(extra["config"])
     except (OSError, ValueError, KeyError, TypeError):  # pydantic's ValidationError: ValueError
+        return False
+    if checkpoint_step(checkpoint) >= (sft.train.max_steps or extra.get("max_steps", 0)):
         return False
     return same_recipe(saved, sft) and extra.get("data_sha256") == sft_data_files(sft).fingerprint()
 

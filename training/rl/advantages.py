@@ -12,7 +12,10 @@ sees full groups only.
 A group whose rewards are all equal carries no signal and gets advantage exactly 0 from every
 estimator with a group baseline (float rounding of its mean would otherwise leave ~1e-7,
 which division by a ~0 std turns into advantages of 0.1 or more); the batch-baseline
-estimators give exactly 0 when the whole batch scored the same.
+estimators give exactly 0 when the whole batch scored the same. "Equal" is up to float noise:
+a population std of at most `NO_SPREAD_STD` (1e-6, the tolerance of DAPO's group filter,
+`rollouts.groups.keep_if_reward_varies`), so a spread of 1e-7 is no signal rather than an
+advantage of O(0.1), and the filter drops exactly the groups that would train nothing.
 
 `AdvantageFn` is the extension point: any `(rewards_GN) -> advantages_GN` function.
 """
@@ -27,6 +30,8 @@ import torch
 from plumbing.errors import ConfigError
 
 AdvantageFn: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
+
+NO_SPREAD_STD = 1e-6  # rewards whose population std is at most this carry no signal
 
 
 def _check(rewards_GN: torch.Tensor, estimator: str, *, min_n: int = 1,
@@ -73,21 +78,21 @@ def _zero_padding(advantages_GN: torch.Tensor, mask_GN: torch.Tensor | None) -> 
 
 def _zero_equal_groups(advantages_GN: torch.Tensor, rewards_GN: torch.Tensor,
                        mask_GN: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """0 (exactly) for every group whose rewards are all equal (and on padding); the rest
-    unchanged."""
-    if mask_GN is None:
-        equal_G = rewards_GN.amax(dim=1) == rewards_GN.amin(dim=1)
-    else:
-        high_G = rewards_GN.masked_fill(~mask_GN, -torch.inf).amax(dim=1)
-        equal_G = high_G == rewards_GN.masked_fill(~mask_GN, torch.inf).amin(dim=1)
+    """0 (exactly) for every group whose rewards are equal up to float noise (and on
+    padding); the rest unchanged."""
+    r_GN = rewards_GN.double()
+    centred_GN = _zero_padding(r_GN - _mean(r_GN, mask_GN), mask_GN)
+    n_G = rewards_GN.shape[1] if mask_GN is None else mask_GN.sum(dim=1)
+    equal_G = (centred_GN.square().sum(dim=1) / n_G).sqrt() <= NO_SPREAD_STD
     return _zero_padding(torch.where(equal_G[:, None], 0.0, advantages_GN), mask_GN)
 
 
 def _zero_if_all_equal(advantages_GN: torch.Tensor, rewards_GN: torch.Tensor,
                        mask_GN: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """0 (exactly) everywhere when the whole batch scored the same (and on padding)."""
-    real = rewards_GN if mask_GN is None else rewards_GN[mask_GN]
-    if real.numel() and real.amax() == real.amin():
+    """0 (exactly) everywhere when the whole batch scored the same up to float noise (and on
+    padding)."""
+    real = (rewards_GN if mask_GN is None else rewards_GN[mask_GN]).double()
+    if real.numel() and real.std(correction=0) <= NO_SPREAD_STD:
         return torch.zeros_like(advantages_GN)
     return _zero_padding(advantages_GN, mask_GN)
 
@@ -101,8 +106,9 @@ def grpo_advantages(
 ) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath §4.1.2): (r - group mean) / (group std + eps).
 
-    Uses the unbiased (n-1) std, like TRL and verl. A group whose rewards are all equal gets
-    zero advantages (no signal), not a division by zero. `scale_by_std=False` gives the
+    Uses the unbiased (n-1) std, like TRL and verl. A group whose rewards are all equal, up
+    to float noise (`NO_SPREAD_STD`), gets zero advantages (no signal), not a division by
+    (nearly) zero. `scale_by_std=False` gives the
     mean-centred form; the std scaling is what Dr.GRPO identifies as a difficulty bias.
 
     Args:

@@ -76,9 +76,9 @@ class AlgorithmConfig(Strict):
     )
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: loss −= coef × entropy")
     whiten: Literal["sequence", "token"] = Field(
-        "sequence",
-        description="REINFORCE++ only: whiten per-sequence advantages, or over tokens (each "
-        "sequence weighted by its length, as the paper and verl)",
+        "token",
+        description="REINFORCE++ only: whiten over the batch's response tokens (each sequence "
+        "weighted by its length, as the paper and verl), or over sequences (each the same)",
     )
     mask_truncated: bool = Field(
         False, description="train on no truncated sample (DAPO's overlong filtering)"
@@ -91,8 +91,10 @@ class AlgorithmConfig(Strict):
     is_cap: float | None = Field(
         None,
         gt=0,
-        description="truncated IS cap for engine/trainer mismatch (None: off); for loss=pg also "
-        "the cap of the weight to the behaviour policy (None: 2.0)",
+        description="truncated IS cap for engine/trainer mismatch (None: off): each token's "
+        "loss x min(pi_trainer / pi_engine, is_cap), in every mode (off-policy too: the ratio is "
+        "then to the trainer's logprobs); for loss=pg also the cap of the weight to the "
+        "behaviour policy (None: 2.0)",
     )
 
     @model_validator(mode="after")
@@ -209,7 +211,9 @@ def rloo(**overrides: Any) -> AlgorithmConfig:
 
 
 def reinforce_pp(**overrides: Any) -> AlgorithmConfig:
-    """REINFORCE++-baseline: group-mean baseline, batch whitening, PPO clip, token mean."""
+    """REINFORCE++-baseline: group-mean baseline, whitening over the batch's response tokens
+    (as the paper and verl's masked_whiten; whiten="sequence" weighs each sequence the same),
+    PPO clip, token mean."""
     defaults = {
         "name": "reinforce_pp",
         "advantage": "reinforce_pp_baseline",

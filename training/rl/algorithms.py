@@ -132,7 +132,10 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
             weights_GN = None
             if config.whiten == "token":
                 if n_tokens_GN is None:
-                    raise ConfigError("REINFORCE++ with whiten='token' needs n_tokens_GN")
+                    raise ConfigError(
+                        "REINFORCE++ whitens over tokens (whiten='token', the default): pass "
+                        "n_tokens_GN (each sample's trained-token count), or whiten='sequence'"
+                    )
                 weights_GN = n_tokens_GN
             return adv.reinforce_pp_advantages(
                 rewards_GN, group_baseline=config.advantage == "reinforce_pp_baseline",
@@ -212,7 +215,9 @@ def compute_policy_loss(
 
     Returns:
         (loss, metrics): "loss" is the total; the policy loss's own metrics, "kl" when a KL
-        loss is used, logprob_diff_* and tis_* when rollout logprobs are given.
+        loss is used, logprob_diff_* and tis_* when rollout logprobs are given. Values are 0-dim
+        tensors on the loss's device (or floats): the backend reads an op's metrics in one
+        transfer after its last micro-batch, so none waits on the host.
 
     Raises:
         ConfigError: a tensor the configured algorithm needs was not passed.
@@ -236,8 +241,8 @@ def compute_policy_loss(
                 old_logprobs_BT, rollout_logprobs_BT, mask_BT, cap=config.is_cap
             )
             capped_BT = (is_weights_BT >= config.is_cap).float()
-            metrics["tis_weight_mean"] = masked_mean(is_weights_BT, mask_BT).item()
-            metrics["tis_capped_fraction"] = masked_mean(capped_BT, mask_BT).item()
+            metrics["tis_weight_mean"] = masked_mean(is_weights_BT, mask_BT)
+            metrics["tis_capped_fraction"] = masked_mean(capped_BT, mask_BT)
     common = {
         "agg": config.aggregation,
         "max_tokens": config.max_tokens_norm,
@@ -290,5 +295,5 @@ def compute_policy_loss(
         )
         loss = loss - config.entropy_coef * entropy
         metrics |= entropy_metrics
-    metrics["loss"] = loss.item()
+    metrics["loss"] = loss.detach()  # read by the backend once per op
     return loss, metrics

@@ -26,7 +26,7 @@ import torch
 from plumbing.errors import ConfigError
 from rollouts.shaping import add_reward_component
 from rollouts.types import RolloutBatch, Sample
-from training.data.packing import IGNORE_INDEX, SFTBatch
+from training.data.packing import IGNORE_INDEX, SFTBatch, move_to
 from training.data.prefix_sharing import prepare_prefix_shared_batch
 from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import (
@@ -125,11 +125,15 @@ class RLBatch:
     def is_packed(self) -> bool:
         return False
 
+    @property
+    def segment_lengths(self) -> tuple[int, ...]:
+        return self.base.segment_lengths
+
     def to(self, device: torch.device | str) -> RLBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
+            return move_to(t, device)
 
-        return RLBatch(self.base.to(device), self.advantages_B.to(device),
+        return RLBatch(self.base.to(device), move(self.advantages_B),
                        move(self.rollout_logprobs_BT), move(self.ref_logprobs_BT),
                        move(self.rewards_GN), move(self.old_logprobs_BT),
                        move(self.token_advantages_BT), move(self.returns_BT),

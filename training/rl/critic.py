@@ -14,6 +14,9 @@ predicts: the positions of the policy's logprobs (`target_ids != -100`).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,8 @@ from training.data.packing import IGNORE_INDEX
 from training.rl.batch import RLBatch, collate_rl
 from training.rl.kl import masked_mean
 
+log = logging.getLogger("rollouts.critic")
+
 
 def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
     """A token-level value model from a causal LM checkpoint (or a saved critic).
@@ -39,17 +44,51 @@ def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = 
     try:
         config = AutoConfig.from_pretrained(str(path), num_labels=1)
         config.classifier_dropout = 0.0  # values must not be noisy in training mode
-        model = AutoModelForTokenClassification.from_pretrained(
-            str(path), config=config, dtype=getattr(torch, dtype)
-        )
+        # transformers prints a LOAD REPORT table (as a WARNING) for the keys a causal LM
+        # checkpoint lacks or has over a token classifier: the expected case here, said in
+        # one line of ours below. A size mismatch still raises. (Filtered, not silenced by
+        # level: a raised level makes transformers log a tensor-parallel check instead.)
+        with _without_load_report():
+            model, info = AutoModelForTokenClassification.from_pretrained(
+                str(path), config=config, dtype=getattr(torch, dtype), output_loading_info=True
+            )
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load a value model from {path!s}: {err}") from err
+    log.info("critic: value model from %s%s", path, _load_note(info))
     if "score.weight" not in _saved_keys(path):  # a new head: start every value at 0
         with torch.no_grad():
             model.score.weight.zero_()
             if model.score.bias is not None:
                 model.score.bias.zero_()
     return model.to(device)
+
+
+_HF_LOAD_LOGGER = "transformers.modeling_utils"  # where transformers logs its LOAD REPORT
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _without_load_report() -> Iterator[None]:
+    """transformers' loading logger without its LOAD REPORT for the block (other lines kept)."""
+    logger, drop = logging.getLogger(_HF_LOAD_LOGGER), _DropLoadReport()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _load_note(info: dict[str, Any]) -> str:
+    """What transformers' LOAD REPORT would have said, in a few words ('' if nothing)."""
+    new = sorted(info.get("missing_keys", ()))
+    unused = sorted(info.get("unexpected_keys", ()))
+    parts = ([f"new (value head, starts at 0): {', '.join(new)}"] if new else []) + (
+        [f"not used (the LM head): {', '.join(unused)}"] if unused else [])  # fmt: skip
+    return f"; {'; '.join(parts)}" if parts else ""
 
 
 def _saved_keys(path: str | Path) -> set[str]:

@@ -226,8 +226,8 @@ def logprob_mismatch_metrics(
     m = bool_mask(mask_BT)
     diff_BT = torch.where(m, (a_logprobs_BT - b_logprobs_BT).abs(), 0)
     return {
-        "logprob_diff_mean_abs": (diff_BT.sum() / m.sum().clamp(min=1)).item(),
-        "logprob_diff_max_abs": diff_BT.max().item() if diff_BT.numel() else 0.0,
+        "logprob_diff_mean_abs": (diff_BT.sum() / m.sum().clamp(min=1)).detach(),
+        "logprob_diff_max_abs": diff_BT.max().detach() if diff_BT.numel() else 0.0,
     }
 
 

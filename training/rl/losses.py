@@ -90,8 +90,8 @@ def aggregate_loss(
     )
 
 
-def _entropy_estimate(logprobs_BT: torch.Tensor, m: torch.Tensor) -> float:
-    return masked_mean(-logprobs_BT.detach(), m).item()
+def _entropy_estimate(logprobs_BT: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return masked_mean(-logprobs_BT.detach(), m)
 
 
 def _log_ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, m: torch.Tensor):
@@ -133,20 +133,19 @@ def policy_gradient_loss(
         weight_BT = ratio_BT.clamp(max=is_cap)
         loss_BT = loss_BT * weight_BT
         metrics |= {
-            "pg_is_weight_mean": masked_mean(weight_BT, m).item(),
-            "pg_is_capped_fraction": masked_mean((ratio_BT > is_cap).float(), m).item(),
+            "pg_is_weight_mean": masked_mean(weight_BT, m).detach(),
+            "pg_is_capped_fraction": masked_mean((ratio_BT > is_cap).float(), m).detach(),
             "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
         }
     loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
-    return loss, {"policy_loss": loss.item(), **metrics,
+    return loss, {"policy_loss": loss.detach(), **metrics,
                   "entropy_estimate": _entropy_estimate(logprobs_BT, m)}  # fmt: skip
 
 
-def _kl_to_old(old_logprobs_BT: torch.Tensor, logprobs_BT: torch.Tensor, m: torch.Tensor) -> float:
+def _kl_to_old(old_logprobs_BT: torch.Tensor, logprobs_BT: torch.Tensor, m: torch.Tensor
+               ) -> torch.Tensor:  # fmt: skip
     """k3 estimate of KL(π_old ‖ π_θ) over trained tokens: how far the update has moved."""
-    return masked_mean(
-        kl_estimate(old_logprobs_BT, logprobs_BT.detach(), "k3", mask_BT=m), m
-    ).item()
+    return masked_mean(kl_estimate(old_logprobs_BT, logprobs_BT.detach(), "k3", mask_BT=m), m)
 
 
 def token_advantages(advantages: torch.Tensor, like_BT: torch.Tensor) -> torch.Tensor:
@@ -211,11 +210,11 @@ def ppo_clip_loss(
     clipped_BT = clipped_BT & m
     positive_BT = token_advantages(advantages_B, m) > 0
     metrics = {
-        "policy_loss": loss.item(),
-        "clip_fraction": masked_mean(clipped_BT.float(), m).item(),
-        "clip_fraction_high": masked_mean((clipped_BT & positive_BT).float(), m).item(),
-        "clip_fraction_low": masked_mean((clipped_BT & ~positive_BT).float(), m).item(),
-        "clip_fraction_dual": masked_mean((dual_BT & m).float(), m).item(),
+        "policy_loss": loss.detach(),
+        "clip_fraction": masked_mean(clipped_BT.float(), m).detach(),
+        "clip_fraction_high": masked_mean((clipped_BT & positive_BT).float(), m).detach(),
+        "clip_fraction_low": masked_mean((clipped_BT & ~positive_BT).float(), m).detach(),
+        "clip_fraction_dual": masked_mean((dual_BT & m).float(), m).detach(),
         "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
         **_ratio_spread(ratio_BT, m),
         "entropy_estimate": _entropy_estimate(logprobs_BT, m),
@@ -223,15 +222,17 @@ def ppo_clip_loss(
     return loss, metrics
 
 
-def _ratio_spread(ratio_BT: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
-    """Mean, min and max of π_θ / π_old over trained tokens (all 1 before the first update)."""
+def _ratio_spread(ratio_BT: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor | float]:
+    """Mean, min and max of π_θ / π_old over trained tokens (all 1 before the first update, and
+    without trained tokens); device tensors, no host sync."""
     ratio_BT = ratio_BT.detach()
-    if not m.any():
+    if ratio_BT.numel() == 0:
         return {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
+    some, one = m.any(), ratio_BT.new_ones(())
     return {
-        "ratio_mean": masked_mean(ratio_BT, m).item(),
-        "ratio_min": ratio_BT[m].min().item(),
-        "ratio_max": ratio_BT[m].max().item(),
+        "ratio_mean": torch.where(some, masked_mean(ratio_BT, m), one),
+        "ratio_min": torch.where(some, ratio_BT.masked_fill(~m, float("inf")).amin(), one),
+        "ratio_max": torch.where(some, ratio_BT.masked_fill(~m, float("-inf")).amax(), one),
     }
 
 
@@ -277,9 +278,9 @@ def gspo_loss(
     clipped_B = (clipped_BT & m).any(dim=-1)
     n_seqs = has_tokens_B.sum().clamp(min=1)
     metrics = {
-        "policy_loss": loss.item(),
-        "clip_fraction": (clipped_B.sum() / n_seqs).item(),
-        "seq_ratio_mean": (torch.where(has_tokens_B, seq_ratio_B, 0).sum() / n_seqs).item(),
+        "policy_loss": loss.detach(),
+        "clip_fraction": (clipped_B.sum() / n_seqs).detach(),
+        "seq_ratio_mean": (torch.where(has_tokens_B, seq_ratio_B, 0).sum() / n_seqs).detach(),
         "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
         **_ratio_spread(torch.exp(log_ratio_BT), m),
         "entropy_estimate": _entropy_estimate(logprobs_BT, m),
@@ -315,9 +316,9 @@ def cispo_loss(
     loss_BT = -weight_BT * token_advantages(advantages_B, logprobs_BT) * logprobs_BT
     loss = aggregate_loss(_weighted(loss_BT, is_weights_BT), m, agg, max_tokens=max_tokens)
     metrics = {
-        "policy_loss": loss.item(),
-        "clip_fraction": masked_mean((weight_BT != ratio_BT).float(), m).item(),
-        "cispo_weight_mean": masked_mean(weight_BT, m).item(),
+        "policy_loss": loss.detach(),
+        "clip_fraction": masked_mean((weight_BT != ratio_BT).float(), m).detach(),
+        "cispo_weight_mean": masked_mean(weight_BT, m).detach(),
         "kl_to_old": _kl_to_old(old_logprobs_BT, logprobs_BT, m),
         **_ratio_spread(ratio_BT, m),
         "entropy_estimate": _entropy_estimate(logprobs_BT, m),
@@ -347,7 +348,7 @@ def kl_loss(
     m = bool_mask(mask_BT)
     kl_BT = (kl_fn or kl_estimator(kind))(logprobs_BT, ref_logprobs_BT, m)
     loss = aggregate_loss(kl_BT, m, agg, max_tokens=max_tokens)
-    return loss, {"kl": loss.item()}
+    return loss, {"kl": loss.detach()}
 
 
 def entropy_bonus(
@@ -363,4 +364,4 @@ def entropy_bonus(
     with gradient), e.g. `training.rl.kl.token_entropy`. Returns (entropy, {"entropy": value}).
     """
     entropy = aggregate_loss(entropy_BT, bool_mask(mask_BT), agg, max_tokens=max_tokens)
-    return entropy, {"entropy": entropy.item()}
+    return entropy, {"entropy": entropy.detach()}

@@ -95,9 +95,9 @@ def pairwise_preference_loss(
         }
     loss = -F.logsigmoid(margin_K).mean()
     metrics = {
-        "policy_loss": loss.item(),
+        "policy_loss": loss.detach(),
         "num_pairs": float(margin_K.numel()),
-        "preference_accuracy": (margin_K > 0).float().mean().item(),
-        "reward_margin": margin_K.detach().mean().item(),
+        "preference_accuracy": (margin_K > 0).float().mean(),
+        "reward_margin": margin_K.detach().mean(),
     }
     return loss, metrics

@@ -97,7 +97,9 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
         values_S = await critic.compute_values(examples).result()
         examples, gae_metrics = with_gae(examples, values_S, algorithm)
         metrics |= gae_metrics
-    if mini_batches * epochs > 1 and not old_from_rollout:  # the policy moves between updates
+    # the policy moves between updates: the ratio's behaviour policy is the trainer's before
+    # the first (with old_from_rollout, only under TIS: else it is the engine's)
+    if mini_batches * epochs > 1 and (not old_from_rollout or algorithm.is_cap is not None):
         old_fut = backend.compute_logprobs(examples, temperature=temperature)
         examples = with_old_logprobs(examples, await old_fut.result())
     chunks = split_mini_batches(examples, mini_batches)
