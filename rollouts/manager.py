@@ -56,6 +56,7 @@ from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn, RolloutAlgorithm, shape_reward
 from rollouts.stall import watch_event_loop
 from rollouts.types import RolloutBatch, Sample
+from rollouts.unserved import UnservedGroups, held_record, prompt_of
 
 log = logging.getLogger("rollouts.manager")
 
@@ -107,6 +108,7 @@ class AsyncRolloutManager:
         self._stale_dropped = 0
         self._cut_off = False  # a batch was interrupted: its requests may still run at the engine
         self._rids = RidPrefixes("b")  # a prefix per collected batch: rids unique for the run
+        self._unserved = UnservedGroups()  # drawn, not yet served: checkpointed by data_state()
 
     def use_algorithm(self, algorithm: RolloutAlgorithm) -> None:
         """Take reward shaping and group filtering from `algorithm` for groups launched from now on.
@@ -127,6 +129,14 @@ class AsyncRolloutManager:
         if self.config.mode == "async" and self._prefetch is not None:
             ready = self._prefetch.statistics().current_buffer_used
         return ManagerStatistics(self._n_calls, ready, self._stale_dropped, self.data_buffer.n_held)
+
+    def data_state(self) -> dict[str, Any]:
+        """The DataBuffer's `state_dict()` for a checkpoint, its holding area first given every
+        prompt drawn that no batch served yet (rollouts/unserved.py): a resume trains them."""
+        state = self.data_buffer.state_dict()
+        owed = [{"item": r, "weight_version": self.current_version()}
+                for r in self._unserved.records()]  # fmt: skip
+        return {**state, "held": owed + state["held"]}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -161,13 +171,14 @@ class AsyncRolloutManager:
     async def generate_batch(self) -> RolloutBatch:
         """The next training batch, produced according to `config.mode`."""
         self._n_calls += 1
-        if self.config.mode == "sync":
-            return await self._generate_now()
-        if self._nursery is None:
+        if self.config.mode != "sync" and self._nursery is None:
             raise RuntimeError(f"mode {self.config.mode!r} needs `async with manager:` first")
-        if self.config.mode == "overlap":
-            return await self._generate_overlapped()
-        return await self._take_fresh_enough()
+        if self.config.mode == "async":
+            return await self._take_fresh_enough()  # settles each collection it takes
+        batch = await (self._generate_now() if self.config.mode == "sync"
+                       else self._generate_overlapped())  # fmt: skip
+        self._unserved.served()  # the next prefetch starts after this returns
+        return batch
 
     async def _generate_now(self) -> RolloutBatch:
         result = await self._collect(self.config.batch_size)
@@ -215,6 +226,7 @@ class AsyncRolloutManager:
         dropped_here = 0
         while len(groups) < self.config.batch_size:
             result: CollectResult = await self._prefetch.receive()
+            self._unserved.served(result.accepted)  # each is served, held or dropped below
             _accumulate(merged, result)
             oldest_ok = self.current_version() - self.config.max_staleness
             for group in result.accepted:
@@ -231,11 +243,11 @@ class AsyncRolloutManager:
                         "weights being pushed to the engines?"
                     )
                 if self.config.stale_policy == "regenerate":
-                    prompt = _prompt_of(group)
-                    self.data_buffer.hold([_held_record(prompt, [])], self.current_version())
+                    self.data_buffer.hold([held_record(prompt_of(group), [])],
+                                          self.current_version())  # fmt: skip
         merged.accepted = groups[: self.config.batch_size]
         for group in groups[self.config.batch_size :]:
-            self.data_buffer.hold([_held_record(_prompt_of(group), list(group))],
+            self.data_buffer.hold([held_record(prompt_of(group), list(group))],
                                   self.current_version())  # fmt: skip
         return self._to_batch(merged)
 
@@ -254,7 +266,8 @@ class AsyncRolloutManager:
             log.warning("%s", line)
         version = self.current_version()
         for prompt, samples in result.partial:
-            self.data_buffer.hold([_held_record(prompt, samples)], version)
+            self.data_buffer.hold([held_record(prompt, samples)], version)
+        self._unserved.collected(result.accepted)
         return result
 
     async def _collect_groups(self, n_groups: int) -> CollectResult:
@@ -282,6 +295,11 @@ class AsyncRolloutManager:
         )
 
     def _next_prompt(self) -> tuple[PromptItem, list[Sample]]:
+        prompt, samples = self._draw()
+        self._unserved.drawn(prompt, samples)
+        return prompt, samples
+
+    def _draw(self) -> tuple[PromptItem, list[Sample]]:
         """Held groups first (dropping samples too stale to reuse), then fresh prompts."""
         if self.data_buffer.n_held:
             held = self.data_buffer.take_held(1)[0]
@@ -345,15 +363,6 @@ def _check_failure_rate(result: CollectResult, max_rate: float) -> None:
         f"{failed} of {result.n_launched} groups failed on engines in one batch, more than "
         f"rollout.max_failed_group_rate={max_rate}: {how}"
     )
-
-
-def _held_record(prompt: PromptItem, samples: list[Sample]) -> dict[str, Any]:
-    return {"prompt": prompt.to_dict(), "samples": [s.to_dict() for s in samples]}
-
-
-def _prompt_of(group: tuple[Sample, ...]) -> PromptItem:
-    s = group[0]
-    return PromptItem(s.prompt_ids, (), s.metadata, "")
 
 
 def _accumulate(total: CollectResult, part: CollectResult) -> None:

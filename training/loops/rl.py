@@ -77,7 +77,9 @@ async def run_rl_training(
 
     Args:
         backend: the policy being trained; its checkpoint_dir is where resume looks.
-        data_buffer: the prompts (the rollout manager draws from it); checkpointed with held groups.
+        data_buffer: the prompts (the rollout manager draws from it); checkpointed with held
+            groups, by `rollout_manager.data_state()` where it has one (the prompts it drew
+            and no batch served yet are held there too: a resume trains them).
         rollout_manager: has `async generate_batch() -> RolloutBatch`; its `async settle()`, if
             it has one, is awaited before each weight push (see `AsyncRolloutManager.settle`),
             and its `use_algorithm(algorithm)`, if it has one, is called before the first batch
@@ -130,7 +132,8 @@ async def run_rl_training(
     async def save(step: int, metrics: dict[str, Any]) -> None:
         if critic is not None:  # first: `latest` of the policy implies its critic's
             await critic.save_checkpoint(step, metrics)
-        await _checkpoint(backend, step, metrics, data_buffer, resolved_config, objective, hooks)
+        data_state = getattr(rollout_manager, "data_state", data_buffer.state_dict)
+        await _checkpoint(backend, step, metrics, data_state(), resolved_config, objective, hooks)
 
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
@@ -278,9 +281,9 @@ def check_rl_backend(backend: PyTorchTrainingBackend) -> None:
 
 
 async def _checkpoint(backend: PyTorchTrainingBackend, step: int, metrics: dict[str, Any],
-                      data_buffer: DataBuffer, resolved_config: dict[str, Any] | None,
+                      data_state: dict[str, Any], resolved_config: dict[str, Any] | None,
                       objective: RLObjective, hooks: RLHooks) -> None:  # fmt: skip
-    extra = {"data_buffer": data_buffer.state_dict(), "config": resolved_config or {}}
+    extra = {"data_buffer": data_state, "config": resolved_config or {}}
     tensors = {}
     reference = objective.stateful_reference
     if reference is not None:
