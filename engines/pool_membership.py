@@ -180,6 +180,20 @@ class PoolMembershipMixin:
                 elif not slot.healthy:
                     self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
 
+    async def rejoin_down(self, timeout_s: float) -> tuple[str, ...]:
+        """Wait up to `timeout_s` for every engine marked down to answer again and be given the
+        current weights (its rejoin, as when a probe finds it answering); the URLs still down
+        then. A run's end calls it so that the engines it lost for a while (a transient fault,
+        a relaunch) serve its final weights too, not only those up at its last push."""
+        with trio.move_on_after(timeout_s):
+            while down := [s for s in self._slots if not s.healthy]:
+                for slot in down:  # one at a time: a rejoin pauses, loads and resumes one
+                    if not slot.rejoining and await _probe(slot.engine, self.probe_interval_s):
+                        await self._rejoin(slot)
+                if any(not s.healthy for s in self._slots):
+                    await trio.sleep(min(self.probe_interval_s, 0.5))
+        return tuple(s.engine.url for s in self._slots if not s.healthy)
+
     async def _rejoin(self, slot: _Slot) -> None:
         """A down engine answers again: give it the current weights, then let it serve."""
         if slot.rejoining:

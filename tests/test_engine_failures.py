@@ -28,6 +28,7 @@ from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.errors import RolloutsError
 from rollouts.manager import AsyncRolloutManager
 from training.data.buffer import DataBuffer
+from training.loops.weight_push import leave_engines_on_final_weights
 from training.recipes.rl_summary import EngineWatch, RLSummary
 
 SHORT = {"max_new_tokens": 4}
@@ -318,3 +319,53 @@ async def test_the_pool_hears_a_relaunch_before_sending_work(tiny_model_dir, tmp
         stats = pool.statistics().engines[0]
         assert result.completion_tokens == 4 and stats.rejoined == 1
         assert stats.failed == 0 and stats.samples_sent == 1  # nothing went to the dead engine
+
+
+async def test_the_run_end_gives_the_final_weights_to_each_engine_that_answers_and_names_the_rest(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    """Issue 49: an engine marked down near a run's end (a transient fault, a relaunch) that
+    answers again is given the final weights before the run ends, bounded: from the last push's
+    copy on disk, or from a copy written for it when that push went by broadcast. An engine that
+    never answers is named after the bound."""
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        doomed = trio.CancelScope()
+
+        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with doomed:
+                await run_engine(tiny_model_dir, find_free_port(), task_status=task_status)
+
+        other = await nursery.start(run_doomed)
+        send, events = trio.open_memory_channel[tuple[str, str]](8)
+        exports: list[int] = []
+
+        async def export() -> str:  # the final weights' HF export, as the backend writes it
+            exports.append(1)
+            return str(tiny_model_dir)
+
+        async def versions() -> list[str]:
+            return [(await e.model_info()).weight_version for e in (a, b)]
+
+        async with client(live.url) as a, client(other.url) as b, \
+                EnginePool([a, b], probe_interval_s=60, engine_events=events) as pool:  # fmt: skip
+            await sync_weights_to_engines([a, b], tiny_model_dir, "1")
+            await send.send(("down", b.url))  # b answers, but the pool lost it for a while
+            await wait_for(lambda: not pool.statistics().engines[1].healthy)
+            await sync_weights_to_engines([a, b], tiny_model_dir_seed1, "2")  # the last push
+            assert await versions() == ["2", "1"]  # what the fault matrix found
+            end = await leave_engines_on_final_weights(pool, [a, b], 2, export, timeout_s=30)
+            assert (end, await versions(), exports) == ((), ["2", "2"], [])
+            # the last push went by broadcast: b, a member then, has no copy on disk to get
+            await sync_weights_to_engines([a], tiny_model_dir, "3")
+            a.expected_weights = b.expected_weights = (None, "3")  # as engines/refit.py records
+            await send.send(("down", b.url))
+            await wait_for(lambda: not pool.statistics().engines[1].healthy)
+            end = await leave_engines_on_final_weights(pool, [a, b], 3, export, timeout_s=30)
+            assert (end, await versions(), exports) == ((), ["3", "3"], [1])
+            doomed.cancel()  # gone for good: waited for up to the bound, then named
+            await send.send(("down", b.url))
+            await wait_for(lambda: not pool.statistics().engines[1].healthy)
+            end = await leave_engines_on_final_weights(pool, [a, b], 3, export, timeout_s=1.0)
+            assert end == (b.url,)
+        nursery.cancel_scope.cancel()

@@ -7,9 +7,10 @@ sent to a paused engine wait and run on the new weights). With LoRA only the ada
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from engines.weight_sync import (
 from plumbing.nursery import open_nursery
 from training.backend.pytorch import PyTorchTrainingBackend
 from training.loops.refit_push import start_distributed_push
+
+log = logging.getLogger("rollouts.rl")
 
 
 async def push_weights(backend: PyTorchTrainingBackend, engines: Sequence[Any], export_root: Path,
@@ -119,3 +122,31 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
 def _prune_exports(export_root: Path, keep: int) -> None:
     for old in sorted(export_root.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+async def leave_engines_on_final_weights(pool: Any, engines: Sequence[Any], version: int,
+                                         export: Callable[[], Awaitable[Path]], *,
+                                         timeout_s: float) -> tuple[str, ...]:  # fmt: skip
+    """At a run's end, after its last push: every engine of `pool` that is down (a transient
+    fault, a relaunch) is waited for, up to `timeout_s` in all (`engines.unavailable_timeout_s`),
+    to answer again and be given the final weights `version` (`EnginePool.rejoin_down`); the
+    URLs of the engines left behind, which the caller reports. Nothing is waited for when every
+    engine serves, or when `pool` has no per-engine health (a gateway).
+
+    An engine down since a push that went by broadcast has no copy on disk to be given: `export`
+    writes one (the HF export of the final weights) and it is recorded as what they get.
+    """
+    rejoin_down = getattr(pool, "rejoin_down", None)
+    down = [e for e in engines if getattr(e, "known_down", False)]
+    if rejoin_down is None or not down:
+        return ()
+    if any((getattr(e, "expected_weights", None) or ("",))[0] is None for e in down):
+        path = await export()  # recorded for the down engines, which the sync skips
+        await sync_weights_to_engines(down, path, str(version), required=False)
+    log.info("waiting up to %.0f s (engines.unavailable_timeout_s) for %s to come back and take "
+             "the final weights %d", timeout_s, ", ".join(e.url for e in down), version)  # fmt: skip
+    left = await rejoin_down(timeout_s)
+    if left:
+        log.warning("the run ends with %s down: not given the final weights %d",
+                    ", ".join(left), version)  # fmt: skip
+    return left

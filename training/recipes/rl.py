@@ -50,7 +50,7 @@ from training.loops.loggers import (
     shown_evals,
 )
 from training.loops.rl import run_rl_training
-from training.loops.weight_push import push_weights
+from training.loops.weight_push import leave_engines_on_final_weights, push_weights
 from training.recipes.callables import resolve_callable as resolve_callable
 from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
@@ -356,6 +356,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     resolved_config=config.model_dump(mode="json"), refit=refit,
                     unavailable_timeout_s=config.engines.unavailable_timeout_s,
                 )  # fmt: skip
+            version = backend.weight_version  # every engine that answers ends on it
+            export = partial(backend.export_weights, out / "weights" / f"v{version:06d}")
+            await leave_engines_on_final_weights(engine, clients, version, export,
+                                                 timeout_s=config.engines.unavailable_timeout_s)  # fmt: skip
+            watch(backend.step, {})  # the summary names the engines still down now
     last = history[-1] if history else {}
     curve = tuple(m.get("reward_mean", float("nan")) for m in history)
     return RLSummary(before.get("accuracy"), last.get("eval_accuracy"), backend.step,
