@@ -19,6 +19,8 @@ Contract:
   k+1 is generated in the background while the caller trains on batch k), "async" (a producer
   keeps generating; samples more than `max_staleness` versions behind the trainer are dropped
   or regenerated, and counted — never trained on silently).
+- `data_state()`: the DataBuffer's state with every prompt drawn and not yet served (a batch
+  being generated or waiting) held first, for a checkpoint: a resume trains them.
 - Lifecycle: `async with manager:` (or `await nursery.start(manager.run)`) ties background
   generation to a nursery the caller owns; leaving it cancels generation and, if that cut a
   batch off, aborts the engine's requests (`abort_all`). A clean exit sends nothing, so an
