@@ -31,24 +31,29 @@ class UnservedGroups:
 
     def __init__(self) -> None:
         self._collecting: list[tuple[PromptItem, list[Sample]]] = []
-        self._collected: list[tuple[Sample, ...]] = []
+        self._collected: list[tuple[PromptItem, tuple[Sample, ...]]] = []
 
     def drawn(self, prompt: PromptItem, samples: Sequence[Sample]) -> None:
         self._collecting.append((prompt, list(samples)))
 
     def collected(self, accepted: Sequence[tuple[Sample, ...]]) -> None:
-        """A collection finished: its accepted groups are owed, the rest is settled."""
+        """A collection finished: its accepted groups are owed (with the prompts as drawn,
+        messages included, for an agent's resume), the rest is settled."""
+        prompts = {p.prompt_ids: p for p, _ in self._collecting}
         self._collecting.clear()
-        self._collected.extend(accepted)
+        self._collected.extend((prompts.get(g[0].prompt_ids) or prompt_of(g), g) for g in accepted)
 
     def served(self, groups: Sequence[tuple[Sample, ...]] | None = None) -> None:
         """These accepted groups (None: every one) left the manager."""
-        gone = {id(g) for g in groups} if groups is not None else {id(g) for g in self._collected}
-        self._collected = [g for g in self._collected if id(g) not in gone]
+        if groups is None:
+            self._collected.clear()
+            return
+        gone = {id(g) for g in groups}
+        self._collected = [(p, g) for p, g in self._collected if id(g) not in gone]
 
     def records(self) -> list[dict[str, Any]]:
         """Holding-area records (`held_record`) of every group still owed, oldest first."""
-        return [*(held_record(prompt_of(g), list(g)) for g in self._collected),
+        return [*(held_record(p, list(g)) for p, g in self._collected),
                 *(held_record(p, s) for p, s in self._collecting)]  # fmt: skip
 
 
