@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
+import torch
 import trio
 from lora_helpers import greedy
 from rl_helpers import batch_of, prompts, rl_backend
@@ -179,6 +180,31 @@ async def test_engine_killed_mid_broadcast_run_goes_on_and_it_rejoins_with_curre
                         await assert_serves_trainer_weights(engine, backend, version)
                 await group.close()
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_rejoin_copy_holds_and_names_the_weights_the_trainer_has_when_it_is_written(
+    tiny_model_dir, tmp_path
+):
+    # asked for the last push's version after the trainer stepped again: the copy is labelled
+    # and named with the newer version it holds (never old weights under a newer label)
+    from safetensors.torch import load_file
+
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    copies = WeightsCopies(backend, tmp_path / "weights")
+    with backend:
+        pushed = str(backend.weight_version)
+        await train_on_batch(backend, batch_of([[0.0, 1.0]]), grpo(), temperature=1.0,
+                             old_from_rollout=False, reference=None)  # fmt: skip
+        path, version = await copies(pushed)
+        assert version == str(backend.weight_version) != pushed
+        assert Path(path) == tmp_path / "weights" / f"v{int(version):06d}"
+        files: dict = {}
+        for f in Path(path).glob("*.safetensors"):
+            files |= load_file(str(f))
+        state = backend.model.state_dict()
+        assert files and all(torch.equal(t, state[k].to(t.dtype)) for k, t in files.items())
+        assert await copies(version) == (path, version)  # written once per version
+        assert [p.name for p in (tmp_path / "weights").iterdir()] == [Path(path).name]
 
 
 @pytest.mark.slow
