@@ -82,6 +82,7 @@ class EnginePool(PoolMembershipMixin):
         stall_floor_s: float | None = 60.0,
         stall_s_per_token: float | None = 0.2,
         engine_events: trio.MemoryReceiveChannel[tuple[str, str]] | None = None,
+        weights_copy: Callable[[str], Awaitable[tuple[str, str]]] | None = None,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
@@ -97,6 +98,7 @@ class EnginePool(PoolMembershipMixin):
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
         self._engine_events = engine_events
+        self.weights_copy = weights_copy  # pool_membership.py: rejoin after a broadcast push
 
     @property
     def engines(self) -> list[InferenceEngine]:

@@ -13,8 +13,11 @@ Contract (the membership half of `EnginePool`'s):
   died, or restarted on its initial weights); a down one that answers again is first given
   the current weights by a full sync (pause → flush → update → version check → continue), and
   the active LoRA adapter by `sync_lora_to_engines` if the last sync was one, and only then
-  marked up; if the last push went by broadcast (`expected_weights` without a path) it stays
-  down until a push writes a copy for it (engines/refit.py). It stays `known_down` until then:
+  marked up; if the last push went by broadcast (`expected_weights` without a path) the pool's
+  `weights_copy` (an async callable the trainer side sets: version -> (path, version)) writes a
+  disk copy of the trainer's weights, which is recorded and given as above: without one it
+  stays down until a push writes a copy for it (engines/refit.py), and with every engine down
+  no batch, so no push, would ever come (issue 49 item D1). It stays `known_down` until then:
   a push meanwhile only records its weights, which the rejoin gives it before it is marked up.
   Engines this client has paused (a weight sync in progress) are never marked down by a
   probe. A down engine's `known_down` is set: weight syncs skip it without trying (its
@@ -32,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
@@ -119,6 +122,9 @@ class PoolMembershipMixin:
     _nursery: trio.Nursery | None
     probe_interval_s: float
     rejoin_timeout_s: float
+    # version -> (path, version) of a disk copy of the trainer's weights, for an engine that
+    # comes back after a broadcast push (module docstring); None: it waits for the next push
+    weights_copy: Callable[[str], Awaitable[tuple[str, str]]] | None
 
     def _notify(self) -> None:
         self._changed.set()
@@ -202,7 +208,8 @@ class PoolMembershipMixin:
         engine = slot.engine
         expected = getattr(engine, "expected_weights", None)
         lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
-        if expected is not None and expected[0] is None and lora is None:
+        if expected is not None and expected[0] is None and lora is None \
+                and self.weights_copy is None:  # fmt: skip
             # the last push went by broadcast (engines/refit.py): no copy on disk to give it;
             # it stays down, and the next push writes one for it (an engine out of the group)
             slot.rejoining = False
@@ -214,7 +221,14 @@ class PoolMembershipMixin:
                 # until no push changed them during the sync (issue 49 item D1).
                 while True:
                     if expected is not None and expected[0] is None and lora is None:
-                        return  # a broadcast since: as above, it waits for a copy on disk
+                        if self.weights_copy is None:
+                            return  # a broadcast since: as above, it waits for a copy on disk
+                        # a copy of the trainer's weights, labelled with the version it holds
+                        copy = await self.weights_copy(expected[1])
+                        if getattr(engine, "expected_weights", None) != expected:
+                            expected = getattr(engine, "expected_weights", None)
+                            continue  # a push recorded other weights meanwhile: those
+                        engine.expected_weights = expected = copy  # type: ignore[attr-defined]
                     if expected is not None and expected[0] is not None:
                         await sync_weights_to_engines([engine], expected[0], expected[1],
                                                       skip_known_down=False)  # fmt: skip

@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
+import torch
 import trio
 from lora_helpers import greedy
 from rl_helpers import batch_of, prompts, rl_backend
@@ -23,7 +24,7 @@ from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from training.data.buffer import DataBuffer
 from training.loops.rl import run_rl_training
-from training.loops.weight_push import push_weights
+from training.loops.weight_push import WeightsCopies, push_weights
 from training.rl.algorithms import grpo
 from training.rl.objective import RLObjective
 from training.rl.step import train_on_batch
@@ -179,6 +180,79 @@ async def test_engine_killed_mid_broadcast_run_goes_on_and_it_rejoins_with_curre
                         await assert_serves_trainer_weights(engine, backend, version)
                 await group.close()
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_rejoin_copy_holds_and_names_the_weights_the_trainer_has_when_it_is_written(
+    tiny_model_dir, tmp_path
+):
+    # asked for the last push's version after the trainer stepped again: the copy is labelled
+    # and named with the newer version it holds (never old weights under a newer label)
+    from safetensors.torch import load_file
+
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    copies = WeightsCopies(backend, tmp_path / "weights")
+    with backend:
+        pushed = str(backend.weight_version)
+        await train_on_batch(backend, batch_of([[0.0, 1.0]]), grpo(), temperature=1.0,
+                             old_from_rollout=False, reference=None)  # fmt: skip
+        path, version = await copies(pushed)
+        assert version == str(backend.weight_version) != pushed
+        assert Path(path) == tmp_path / "weights" / f"v{int(version):06d}"
+        files: dict = {}
+        for f in Path(path).glob("*.safetensors"):
+            files |= load_file(str(f))
+        state = backend.model.state_dict()
+        assert files and all(torch.equal(t, state[k].to(t.dtype)) for k, t in files.items())
+        assert await copies(version) == (path, version)  # written once per version
+        assert [p.name for p in (tmp_path / "weights").iterdir()] == [Path(path).name]
+
+
+@pytest.mark.slow
+async def test_lone_engine_back_after_a_broadcast_push_gets_the_trainers_weights_with_no_push(
+    tiny_model_dir, tmp_path
+):
+    # One engine, killed after a push by broadcast: no copy on disk, and with no engine no
+    # batch, so no push, ever comes (issue 49 item D1). The pool's `weights_copy` writes one.
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    group = RefitGroup(timeout_s=20, bucket_mb=0.05)
+    weights = tmp_path / "weights"
+    with backend:
+        up, relaunched, where = trio.Event(), trio.Event(), {}
+
+        async def run_engine() -> None:  # relaunched on the same port, as its supervisor does
+            async with launch_engine(kind="local", model_path=tiny_model_dir,
+                                     log_path=tmp_path / "e.log") as engine:  # fmt: skip
+                where.update(port=engine.port, pid=engine.pid)
+                up.set()
+                await engine.exited.wait()
+            async with launch_engine(kind="local", model_path=tiny_model_dir,
+                                     port=where["port"], log_path=tmp_path / "e2.log"):  # fmt: skip
+                relaunched.set()
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+            nursery.start_soon(run_engine)
+            await up.wait()
+            client = await stack.enter_async_context(
+                SGLangEngine(f"http://127.0.0.1:{where['port']}", max_retries=0))  # fmt: skip
+            async with EnginePool([client], probe_interval_s=0.3,
+                                  weights_copy=WeightsCopies(backend, weights)) as pool:  # fmt: skip
+                await train_on_batch(backend, batch_of([[0.0, 1.0]]), grpo(), temperature=1.0,
+                                     old_from_rollout=False, reference=None)  # fmt: skip
+                version = str(backend.weight_version)
+                await push_weights(backend, pool.engines, weights, refit=group)
+                assert not weights.exists()  # by broadcast: no file
+                await assert_serves_trainer_weights(client, backend, version)
+
+                os.kill(where["pid"], signal.SIGKILL)
+                await relaunched.wait()  # on its initial weights: the probe marks it down
+                with trio.fail_after(60):
+                    while not pool.statistics().engines[0].rejoined:
+                        await trio.sleep(0.2)
+                await assert_serves_trainer_weights(client, backend, version)
+                assert client.expected_weights == (str(weights / f"v{int(version):06d}"), version)
+            await group.close()
+            nursery.cancel_scope.cancel()
 
 
 @pytest.mark.slow

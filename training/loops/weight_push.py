@@ -119,6 +119,41 @@ async def start_push(backend: PyTorchTrainingBackend, engines: Sequence[Any], ex
     return pending
 
 
+class WeightsCopies:
+    """Disk copies of the trainer's weights for an engine that comes back after a push that
+    went by broadcast (`EnginePool.weights_copy`, `leave_engines_on_final_weights`'s export):
+    `await copies(version)` -> (path, version) under `export_root`, written once per version.
+
+    The copy is the backend's weights in queue order: the read of its `weight_version` and the
+    HF export are queued back to back on its ordered worker (nothing can run between them), so
+    the version returned is exactly the one the files hold. It is the asked `version` (the last
+    push's) unless the backend stepped since, when the copy holds, and is named and labelled
+    with, the newer version: an engine serves it truthfully until the next push.
+    """
+
+    def __init__(self, backend: PyTorchTrainingBackend, export_root: Path) -> None:
+        self.backend, self.export_root = backend, Path(export_root)
+        self._lock = trio.Lock()  # engines rejoining at once share one export
+        self._last: tuple[str, str] | None = None
+
+    async def __call__(self, version: str) -> tuple[str, str]:
+        async with self._lock:
+            if self._last is not None and self._last[1] == version \
+                    and Path(self._last[0]).exists():  # fmt: skip
+                return self._last
+            backend = self.backend
+            read = backend.call(lambda: backend.weight_version)  # queued right before the export
+            path = await backend.export_weights(self.export_root / f"v{int(version):06d}")
+            exported = await read.result()
+            target = self.export_root / f"v{exported:06d}"
+            if str(exported) != version and not target.exists():
+                path = Path(path).rename(target)
+            log.info("wrote a copy of weights %d to %s for an engine back after a broadcast "
+                     "push", exported, path)  # fmt: skip
+            self._last = (str(path), str(exported))
+            return self._last
+
+
 def _prune_exports(export_root: Path, keep: int) -> None:
     for old in sorted(export_root.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -50,7 +50,11 @@ from training.loops.loggers import (
     shown_evals,
 )
 from training.loops.rl import run_rl_training
-from training.loops.weight_push import leave_engines_on_final_weights, push_weights
+from training.loops.weight_push import (
+    WeightsCopies,
+    leave_engines_on_final_weights,
+    push_weights,
+)
 from training.recipes.callables import resolve_callable as resolve_callable
 from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
@@ -317,7 +321,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             _closing(dump):  # fmt: skip
         for logger in loggers:
             closing.callback(logger.close)
-        async with open_engines(config, model_path, out) as (engine, clients), \
+        copies = WeightsCopies(backend, out / "weights")  # for engines back after a broadcast
+        async with open_engines(config, model_path, out, copies) as (engine, clients), \
                 _refit_group(config.engines) as refit:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
                 await push_weights(
@@ -357,7 +362,10 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     unavailable_timeout_s=config.engines.unavailable_timeout_s,
                 )  # fmt: skip
             version = backend.weight_version  # every engine that answers ends on it
-            export = partial(backend.export_weights, out / "weights" / f"v{version:06d}")
+
+            async def export() -> Path:  # the copy an engine that rejoined may already have had
+                return Path((await copies(str(version)))[0])
+
             await leave_engines_on_final_weights(engine, clients, version, export,
                                                  timeout_s=config.engines.unavailable_timeout_s)  # fmt: skip
             watch(backend.step, {})  # the summary names the engines still down now

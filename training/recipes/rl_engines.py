@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -37,14 +38,16 @@ def local_engine_args(ec: EnginesConfig) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def open_engines(config: RLRunConfig, model_path: str, out: Path):
+async def open_engines(config: RLRunConfig, model_path: str, out: Path,
+                       weights_copy: Any = None):  # fmt: skip
     """(generation engine, worker clients) for live URLs, a router, or local engines launched
     here (relaunched when they die, up to `engines.max_relaunches`; stopped at the end).
 
     Generation goes through an `EnginePool` of the workers, or through the gateway at
     `engines.router_url` (`RouterEngine`); weight syncs go to each worker, or through smg's
     `/v1/rl` control plane when the workers are out of reach (`engines.control_plane`). Every worker
-    must run SGLang >= 0.5.6 (`SGLangEngine.check_server`).
+    must run SGLang >= 0.5.6 (`SGLangEngine.check_server`). `weights_copy`: the pool's
+    (`WeightsCopies`), so an engine back after a broadcast push gets the trainer's weights.
     """
     ec = config.engines
     timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s,
@@ -97,6 +100,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path):
                 stall_floor_s=ec.stall_floor_s,
                 stall_s_per_token=ec.stall_s_per_token,
                 engine_events=engine_events_recv,  # a relaunching engine gets no work
+                weights_copy=weights_copy,  # one back after a broadcast push gets a disk copy
             )
         )
         if router is not None:  # the pool only watches the workers and gives returning ones
