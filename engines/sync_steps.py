@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import trio
 
 from plumbing.errors import EngineError
 
+from .pause_renewal import renewing_pauses
 from .types import EngineUnavailableError, WeightSyncError
 
 logger = logging.getLogger("engines.weight_sync")  # the sync's one logger name, as before
@@ -82,6 +84,19 @@ def give_up(engine: Any, down: dict[str, str], route: str, bound_s: float, gb: f
     )
     with contextlib.suppress(AttributeError):  # as the pool marks it (pool_membership.py)
         engine.known_down = True
+
+
+async def run_on_every_engine(engines: Sequence[Any], sync_one: Callable[..., Awaitable[None]],
+                              weight_version: str, down: dict[str, str], wait_s: float,
+                              what: str) -> None:  # fmt: skip
+    """`sync_one(engine)` on every engine at once, holding their pause leases; then, if every
+    engine was down, wait for one to come back (`wait_until_one_back`, retried unpaused)."""
+    async with renewing_pauses(engines):
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(sync_one, engine)
+        await wait_until_one_back(engines, weight_version, down,
+                                  partial(sync_one, is_paused=False), wait_s, what)  # fmt: skip
 
 
 async def wait_until_one_back(engines: Sequence[Any], weight_version: str, down: dict[str, str],

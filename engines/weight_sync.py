@@ -49,7 +49,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import trio
@@ -57,13 +56,12 @@ import trio
 from plumbing.errors import EngineError
 
 from .lora import LoraAdapterError
-from .pause_renewal import renewing_pauses
 from .sync_steps import (
     KNOWN_DOWN,
     down_level,
     give_up,
+    run_on_every_engine,
     update_bound_s,
-    wait_until_one_back,
     weights_gb,
 )
 from .sync_steps import flush as _flush
@@ -150,12 +148,7 @@ async def sync_weights_to_engines(
             await _resume_noting(engine, is_paused, resume_timeout_s, down, failures)
 
     what = f"weight sync to {weight_version!r} from {path}"
-    async with renewing_pauses(engines):
-        async with trio.open_nursery() as nursery:
-            for engine in engines:
-                nursery.start_soon(sync_one, engine)
-        await wait_until_one_back(engines, weight_version, down, partial(sync_one, is_paused=False),
-                                  wait_s, what)  # fmt: skip
+    await run_on_every_engine(engines, sync_one, weight_version, down, wait_s, what)
     duration = time.perf_counter() - started
     await _raise_failures(what, len(engines), down, failures, required=required)
     logger.debug("synced weights %s to %d engine(s) in %.3f s", weight_version,
@@ -339,12 +332,7 @@ async def sync_lora_to_engines(
             await _unload_old(engine, keep)
 
     what = f"LoRA sync of {lora_name!r} ({weight_version!r}) from {path}"
-    async with renewing_pauses(engines):
-        async with trio.open_nursery() as nursery:
-            for engine in engines:
-                nursery.start_soon(sync_one, engine)
-        await wait_until_one_back(engines, weight_version, down, partial(sync_one, is_paused=False),
-                                  wait_s, what)  # fmt: skip
+    await run_on_every_engine(engines, sync_one, weight_version, down, wait_s, what)
     duration = time.perf_counter() - started
     await _raise_failures(what, len(engines), down, failures)
     logger.debug("synced LoRA %s to %d engine(s) in %.3f s", lora_name,
