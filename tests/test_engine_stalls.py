@@ -20,22 +20,30 @@ from engines.testing.fault_proxy import FaultPlan, FaultProxy
 SHORT = {"max_new_tokens": 4}
 
 
+# A stall bound of 1 + 0.25 × 4 = 2 s for SHORT's 4 tokens; probes too rare to interfere.
+STALL_2S = {"probe_interval_s": 60, "stall_floor_s": 1.0, "stall_s_per_token": 0.25}
+
+
+async def hung_and_good_engines(nursery: trio.Nursery, model_dir) -> tuple[FaultProxy, str, str]:
+    """Two local engines, the first behind a proxy whose first /generate hangs: (the proxy,
+    its URL, the other engine's URL)."""
+    hung, good = [await nursery.start(run_engine, model_dir, find_free_port()) for _ in range(2)]
+    proxy = FaultProxy(hung.url, FaultPlan(script=("hang",), hang_s=60.0))
+    return proxy, await nursery.start(proxy.serve), good.url
+
+
 async def test_a_stalled_generate_is_resent_to_a_healthy_engine_within_its_token_bound(
     tiny_model_dir,
 ):
     # Issue 26 item 3: one hung /generate held the step for generate_timeout_s (600 s) with a
     # healthy, idle engine beside it.
     async with trio.open_nursery() as nursery:
-        hung, good = [await nursery.start(run_engine, tiny_model_dir, find_free_port())
-                      for _ in range(2)]  # fmt: skip
-        proxy = FaultProxy(hung.url, FaultPlan(script=("hang",), hang_s=60.0))
-        proxy_url = await nursery.start(proxy.serve)
+        proxy, proxy_url, good_url = await hung_and_good_engines(nursery, tiny_model_dir)
         slow_http = EngineTimeouts(generate_s=600.0)  # what the run had: only the stall bound helps
         async with (
             SGLangEngine(proxy_url, max_retries=0, timeouts=slow_http) as a,
-            SGLangEngine(good.url, max_retries=0, timeouts=slow_http) as b,
-            EnginePool([a, b], probe_interval_s=60, stall_floor_s=1.0,
-                       stall_s_per_token=0.25) as pool,  # bound: 1 + 0.25 × 4 = 2 s
+            SGLangEngine(good_url, max_retries=0, timeouts=slow_http) as b,
+            EnginePool([a, b], **STALL_2S) as pool,
         ):  # fmt: skip
             t0 = trio.current_time()
             with trio.fail_after(15):

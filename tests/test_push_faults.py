@@ -22,6 +22,7 @@ from lora_helpers import adapters_fixture, loaded_on  # noqa: F401  (fixture)
 from lora_helpers import run_engine as run_lora_engine
 from rl_helpers import batch_of, rl_backend
 from test_engine_pool import run_engine, wait_for
+from test_engine_stalls import STALL_2S, hung_and_good_engines
 
 from engines import EnginePool, SGLangEngine, find_free_port, launch_engine
 from engines.http import EngineTimeouts
@@ -316,15 +317,11 @@ async def test_a_hung_generate_is_given_up_after_its_bound_of_outstanding_time_a
     # The probe: a hung request waited 123 s, twice its 61.6 s bound, because the weight sync
     # paused its engine on the way and every pause started the bound again.
     async with trio.open_nursery() as nursery:
-        hung, good = [await nursery.start(run_engine, tiny_model_dir, find_free_port())
-                      for _ in range(2)]  # fmt: skip
-        proxy = FaultProxy(hung.url, FaultPlan(script=("hang",), hang_s=60.0))
-        proxy_url = await nursery.start(proxy.serve)
+        proxy, proxy_url, good_url = await hung_and_good_engines(nursery, tiny_model_dir)
         async with (
             client(proxy_url) as a,
-            client(good.url) as b,
-            EnginePool([a, b], probe_interval_s=60, stall_floor_s=1.0,
-                       stall_s_per_token=0.25) as pool,  # bound: 1 + 0.25 × 4 = 2 s
+            client(good_url) as b,
+            EnginePool([a, b], **STALL_2S) as pool,
         ):  # fmt: skip
             paused_s = [0.0]
 
