@@ -90,19 +90,26 @@ async def test_a_pool_of_one_waits_out_a_reset_a_500_a_truncated_body_and_a_hang
     assert (stats.done, stats.samples_sent, stats.samples_received) == (4, 16, 8)
 
 
+async def start_doomed_engine(nursery: trio.Nursery, model_dir, port: int
+                              ) -> tuple[trio.CancelScope, object]:  # fmt: skip
+    """A local engine on `port` that dies when the returned scope is cancelled: (that scope,
+    what `run_engine` started)."""
+    doomed = trio.CancelScope()
+
+    async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with doomed:
+            await run_engine(model_dir, port, task_status=task_status)
+
+    return doomed, await nursery.start(run_doomed)
+
+
 async def test_dead_engine_is_skipped_by_the_sync_and_given_the_weights_before_it_serves(
     tiny_model_dir, tiny_model_dir_seed1
 ):
     port = find_free_port()
     async with trio.open_nursery() as nursery:
         live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
-        doomed = trio.CancelScope()
-
-        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with doomed:
-                await run_engine(tiny_model_dir, port, task_status=task_status)
-
-        await nursery.start(run_doomed)
+        doomed, _ = await start_doomed_engine(nursery, tiny_model_dir, port)
         async with (
             client(live.url) as a,
             client(f"http://127.0.0.1:{port}") as b,
@@ -132,13 +139,7 @@ async def test_a_dead_engine_warns_once_going_down_and_once_coming_back_whatever
     url = f"http://127.0.0.1:{port}"
     async with trio.open_nursery() as nursery:
         live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
-        doomed = trio.CancelScope()
-
-        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with doomed:
-                await run_engine(tiny_model_dir, port, task_status=task_status)
-
-        await nursery.start(run_doomed)
+        doomed, _ = await start_doomed_engine(nursery, tiny_model_dir, port)
         async with client(live.url) as a, client(url) as b, \
                 EnginePool([a, b], probe_interval_s=0.2) as pool:  # fmt: skip
 
@@ -330,13 +331,7 @@ async def test_the_run_end_gives_the_final_weights_to_each_engine_that_answers_a
     never answers is named after the bound."""
     async with trio.open_nursery() as nursery:
         live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
-        doomed = trio.CancelScope()
-
-        async def run_doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with doomed:
-                await run_engine(tiny_model_dir, find_free_port(), task_status=task_status)
-
-        other = await nursery.start(run_doomed)
+        doomed, other = await start_doomed_engine(nursery, tiny_model_dir, find_free_port())
         send, events = trio.open_memory_channel[tuple[str, str]](8)
         exports: list[int] = []
 
