@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from plumbing.errors import EngineError
+from plumbing.nursery import open_nursery
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ async def renewing_pauses(engines: Sequence[Any]) -> AsyncIterator[None]:
     if not leased:
         yield
         return
-    async with trio.open_nursery() as nursery:
+    async with open_nursery() as nursery:  # the body's error propagates as itself
         nursery.start_soon(_renew_forever, leased)
         try:
             yield

@@ -17,11 +17,14 @@ trainer broadcasts that bucket's bytes → the last bucket carries `weight_versi
 engines/local/refit_session.py) → `/model_info` must report the version. The engines are left paused:
 the caller resumes them, or first gives them the weights from disk if the broadcast failed.
 
-Faults, bounded everywhere: every broadcast and the rendezvous are under the group's gloo
-timeout (`timeout_s`), every HTTP call under `timeout_s` + a margin. A failed broadcast (an
-engine died: gloo fails at once; it stalls: after `timeout_s`) tears the trainer's side of the
-group down at once, which ends every engine's pending receive, and the group is re-formed
-without the missing engine at the next push. Engines out of the group get the weights from
+Faults, bounded everywhere: the rendezvous is under `timeout_s`, each bucket's broadcast under
+`broadcast_timeout_s` (gloo's timeout on the trainer's side of the group), every HTTP call under
+`timeout_s` + a margin. A failed broadcast (an engine died: gloo fails at once; it or its link
+stalls: after `broadcast_timeout_s`) tears the trainer's side of the group down at once, which
+ends every engine's pending receive; a receive call still pending `ABANDON_S` later (a hung
+engine or proxy: nothing will end it) is given up on, so a hung update costs about
+`broadcast_timeout_s` + `ABANDON_S`, not the HTTP deadline; the group is re-formed without the
+missing engine at the next push. Engines out of the group get the weights from
 disk (the trainer exports them only then: training/loops/refit_push.py).
 
 Nothing here imports torch at module level (engines/__init__.py's rule); the trainer-side
@@ -51,17 +54,22 @@ from .types import EngineUnavailableError
 logger = logging.getLogger(__name__)
 
 _HTTP_MARGIN_S = 30.0  # an engine answers this long after its receive ended, at most
+ABANDON_S = 10.0  # a receive still pending this long after the trainer's broadcast failed is hung
 
 
 class RefitGroup:
     """The trainer's end of the weight-update group (see the module docstring)."""
 
     def __init__(self, *, master_address: str = "127.0.0.1", backend: str = "gloo",
-                 timeout_s: float = 120.0, bucket_mb: float = 512.0) -> None:  # fmt: skip
-        if timeout_s <= 0 or bucket_mb <= 0:
-            raise ValueError(f"RefitGroup: timeout_s and bucket_mb must be > 0, got "
-                             f"{timeout_s}, {bucket_mb}")  # fmt: skip
+                 timeout_s: float = 120.0, bucket_mb: float = 512.0,
+                 broadcast_timeout_s: float | None = None) -> None:  # fmt: skip
+        broadcast_timeout_s = min(timeout_s, 30.0) if broadcast_timeout_s is None else (
+            broadcast_timeout_s)  # fmt: skip
+        if min(timeout_s, bucket_mb, broadcast_timeout_s) <= 0:
+            raise ValueError(f"RefitGroup: timeout_s, bucket_mb and broadcast_timeout_s must be "
+                             f"> 0, got {timeout_s}, {bucket_mb}, {broadcast_timeout_s}")  # fmt: skip
         self.master_address, self.backend, self.timeout_s = master_address, backend, timeout_s
+        self.broadcast_timeout_s = broadcast_timeout_s
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.name: str | None = None
         self.members: tuple[str, ...] = ()  # engine URLs, in rank order (rank i + 1)
@@ -111,7 +119,8 @@ class RefitGroup:
 
             return init_custom_process_group(
                 backend=self.backend, master_address=self.master_address, master_port=port,
-                world_size=world, rank=0, group_name=name, timeout_s=self.timeout_s)  # fmt: skip
+                world_size=world, rank=0, group_name=name, timeout_s=self.timeout_s,
+                collective_timeout_s=self.broadcast_timeout_s)  # fmt: skip
 
         pg = None
         with trio.move_on_after(self.timeout_s + _HTTP_MARGIN_S):
@@ -148,6 +157,11 @@ class RefitGroup:
         while self._sent is not None and self._sent < n:
             await self._changed.wait()
         return self._sent is not None
+
+    async def wait_failed(self) -> None:
+        """Return once a send of the current push failed (never, if none does)."""
+        while self._sent is not None:
+            await self._changed.wait()
 
     def _bump(self, sent: int | None = 0) -> None:
         if sent is None:
@@ -215,7 +229,23 @@ async def receive_on_engines(group: RefitGroup, engines: Sequence[Any], plan: Se
     failures: dict[str, list[str]] = {}
     http_s = group.timeout_s + _HTTP_MARGIN_S
 
+    scopes: dict[str, trio.CancelScope] = {}
+
     async def receive(engine: Any) -> None:
+        with trio.CancelScope() as scopes[engine.url]:
+            await _receive(engine)
+        if scopes[engine.url].cancelled_caught:
+            failures.setdefault(engine.url, []).append(
+                f"its receive was still pending {ABANDON_S:.0f} s after the trainer's broadcast "
+                "failed (a hung engine or link); given up on")  # fmt: skip
+
+    async def abandon_hung() -> None:  # see the module docstring
+        await group.wait_failed()
+        await trio.sleep(ABANDON_S)
+        for scope in scopes.values():
+            scope.cancel()
+
+    async def _receive(engine: Any) -> None:
         began = session = False
         try:
             if pause_mode != "in_place":
@@ -242,14 +272,18 @@ async def receive_on_engines(group: RefitGroup, engines: Sequence[Any], plan: Se
             # the trainer's broadcast then fails (this engine's peer closed) or times out
             failures.setdefault(engine.url, []).append(str(exc))
         finally:
-            if began:  # close the session, or the engine's next begin is refused
-                with (trio.CancelScope(shield=True), trio.move_on_after(group.timeout_s),
+            if began:  # close the session, or the engine's next begin is refused (bounded
+                # like a hung receive: the local engine also drops it at its next group)
+                with (trio.CancelScope(shield=True), trio.move_on_after(ABANDON_S),
                       contextlib.suppress(EngineError)):  # fmt: skip
                     await engine.end_weight_update()
 
-    async with renewing_pauses(engines), trio.open_nursery() as nursery:
-        for engine in engines:
-            nursery.start_soon(receive, engine)
+    async with renewing_pauses(engines), trio.open_nursery() as outer:
+        outer.start_soon(abandon_hung)
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(receive, engine)
+        outer.cancel_scope.cancel()
     return failures
 
 

@@ -47,6 +47,18 @@ logger = logging.getLogger("engines.weight_sync")  # the sync's one logger name,
 KNOWN_DOWN = "known down by the pool (not tried)"
 
 
+def leave_known_down(engine: Any, down: dict[str, str]) -> None:
+    """A sync skips an engine the pool knows is down (the pool gives it the weights when it is
+    back). It is no longer held paused by this client, if this client paused it before it went
+    down: the pool's probe leaves an engine this client holds paused alone (a sync's own steps
+    judge it), so otherwise it would never rejoin, and a sync waiting for an engine to come
+    back would wait out its bound (the engine killed during a push, issue 49). A dead server
+    holds no pause; a hung one's lease (local engine) or the pool's rejoin ends it."""
+    down[engine.url] = KNOWN_DOWN
+    if getattr(engine, "paused", False):
+        engine.paused = False
+
+
 def down_level(reason: str) -> int:
     """DEBUG for an engine the pool knows is down (it said so once, as a WARNING); WARNING for
     one this sync found down itself."""

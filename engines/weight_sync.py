@@ -57,9 +57,9 @@ from plumbing.errors import EngineError
 
 from .lora import LoraAdapterError
 from .sync_steps import (
-    KNOWN_DOWN,
     down_level,
     give_up,
+    leave_known_down,
     run_on_every_engine,
     update_bound_s,
     weights_gb,
@@ -119,7 +119,7 @@ async def sync_weights_to_engines(
         if hasattr(engine, "expected_weights"):
             engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
         if skip_known_down and getattr(engine, "known_down", False):  # given them on rejoin
-            down[engine.url] = KNOWN_DOWN
+            leave_known_down(engine, down)
             return
         try:
             if not is_paused:
@@ -182,7 +182,7 @@ async def pause_engines(engines: Sequence[InferenceEngine], pause_mode: PauseMod
 
     async def pause_one(engine: InferenceEngine) -> None:
         if getattr(engine, "known_down", False):  # the sync that follows skips it too
-            down[engine.url] = KNOWN_DOWN
+            leave_known_down(engine, down)
             return
         try:
             await engine.pause(pause_mode)
@@ -307,7 +307,7 @@ async def sync_lora_to_engines(
         engine.expected_weights = (previous[0] if previous else None, weight_version)
         engine.expected_lora = (lora_name, path)
         if skip_known_down and getattr(engine, "known_down", False):
-            down[engine.url] = KNOWN_DOWN
+            leave_known_down(engine, down)
             engine.active_lora = lora_name  # it is given the adapter on rejoin
             return
         try:

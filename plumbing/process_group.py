@@ -8,7 +8,8 @@ This is SGLang 0.5.23's function (`sglang/srt/utils/common.py`), so a trainer us
 join a real SGLang server's group. It needs no default process group: a one-process trainer
 and a torchrun job's rank 0 both call it the same way.
 
-Every collective on the group is bounded by `timeout_s` (gloo raises after it); a peer that
+The rendezvous is bounded by `timeout_s`, every collective on the group by
+`collective_timeout_s` (gloo raises after it); a peer that
 dies makes the pending collective fail at once ("Connection closed by peer").
 """
 
@@ -22,9 +23,11 @@ import torch
 
 def init_custom_process_group(*, backend: str, master_address: str, master_port: int,
                               world_size: int, rank: int, group_name: str,
-                              timeout_s: float) -> Any:  # fmt: skip
+                              timeout_s: float, collective_timeout_s: float | None = None
+                              ) -> Any:  # fmt: skip
     """Join (rank 0: host) the group `group_name`; blocks until all `world_size` ranks joined,
-    at most `timeout_s` (then raises, naming the store)."""
+    at most `timeout_s` (then raises, naming the store). Each collective on the group is bounded
+    by `collective_timeout_s` (default: `timeout_s`)."""
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -41,9 +44,11 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
                      timeout=timeout, multi_tenant=True)  # fmt: skip
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
+    collective = timeout if collective_timeout_s is None else datetime.timedelta(
+        seconds=collective_timeout_s)  # fmt: skip
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
                                       group_name=group_name, backend_options=None,
-                                      timeout=timeout)  # fmt: skip
+                                      timeout=collective)  # fmt: skip
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

@@ -31,6 +31,7 @@ from engines.sync_steps import update_bound_s, weights_gb
 from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from engines.types import WeightSyncError
 from engines.weight_sync import pause_engines, sync_lora_to_engines, sync_weights_to_engines
+from plumbing.errors import EngineError
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import load_prompt_jsonl
@@ -306,6 +307,112 @@ def test_the_weight_load_bound_is_well_under_a_minute_for_small_models_and_grows
     assert weights_gb(small) == pytest.approx(0.001) and weights_gb(big) == pytest.approx(16.0)
     assert update_bound_s(engine, weights_gb(small)) < 40.0
     assert update_bound_s(engine, weights_gb(big)) >= 16 * 5.0  # ≥ 5 s a GB: a slow disk loads
+
+
+async def test_a_hung_broadcast_costs_its_broadcast_deadline_not_the_group_or_http_deadline(
+    tiny_model_dir, tmp_path, caplog
+):
+    # The fault matrix's *-distributed-*-d cells: an engine's proxy holds one
+    # /update_weights_from_distributed; the trainer's broadcast waited out the group's gloo
+    # timeout (engines.weight_group_timeout_s, 120 s) and the push then waited for that receive
+    # call's own HTTP deadline (150 s): every run stalled past its 150 s budget. A hung update
+    # now costs the broadcast deadline (here 2 s) plus the 10 s after which a receive still
+    # pending is given up on; the push goes on through disk.
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    group = RefitGroup(timeout_s=60, broadcast_timeout_s=2.0, bucket_mb=0.05)  # several buckets
+    with backend:
+        async with (
+            launch_engine(kind="local", model_path=tiny_model_dir,
+                          log_path=tmp_path / "a.log") as launched,
+            trio.open_nursery() as nursery,
+        ):  # fmt: skip
+            proxy = FaultProxy(launched.url, FaultPlan(
+                script=("pass", "hang"), paths=("/update_weights_from_distributed",),
+                hang_s=600.0))  # fmt: skip
+            url = await nursery.start(proxy.serve)
+            async with client(url) as a, EnginePool([a], probe_interval_s=0.2):
+                version = await train_step(backend)
+                t0 = trio.current_time()
+                with caplog.at_level(logging.WARNING), trio.fail_after(50):  # before: >= 60 s
+                    await push_weights(backend, [a], tmp_path / "w", refit=group)
+                took = trio.current_time() - t0
+                print(f"a push with a hung bucket (broadcast deadline 2 s): {took:.1f} s")
+                assert proxy.counts["hang"] == 1 and "by broadcast failed" in caplog.text
+                assert "given up on" in caplog.text  # the hung receive, named
+                assert (await a.model_info()).weight_version == version  # from disk
+                version = await train_step(backend)  # the group is formed again: by broadcast
+                await push_weights(backend, [a], tmp_path / "w", refit=group)
+                assert group.members == (url,) and (await a.model_info()).weight_version == version
+                await group.close()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_broadcast_push_holds_its_pauses_while_a_failed_broadcast_waits_its_deadline(
+    tiny_model_dir, tmp_path
+):
+    # An engine's /update_weights_from_distributed answers 500 at once: its receive ends, and
+    # with it the renewal of its pause lease, while the trainer's broadcast waits out its
+    # deadline. With a lease shorter than that wait the engine resumed by itself mid-push and
+    # served its old weights; the push's whole update now renews the leases it holds.
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    group = RefitGroup(timeout_s=60, broadcast_timeout_s=6.0)
+    log = tmp_path / "a.log"
+    with backend:
+        async with (
+            launch_engine(kind="local", model_path=tiny_model_dir, log_path=log) as launched,
+            trio.open_nursery() as nursery,
+        ):  # fmt: skip
+            proxy = FaultProxy(launched.url, FaultPlan(
+                script=("500",), paths=("/update_weights_from_distributed",)))  # fmt: skip
+            url = await nursery.start(proxy.serve)
+            async with client(url, pause_lease_s=1.5) as a:
+                version = await train_step(backend)
+                with trio.fail_after(50):
+                    await push_weights(backend, [a], tmp_path / "w", refit=group)
+                assert proxy.counts["500"] == 1
+                assert (await a.model_info()).weight_version == version  # from disk
+                await group.close()
+            nursery.cancel_scope.cancel()
+    assert "pause lease" not in log.read_text()  # it never resumed by itself mid-push
+
+
+async def test_an_engine_that_dies_while_paused_for_a_push_rejoins_within_the_pushs_wait(
+    tiny_model_dir, tmp_path
+):
+    # The fault matrix's overlap-distributed-e1-c: the only engine was killed while a push held
+    # it paused; a request marked it down, the push skipped it as known down without resuming
+    # it, so its client still held it "paused", the pool's probe left it alone, and the push
+    # waited out engines.unavailable_timeout_s (60 s) for an engine back after seconds: exit 2.
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    with backend:
+        async with trio.open_nursery() as nursery:
+            engine = Killable(nursery, tiny_model_dir)
+            await engine.start()
+            async with (
+                client(engine.url) as a,
+                EnginePool([a], probe_interval_s=0.2, unavailable_timeout_s=1.0) as pool,
+            ):  # fmt: skip
+                await train_step(backend)
+                await push_weights(backend, [a], tmp_path / "w")
+                version = await train_step(backend)
+                path = await backend.export_weights(tmp_path / "w" / "next")
+                await pause_engines([a])  # a push holds it paused ...
+                engine.kill()  # ... when it dies; a request finds it gone
+                with trio.move_on_after(5.0), pytest.raises(EngineError):
+                    await pool.generate([3, 4], SHORT)
+                assert not pool.statistics().engines[0].healthy
+
+                async def back_in_a_second() -> None:
+                    await trio.sleep(1.0)
+                    await engine.start()  # back on its initial weights
+
+                with trio.fail_after(40):  # before: the push waited its 30 s and failed
+                    async with trio.open_nursery() as pushing:
+                        pushing.start_soon(back_in_a_second)
+                        await sync_weights_to_engines([a], path, version, paused=True, wait_s=30)
+                assert (await a.model_info()).weight_version == version
+                assert pool.statistics().engines[0].healthy and not a.paused
+            nursery.cancel_scope.cancel()
 
 
 # ----- D6: a stall bound that pauses restarted ------------------------------------------------

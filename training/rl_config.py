@@ -110,7 +110,16 @@ class EnginesConfig(Strict):
     weight_group_timeout_s: float = Field(
         120.0,
         gt=0,
-        description="distributed: deadline of the group's rendezvous and each broadcast",
+        description="distributed: deadline of the group's rendezvous (and of each engine's HTTP "
+        "call of an update, plus 30 s)",
+    )
+    weight_broadcast_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="distributed: deadline of each bucket's broadcast; an engine that stalls "
+        "mid-update costs about this + 10 s, then the push goes through disk. It must exceed "
+        "the time one bucket takes to reach every engine (weight_bucket_mb x engines over the "
+        "link's bandwidth, gloo)",
     )
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import trio
 
+from engines.pause_renewal import renewing_pauses
 from engines.refit import RefitGroup, receive_on_engines, resume_updated
 from engines.weight_sync import pause_engines, sync_weights_to_engines
 from plumbing.errors import EngineError
@@ -80,8 +81,10 @@ async def start_distributed_push(backend: PyTorchTrainingBackend, engines: Seque
 
     async def finish() -> None:
         t0 = time.perf_counter()
-        try:
-            await update()
+        try:  # the pauses are renewed for as long as the push holds them, including the wait
+            # for a failed broadcast's deadline after every receive has ended (issue 49)
+            async with renewing_pauses(engines):
+                await update()
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(30.0):  # never leave one paused
                 await group.close(engines)  # ends any receive still waiting for the trainer
@@ -115,7 +118,9 @@ async def start_distributed_push(backend: PyTorchTrainingBackend, engines: Seque
                                               paused=True, required=False)  # fmt: skip
             return
         log.warning("weight push %s by broadcast failed (%s); the engines load it from disk (%s) "
-                    "and the group is re-formed at the next push", version, failed or failures,
+                    "and the group is re-formed at the next push", version,
+                    "; ".join([*([str(failed)] if failed else []),
+                               *(f"{url}: {'; '.join(why)}" for url, why in failures.items())]),
                     exported)  # fmt: skip
         await group.close(engines)
         await sync_weights_to_engines(engines, exported, version, pause_mode=pause_mode,

@@ -219,6 +219,7 @@ async def _refit_group(engines: EnginesConfig) -> AsyncIterator[RefitGroup | Non
     group = RefitGroup(master_address=engines.weight_master_address,
                        backend=engines.weight_group_backend,
                        timeout_s=engines.weight_group_timeout_s,
+                       broadcast_timeout_s=engines.weight_broadcast_timeout_s,
                        bucket_mb=engines.weight_bucket_mb)  # fmt: skip
     try:
         yield group
