@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import trio
@@ -143,6 +143,21 @@ class ControlRoutesMixin:
         await self._http.request(
             "POST", "/flush_cache", timeout=self.timeouts.control_s, admin=True
         )
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """`/release_memory_occupation` (colocated mode): the engine frees the memory of `tags`
+        ("weights", "kv_cache"; default all). It must be idle (400 otherwise); SGLang needs
+        `--enable-memory-saver`. Not retried: the caller decides (training/loops/colocate.py)."""
+        body = {} if tags is None else {"tags": list(tags)}
+        await self._http.json("POST", "/release_memory_occupation", body=body, admin=True,
+                              timeout=self.timeouts.control_s, retries=0)  # fmt: skip
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """`/resume_memory_occupation`: the memory is taken again; released weights hold
+        nothing until the next weight load."""
+        body = {} if tags is None else {"tags": list(tags)}
+        await self._http.json("POST", "/resume_memory_occupation", body=body, admin=True,
+                              timeout=self.timeouts.control_s, retries=0)  # fmt: skip
 
     async def abort(self, rid: str) -> None:
         """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are

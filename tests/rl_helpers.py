@@ -74,7 +74,7 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                    schedule=None, with_reference: bool = False,
                    rollout: RolloutConfig | None = None, max_empty_batches: int | None = None,
                    hooks: RLHooks = RLHooks(), loop: dict[str, Any] | None = None,
-                   **objective: Any) -> SimpleNamespace:  # fmt: skip
+                   colocate: bool = False, **objective: Any) -> SimpleNamespace:  # fmt: skip
     """Run `run_rl_training` for `max_steps` on the in-process engine (2 prompts x 2 samples of
     at most 4 tokens by default); return its history, the policy, reference and manager.
 
@@ -103,7 +103,7 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                                 {"max_empty_batches": max_empty_batches}), **(loop or {})),
                 objective=RLObjective(schedule or algorithm or grpo(), reference=reference,
                                       **objective),
-                export_dir=tmp_path / "weights", hooks=hooks,
+                export_dir=tmp_path / "weights", hooks=hooks, colocate=colocate,
             )  # fmt: skip
         if reference is not None:
             reference.close()

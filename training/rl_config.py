@@ -107,6 +107,13 @@ class EnginesConfig(Strict):
     weight_group_backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="distributed: gloo (CPU tensors) or nccl (the trainer sends from CUDA)"
     )
+    colocate: bool = Field(
+        False,
+        description="generation and training share the node's memory: once a step's batch is "
+        "generated every engine releases its weights' and KV memory (/release_memory_occupation"
+        "; SGLang: --enable-memory-saver) and takes it back before the step's weights are pushed;"
+        " needs rollout.mode=sync; disk pushes go through /dev/shm (docs/engines.md)",
+    )
     weight_group_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -335,6 +342,23 @@ class RLRunConfig(Strict):
         reasons = [why for bad, why in refused if bad]
         if reasons:
             raise ValueError("engines.kind=vllm cannot run with " + "; ".join(reasons))
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_engines_rest_while_training(self) -> RLRunConfig:
+        ec = self.engines
+        refused = [
+            (self.rollout.mode != "sync", f"rollout.mode={self.rollout.mode}: the engines "
+             "generate while the trainer trains; use rollout.mode=sync"),
+            (self.model.lora is not None, "model.lora: a LoRA push loads the adapter, not the "
+             "base weights a release frees"),
+            (ec.kind == "vllm", "engines.kind=vllm: its sleep mode is not driven here"),
+            (ec.router_url is not None, "engines.router_url: the gateway has no memory routes; "
+             "list the workers in engines.urls"),
+        ]  # fmt: skip
+        reasons = [why for bad, why in refused if bad]
+        if ec.colocate and reasons:
+            raise ValueError("engines.colocate=true cannot run with " + "; ".join(reasons))
         return self
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ from .asgi import (
     sse_event,
     text_response,
 )
+from .memory_occupation import parse_tags
 from .params import GenerateItem
 from .pause_lease import MAX_LEASE_S
 from .route_helpers import (
@@ -278,12 +279,27 @@ def register_native_routes(app: App, state: EngineState) -> None:
             }
         )
 
-    async def memory_occupation(request: Request) -> Response:
-        # Nothing to release on a CPU engine; answer like SGLang's success.
-        return json_response(None)
+    def memory_route(release: bool):  # memory_occupation.py
+        async def route(request: Request) -> Response:
+            if not state.ready.is_set():
+                return not_ready()
+            scheduler = state.scheduler
+            try:
+                tags = parse_tags(read_json(request) if request.body else {})
+            except (BadRequestError, RequestValidationError) as exc:
+                return error_response(str(exc))
+            if release and scheduler.busy:
+                return error_response("the engine is not idle: requests are running or queued; "
+                                      "finish or abort them before releasing its memory")  # fmt: skip
+            do = scheduler.memory.release if release else scheduler.memory.resume
+            await scheduler.run_on_model_thread(do, tags)
+            return json_response(None)
 
-    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-        app.route(path, methods=("GET", "POST"), admin=True)(memory_occupation)
+        return route
+
+    for path, release in (("/release_memory_occupation", True),
+                          ("/resume_memory_occupation", False)):  # fmt: skip
+        app.route(path, methods=("GET", "POST"), admin=True)(memory_route(release))
 
 
 def _outside_weights_root(path: str, root: str | None) -> str | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from .memory_occupation import MemoryOccupation
 from .params import GenerateItem
 from .sampling_params import BadRequestError
 from .scheduler_control import PauseMode as PauseMode
@@ -55,6 +56,7 @@ class Scheduler(SchedulerControl):
         max_loras_per_batch: int = 8,
     ) -> None:
         self.runner = runner
+        self.memory = MemoryOccupation(runner)  # /release_memory_occupation (colocated mode)
         self._decode = decode  # (token ids, skip_special_tokens) -> text
         self.model_path = model_path
         self.weight_version = weight_version
@@ -199,7 +201,8 @@ class Scheduler(SchedulerControl):
         """
         async with self._update_lock.read() if lock else _null():
             seqs = [Sequence(item) for item in items]
-            await self._hold(seqs)
+            await self._hold(seqs)  # a push's pause: the weights it loads are there after it
+            self.memory.check_serving()
             adapters = [s.item.lora_name for s in seqs if s.item.lora_name is not None]
             if adapters:
                 if self.lora is None:

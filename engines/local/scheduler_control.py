@@ -162,6 +162,9 @@ class SchedulerControl:
                                   ) -> tuple[bool, str]:  # fmt: skip
         """`load()` on the model thread under the update rules above (from disk: `model_path`
         is the new one; a broadcast keeps it); `done` is the success message."""
+        refused = self.memory.load_refused()
+        if refused is not None:
+            return False, refused
         if abort_all_requests:
             self.abort(abort_all=True)
         if self.paused:
@@ -180,6 +183,7 @@ class SchedulerControl:
         except WeightLoadError as exc:
             logger.warning("weight update from %s failed: %s", source, exc)
             return False, str(exc)
+        self.memory.weights_loaded()
         if path is not None:
             self.model_path = path
         if flush_cache and not await self.flush_cache():

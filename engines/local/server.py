@@ -75,6 +75,8 @@ class _ThreadedRunner:
     def __init__(self, runner: Any, threads: int | None) -> None:
         self._runner, self._threads = runner, threads
         self.eos_ids = runner.eos_ids
+        # for memory_occupation.py (the same objects: a release frees the runner's own)
+        self.model, self.device, self.prefix = runner.model, runner.device, runner.prefix
 
     def step(self, keep, admit):
         with _torch_threads(self._threads):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from training.backend.model_io import check_model_path
 from training.backend.pytorch import load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
+from training.loops.colocate import colocated_weights_dir
 from training.loops.ema import resumed_metrics
 from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import (
@@ -322,12 +324,15 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             _closing(dump):  # fmt: skip
         for logger in loggers:
             closing.callback(logger.close)
-        copies = WeightsCopies(backend, out / "weights")  # for engines back after a broadcast
+        weights = colocated_weights_dir(out) if config.engines.colocate else out / "weights"
+        if weights != out / "weights":  # in memory: given back when the run ends
+            closing.callback(shutil.rmtree, weights, True)
+        copies = WeightsCopies(backend, weights)  # for engines back after a broadcast
         async with open_engines(config, model_path, out, copies) as (engine, clients), \
                 _refit_group(config.engines) as refit:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
                 await push_weights(
-                    backend, clients, out / "weights", pause_mode=config.engines.pause_mode,
+                    backend, clients, weights, pause_mode=config.engines.pause_mode,
                     refit=refit, unavailable_timeout_s=config.engines.unavailable_timeout_s)  # fmt: skip
 
             async def evaluate() -> dict[str, float]:
@@ -357,10 +362,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 history = await run_rl_training(
                     backend, buffer, manager, clients, config.train,
                     objective=rl_objective(config, schedule, reference, critic, extensions),
-                    export_dir=out / "weights", hooks=hooks,
+                    export_dir=weights, hooks=hooks,
                     pause_mode=config.engines.pause_mode,
                     resolved_config=config.model_dump(mode="json"), refit=refit,
                     unavailable_timeout_s=config.engines.unavailable_timeout_s,
+                    colocate=config.engines.colocate,
                 )  # fmt: skip
             version = backend.weight_version  # every engine that answers ends on it
 
