@@ -143,9 +143,9 @@ async def run_episode_samples(
 ) -> list[Sample]:
     """Run one episode of `env` on `ctx.engine`: its branches as Samples (module docstring).
 
-    The last branch stands for the episode (`sub_index` 0, the episode's status); earlier
-    branches follow (`sub_index` 1, 2, ..., completed), each with the episode's reward. A
-    failed or aborted episode gives its last branch only.
+    The last branch stands for the episode (`sub_index` 0, the episode's status and all its
+    tool-call records); earlier branches follow (`sub_index` 1, 2, ..., completed, no records),
+    each with the episode's reward. A failed or aborted episode gives its last branch only.
 
     Raises:
         EngineError: an engine request failed.
@@ -208,7 +208,8 @@ async def run_episode_samples(
                 break  # no room left for the model to answer
             branch.add_appended(appended)
 
-    def sample(b: _Branch, sub_index: int, status: Status, error: str | None = None) -> Sample:
+    def sample(b: _Branch, sub_index: int, status: Status, error: str | None = None,
+               records: Sequence[ToolCallRecord] = ()) -> Sample:  # fmt: skip
         return Sample(
             prompt_ids=b.prompt_ids,
             response_ids=b.ids,
@@ -224,11 +225,13 @@ async def run_episode_samples(
             sub_index=sub_index,
             weight_version=min(b.versions, default=0),
             metadata=dict(metadata or {}),
-            tool_calls=tuple(b.records),
+            tool_calls=tuple(records),
             finish_reason=b.finish,
         )
 
-    main = sample(branches[-1], 0, status, error)
+    # The episode's tool calls go on the sample that stands for it (what evaluation and a
+    # tool-use reward read), once: the earlier branches carry none.
+    main = sample(branches[-1], 0, status, error, [r for b in branches for r in b.records])
     if status not in ("completed", "truncated"):
         return [main]
     return [main, *(sample(b, k, "completed") for k, b in enumerate(branches[-2::-1], start=1))]

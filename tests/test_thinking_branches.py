@@ -144,11 +144,13 @@ async def test_builtin_tool_episodes_branch_and_train_only_sampled_tokens(local_
         assert branches[-1].status == "truncated"  # max_turns passed with a call pending
         assert {s.reward for s in branches} == {branches[-1].reward}
         # each branch is one sampled turn; the next one's prompt is the history re-rendered
-        messages = [dict(m) for m in prompt.messages]
-        for branch, following in pairwise(branches):
-            assert set(branch.loss_mask) == {1} and len(branch.tool_calls) == 1
-            messages += [{"role": "assistant", "content": ChatTurns.from_tokenizer(tok)
-                          .decode_turn(branch.response_ids)}, tool_message(branch.tool_calls[0])]  # fmt: skip
+        # (the episode's tool calls, one per turn, are all on the sample that stands for it)
+        messages, records = [dict(m) for m in prompt.messages], branches[-1].tool_calls
+        assert len(records) == 3 and all(not b.tool_calls for b in branches[:-1])
+        for j, (branch, following) in enumerate(pairwise(branches)):
+            assert set(branch.loss_mask) == {1}
+            text = ChatTurns.from_tokenizer(tok).decode_turn(branch.response_ids)
+            messages += [{"role": "assistant", "content": text}, tool_message(records[j])]
             assert following.prompt_ids == tuple(encode_prompt(tok, messages, SPECS,
                                                                template_kwargs=kwargs))  # fmt: skip
 
