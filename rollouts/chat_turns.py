@@ -6,11 +6,13 @@ rest of the assistant turn's closing text the model did not sample (e.g. the "\\
 `<|im_end|>`, or all of `<|im_end|>\\n` when the model stopped on a stop string), the
 environment's messages (tool results, user follow-ups), and the next assistant header.
 
-The segment is found by rendering a fixed two-message conversation with and without the new
-messages and taking the difference, so it works for any template that renders earlier
-messages the same whatever follows them (ChatML, Qwen, Llama 3, ...); a template that does not
-is reported with a clear error instead of producing silently wrong tokens. Pure: tokenizer
-only, no engine.
+The segment is the difference between the template's rendering of the conversation so far
+and of the conversation with the new messages. A template that renders the history
+differently once more messages follow (Qwen3's drops the reasoning of assistant turns before
+the last user turn, and the empty think block of a turn that is no longer last) cannot be
+extended there: `appended_ids` says so (None), and the caller starts a *branch*, a new sample
+whose prompt is the re-rendered history, instead of producing silently wrong tokens. Pure:
+tokenizer only, no engine.
 """
 
 from __future__ import annotations
@@ -93,22 +95,27 @@ class ChatTurns:
         return self.tokenizer.decode(content, skip_special_tokens=False)
 
     def appended_ids(self, output_ids: Sequence[int], messages: Sequence[Mapping[str, Any]],
-                     tools: Any = None) -> list[int]:  # fmt: skip
-        """Ids to append after a model turn that produced `output_ids`.
+                     tools: Any = None, history: Sequence[Mapping[str, Any]] | None = None
+                     ) -> list[int] | None:  # fmt: skip
+        """Ids to append after a model turn that produced `output_ids`, or None.
 
         That is: the part of the turn close the model did not sample, then `messages` as the
-        template renders them after an assistant turn, then the next assistant header.
+        template renders them after the conversation, then the next assistant header.
 
-        Raises:
-            ConfigError: the template renders earlier messages differently once `messages`
-                follow them, so the segment cannot be cut out.
+        Args:
+            history: the conversation so far, ending with the assistant turn that produced
+                `output_ids` (default: a stand-in user/assistant pair, which tells only
+                whether the template is extendable whatever the conversation).
+
+        Returns:
+            None when the template renders `history` differently once `messages` follow: the
+            next turn cannot extend these tokens and must start a branch from the rendering
+            of `[*history, *messages]`.
         """
-        before = _render(self.tokenizer, _BASE, tools, False, self.template_kwargs)
-        after = _render(self.tokenizer, [*_BASE, *messages], tools, True, self.template_kwargs)
+        base = _BASE if history is None else [dict(m) for m in history]
+        before = _render(self.tokenizer, base, tools, False, self.template_kwargs)
+        after = _render(self.tokenizer, [*base, *messages], tools, True, self.template_kwargs)
         if not after.startswith(before):
-            raise ConfigError(
-                "the chat template renders earlier messages differently when more follow, so "
-                "appended turns cannot be tokenized on their own; use a prefix-stable template"
-            )
+            return None
         rest_of_close = self.turn_close_ids[self.sampled_close(output_ids) :]
         return [*rest_of_close, *_encode(self.tokenizer, after[len(before) :])]

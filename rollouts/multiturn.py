@@ -5,10 +5,18 @@ turn, the engine continues the token ids so far, the env answers the decoded tur
 the tool calls in it), and the env's messages are appended as tokens until the env says done,
 the stop condition holds, `max_turns` is reached or the token budget is spent.
 
-Guarantees:
+Branches: a chat template that renders the history differently once more messages follow
+(Qwen3's drops earlier reasoning and the empty think block of a turn that is no longer last)
+cannot be extended after such a turn (`ChatTurns.appended_ids` is None). The next turn then
+starts a *branch*: a new sample whose prompt is the template's rendering of the whole history,
+while the earlier branch keeps its own sampled tokens. An episode gives one sample per branch
+(`run_episode_samples`); with a prefix-stable template that is one.
+
+Guarantees (per branch):
 - The ids are extended with exactly what the engine sampled and with the tokenized appended
-  segment only (`ChatTurns.appended_ids`); the history is never re-tokenized from text. So
-  `prompt_ids + response_ids` is, token for token, the last request plus its output.
+  segment only (`ChatTurns.appended_ids`); the history is never re-tokenized from text within
+  a branch. So `prompt_ids + response_ids` is, token for token, the branch's last request plus
+  its output.
 - `loss_mask` is 1 exactly on sampled tokens, 0 on appended ones (whose `rollout_logprobs` are
   0.0 placeholders; all empty if the engine returned no logprobs).
 - Each engine request holds one `ctx.limiter` token and is listed in `ctx.in_flight` under rid
@@ -20,7 +28,7 @@ Guarantees:
 Status: "completed" when the env said done (or the stop condition held), "truncated" when a
 turn hit its length limit, the token budget ran out or `max_turns` passed without an end.
 `response_text` is the whole decoded response (model and env turns, special tokens kept);
-`weight_version` is the oldest version that sampled any turn.
+`weight_version` is the oldest version that sampled any turn of the branch.
 
 Not covered: batching several episodes' turns into one `/generate` call (each episode sends
 its own requests; the engine still batches them dynamically).
@@ -71,14 +79,18 @@ class MultiTurnConfig:
             raise ConfigError(f"max_response_tokens must be >= 1, got {self.max_response_tokens}")
 
 
-class _Trajectory:
-    """The growing response of one episode (local, mutable; frozen into a Sample at the end)."""
+class _Branch:
+    """One trajectory of an episode (local, mutable; frozen into a Sample at the end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_ids: tuple[int, ...]) -> None:
+        self.prompt_ids = prompt_ids
         self.ids: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.has_logprobs = True
+        self.versions: list[int] = []
+        self.records: list[ToolCallRecord] = []
+        self.finish: str | None = None
 
     def add_sampled(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
         self.ids += ids
@@ -120,7 +132,7 @@ async def generate_turn(ctx: GenerateContext, ids: Sequence[int], params: Mappin
             ctx.in_flight.discard(rid)
 
 
-async def run_episode(
+async def run_episode_samples(
     env: Env,
     ctx: GenerateContext,
     chat: ChatTurns,
@@ -128,12 +140,15 @@ async def run_episode(
     index: int = 0,
     metadata: Mapping[str, Any] | None = None,
     config: MultiTurnConfig = MultiTurnConfig(),
-) -> Sample:
-    """Run one episode of `env` on `ctx.engine` and return it as a Sample (see module docstring).
+) -> list[Sample]:
+    """Run one episode of `env` on `ctx.engine`: its branches as Samples (module docstring).
+
+    The last branch stands for the episode (`sub_index` 0, the episode's status and all its
+    tool-call records); earlier branches follow (`sub_index` 1, 2, ..., completed, no records),
+    each with the episode's reward. A failed or aborted episode gives its last branch only.
 
     Raises:
         EngineError: an engine request failed.
-        ConfigError: the chat template cannot be extended turn by turn.
     """
     obs = await env.initial_observation()
     if obs.prompt_ids is not None:
@@ -142,22 +157,23 @@ async def run_episode(
         prompt_ids = tuple(encode_prompt(chat.tokenizer, list(obs.messages), obs.tools,
                                          template_kwargs=chat.template_kwargs))  # fmt: skip
     messages = [dict(m) for m in obs.messages]
-    response = _Trajectory()
-    records: list[ToolCallRecord] = []
+    branches = [_Branch(prompt_ids)]
+    budget = config.max_response_tokens
     reward, components = 0.0, {}
     status: Status = "truncated"
     error: str | None = None
-    finish: str | None = None
-    versions: list[int] = []
     for turn in range(config.max_turns):
-        params = _turn_params(ctx.sampling_params, config.max_response_tokens, len(response.ids))
+        branch = branches[-1]
+        # the budget counts every token after the episode's first prompt, in whichever branch
+        used = len(branch.prompt_ids) - len(prompt_ids) + len(branch.ids)
+        params = _turn_params(ctx.sampling_params, budget, used)
         if params is None:
             break
         rid = request_rid(ctx.rid_prefix, index, f"t{turn}")
-        result = await generate_turn(ctx, prompt_ids + tuple(response.ids), params, rid)
-        finish = result.finish_reason.type
-        versions.append(oldest_version(result))
-        response.add_sampled(result.output_ids, result.output_logprobs)
+        result = await generate_turn(ctx, branch.prompt_ids + tuple(branch.ids), params, rid)
+        branch.finish = finish = result.finish_reason.type
+        branch.versions.append(oldest_version(result))
+        branch.add_sampled(result.output_ids, result.output_logprobs)
         if finish == "abort":
             status = "aborted"
             break
@@ -170,7 +186,7 @@ async def run_episode(
             break
         reward += step.reward
         components.update(step.metrics)
-        records += step.tool_calls
+        branch.records += step.tool_calls
         if finish == "length":
             break
         if step.done or (config.stop_condition is not None and config.stop_condition(messages)):
@@ -178,29 +194,67 @@ async def run_episode(
             break
         if turn + 1 == config.max_turns:
             break  # nobody would answer the env's messages
-        appended = chat.appended_ids(result.output_ids, step.messages, obs.tools)
-        budget = config.max_response_tokens
-        if budget is not None and len(response.ids) + len(appended) >= budget:
-            break  # no room left for the model to answer
-        response.add_appended(appended)
-        messages += [dict(m) for m in step.messages]
-    return Sample(
-        prompt_ids=prompt_ids,
-        response_ids=response.ids,
-        loss_mask=response.mask,
-        rollout_logprobs=response.logprobs if response.has_logprobs else (),
-        response_text=chat.tokenizer.decode(response.ids, skip_special_tokens=False),
-        reward=reward,
-        reward_components=components,
-        status=status,
-        error=error,
-        group_id=ctx.group_id,
-        index_in_group=index,
-        weight_version=min(versions, default=0),
-        metadata=dict(metadata or {}),
-        tool_calls=tuple(records),
-        finish_reason=finish,
-    )
+        new = [dict(m) for m in step.messages]
+        appended = chat.appended_ids(result.output_ids, new, obs.tools, history=messages)
+        messages += new
+        if appended is None:  # the template re-renders the history: the next turn branches
+            branch = _Branch(tuple(encode_prompt(chat.tokenizer, messages, obs.tools,
+                                                 template_kwargs=chat.template_kwargs)))  # fmt: skip
+            if budget is not None and len(branch.prompt_ids) - len(prompt_ids) >= budget:
+                break  # no room left for the model to answer
+            branches.append(branch)
+        else:
+            if budget is not None and used + len(result.output_ids) + len(appended) >= budget:
+                break  # no room left for the model to answer
+            branch.add_appended(appended)
+
+    def sample(b: _Branch, sub_index: int, status: Status, error: str | None = None,
+               records: Sequence[ToolCallRecord] = ()) -> Sample:  # fmt: skip
+        return Sample(
+            prompt_ids=b.prompt_ids,
+            response_ids=b.ids,
+            loss_mask=b.mask,
+            rollout_logprobs=b.logprobs if b.has_logprobs else (),
+            response_text=chat.tokenizer.decode(b.ids, skip_special_tokens=False),
+            reward=reward,
+            reward_components=dict(components),
+            status=status,
+            error=error,
+            group_id=ctx.group_id,
+            index_in_group=index,
+            sub_index=sub_index,
+            weight_version=min(b.versions, default=0),
+            metadata=dict(metadata or {}),
+            tool_calls=tuple(records),
+            finish_reason=b.finish,
+        )
+
+    # The episode's tool calls go on the sample that stands for it (what evaluation and a
+    # tool-use reward read), once: the earlier branches carry none.
+    main = sample(branches[-1], 0, status, error, [r for b in branches for r in b.records])
+    if status not in ("completed", "truncated"):
+        return [main]
+    return [main, *(sample(b, k, "completed") for k, b in enumerate(branches[-2::-1], start=1))]
+
+
+async def run_episode(
+    env: Env,
+    ctx: GenerateContext,
+    chat: ChatTurns,
+    *,
+    index: int = 0,
+    metadata: Mapping[str, Any] | None = None,
+    config: MultiTurnConfig = MultiTurnConfig(),
+) -> Sample:
+    """The Sample that stands for one episode (its last branch; `run_episode_samples` gives
+    every branch, which is what training needs when the chat template branches).
+
+    Raises:
+        EngineError: an engine request failed.
+    """
+    samples = await run_episode_samples(env, ctx, chat, index=index, metadata=metadata,
+                                        config=config)  # fmt: skip
+    return samples[0]
 
 
 def multiturn_generate(
@@ -236,17 +290,18 @@ def multiturn_generate(
 
     async def generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
         chat = chat_for(tokenizer if tokenizer is not None else ctx.tokenizer)
-        out: list[Sample | None] = [None] * n
+        out: list[list[Sample]] = [[] for _ in range(n)]
 
         async def one(i: int) -> None:
-            sample = await run_episode(make_env(prompt), ctx, chat, index=i,
-                                       metadata=prompt.metadata, config=config)  # fmt: skip
-            out[i] = sample
-            ctx.report(sample)
+            samples = await run_episode_samples(make_env(prompt), ctx, chat, index=i,
+                                                metadata=prompt.metadata, config=config)  # fmt: skip
+            out[i] = samples
+            for sample in samples:
+                ctx.report(sample)
 
         async with trio.open_nursery() as nursery:
             for i in range(n):
                 nursery.start_soon(one, i)
-        return [s for s in out if s is not None]
+        return [s for samples in out for s in samples]
 
     return generate

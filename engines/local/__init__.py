@@ -3,7 +3,7 @@
 Layers: `params` (request validation, pure) → `scheduler` (trio, continuous batching) →
 `runner` (torch, batched KV cache), with `scheduler_control` (pause, flush, weight updates);
 `http11` (the bounded HTTP/1.1 server) + `asgi` + `route_helpers` + `native_api` +
-`openai_api` (+ `openai_requests`) + `lora_api` are the HTTP side; `server` assembles them. LoRA:
+`openai_api` (+ `openai_requests`, `openai_tools`) + `lora_api` are the HTTP side; `server` assembles them. LoRA:
 `lora_registry` (SGLang's adapter rules, pure) and `lora_runner` (peft inside the runner).
 Importing this package does not import torch.
 """

@@ -12,6 +12,7 @@ import trio
 from plumbing.errors import ModelLoadError
 from plumbing.model_paths import resolve_model_dir
 
+from .openai_tools import check_parser_name
 from .server import serve
 from .state import LocalEngineConfig
 
@@ -56,6 +57,12 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--skip-server-warmup", action="store_true")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="reads tool calls out of /v1/chat/completions answers to requests with tools: "
+        "hermes (alias qwen25), xml, none, or module:function (default hermes)",
+    )
     lora = parser.add_argument_group("LoRA serving (SGLang's flags)")
     lora.add_argument("--enable-lora", action="store_true", default=None)
     lora.add_argument(
@@ -147,7 +154,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local"
     threads = args.num_threads or max(1, (os.cpu_count() or 2) // 2)
     try:  # a run, checkpoints or checkpoint directory serves its latest HF model
         model_path = resolve_model_dir(args.model_path, what="--model-path")
-    except ModelLoadError as err:
+        check_parser_name(args.tool_call_parser)
+    except (ModelLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     config = LocalEngineConfig(
@@ -187,6 +195,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local"
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
         lora_paths=tuple(args.lora_paths or ()),
+        tool_call_parser=args.tool_call_parser,
     )
     try:
         trio.run(serve, config)

@@ -2,8 +2,11 @@
 `/v1/chat/completions` (sglang_protocol.md §3.3), enough for the official `openai` client.
 
 Requests are translated into native `/generate` items (openai_requests.py), so validation,
-sampling and logprobs are exactly those of `/generate`. Not covered: tool-call parsing into `tool_calls` (the text
-is returned as content), `echo` together with streaming, `best_of`, `suffix`.
+sampling and logprobs are exactly those of `/generate`. A chat answer's tool calls come back as
+`tool_calls` (read by `--tool-call-parser`), and `return_token_ids` adds the prompt's and the
+sampled token ids as vLLM does (openai_tools.py). Not covered: `echo` together with streaming,
+`best_of`, `suffix`, tool calls streamed before the answer is finished (a streamed call is sent
+whole, in the chunk that finishes its choice).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .asgi import (
 )
 from .lora_api import adapter_cards, openai_lora_path
 from .openai_requests import chat_native, completion_native
+from .openai_tools import split_tool_calls, streamable_text, token_ids_fields, wants_tool_calls
 from .params import GenerateRequest
 from .route_helpers import (
     bad_adapter_in_band,
@@ -163,6 +167,7 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             "logprobs": completion_logprobs(seq, echo) if seq.item.return_logprob else None,
             "finish_reason": reason,
             "matched_stop": matched,
+            **token_ids_fields(seq, body),
         }
 
     @app.route("/v1/completions", methods=("POST",), cancel_on_disconnect=True)
@@ -223,10 +228,18 @@ def register_openai_routes(app: App, state: EngineState) -> None:
             "created": int(time.time()),
             "model": state.served_model_name,
         }
+        try:
+            parser = (
+                state.tool_parser()
+                if wants_tool_calls(body, state.config.tool_call_parser)
+                else None
+            )
+        except ValueError as exc:
+            return object_error(str(exc), 500, "InternalServerError")
         if req.stream:
             chunk_header = {**header, "object": "chat.completion.chunk"}
             events = _stream_openai(state, req, body, chunk_header, chat=True,
-                                    logprobs=chat_logprobs)  # fmt: skip
+                                    logprobs=chat_logprobs, parser=parser)  # fmt: skip
             return StreamingResponse(bad_adapter_in_band(events, openai=True))
         seqs = await finished(req.items)
         if isinstance(seqs, Response):
@@ -234,21 +247,27 @@ def register_openai_routes(app: App, state: EngineState) -> None:
         choices = []
         for i, seq in enumerate(seqs):
             reason, matched = _finish(seq)
+            content, calls = state.output_text(seq, final=True), []
+            if parser is not None:
+                content, calls = split_tool_calls(content, parser, f"call_{seq.rid}")
             message = {
                 "role": "assistant",
-                "content": state.output_text(seq, final=True),
+                "content": content,
                 "reasoning_content": None,
-                "tool_calls": None,
+                "tool_calls": calls or None,
             }
-            choices.append(
-                {
-                    "index": i,
-                    "message": message,
-                    "logprobs": chat_logprobs(seq) if seq.item.return_logprob else None,
-                    "finish_reason": reason,
-                    "matched_stop": matched,
-                }
-            )
+            choice = {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(seq) if seq.item.return_logprob else None,
+                "finish_reason": "tool_calls" if calls else reason,
+                "matched_stop": matched,
+            }
+            ids = token_ids_fields(seq, body)
+            if ids:
+                choice["token_ids"] = ids["token_ids"]
+            choices.append(choice)
+        ids = token_ids_fields(seqs[0], body)
         return json_response(
             {
                 "id": f"chatcmpl-{seqs[0].rid}",
@@ -256,6 +275,7 @@ def register_openai_routes(app: App, state: EngineState) -> None:
                 "choices": choices,
                 "usage": _usage(seqs, n),
                 "metadata": {"weight_version": state.weight_version},
+                **({"prompt_token_ids": ids["prompt_token_ids"]} if ids else {}),
             }
         )
 
@@ -268,9 +288,17 @@ async def _stream_openai(
     *,
     chat: bool,
     logprobs=None,
+    parser=None,
 ) -> AsyncIterator[bytes]:
-    """OpenAI streaming: text deltas per choice, one chunk with the finish reason per choice."""
+    """OpenAI streaming: text deltas per choice, one chunk with the finish reason per choice.
+
+    With a tool-call `parser` (chat), text from a call's mark on is held back and the calls go
+    whole in the finishing chunk. With `return_token_ids`, each chunk carries its new sampled
+    ids (`token_ids`) and a choice's first chunk the prompt's (`prompt_token_ids`: at the top
+    level for chat, on the choice for completions, as vLLM sends them).
+    """
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + req.items[0].rid
+    return_ids = bool(body.get("return_token_ids"))
     async with state.scheduler.submit(req.items) as seqs:
         sent_text = [""] * len(seqs)
         sent_tokens = [0] * len(seqs)
@@ -291,17 +319,32 @@ async def _stream_openai(
             text = state.output_text(seq, final=final)
             if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
                 text = text.rstrip("\ufffd")
+            calls: list[dict[str, Any]] = []
+            if parser is not None and not final:
+                text = streamable_text(text)
+            elif parser is not None:
+                calls = split_tool_calls(text, parser, f"call_{seq.rid}")[1]
+                text = streamable_text(text) if calls else text
             delta_text = text[len(sent_text[index]) :] if text.startswith(sent_text[index]) else ""
             reason, matched = _finish(seq) if final else (None, None)
             choice: dict[str, Any] = {
                 "index": index,
-                "finish_reason": reason,
+                "finish_reason": "tool_calls" if calls else reason,
                 "matched_stop": matched,
             }
+            first = not sent_text[index] and not sent_tokens[index]
+            top: dict[str, Any] = {}
+            if return_ids:
+                choice["token_ids"] = list(seq.output_ids[sent_tokens[index] :])
+                if first:
+                    where = top if chat else choice
+                    where["prompt_token_ids"] = list(seq.item.input_ids)
             if chat:
                 delta: dict[str, Any] = {"content": delta_text}
-                if not sent_text[index] and not sent_tokens[index]:
+                if first:
                     delta["role"] = "assistant"
+                if calls:
+                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
                 choice["delta"] = delta
                 if seq.item.return_logprob:
                     choice["logprobs"] = logprobs(seq, sent_tokens[index])
@@ -312,7 +355,7 @@ async def _stream_openai(
                 )
             sent_text[index] += delta_text
             sent_tokens[index] = len(seq.output_ids)
-            yield sse_event({"id": chunk_id, **header, "choices": [choice]})
+            yield sse_event({"id": chunk_id, **header, "choices": [choice], **top})
         else:
             options = body.get("stream_options") or {}
             if options.get("include_usage"):

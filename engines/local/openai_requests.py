@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .openai_tools import wants_tool_calls
 from .params import MAX_CHARS_PER_TOKEN
 from .sampling_params import BadRequestError, RequestValidationError
 from .state import EngineState
@@ -101,9 +102,12 @@ def chat_native(state: EngineState, body: dict[str, Any]) -> dict[str, Any]:
         input_ids = input_ids["input_ids"]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     top = body.get("top_logprobs") or 0
+    params = _sampling(body, max_tokens)
+    if wants_tool_calls(body, state.config.tool_call_parser):  # tool-call tags may be special
+        params.setdefault("skip_special_tokens", False)
     native: dict[str, Any] = {
         "input_ids": list(input_ids),
-        "sampling_params": _sampling(body, max_tokens),
+        "sampling_params": params,
         "return_logprob": bool(body.get("logprobs")),
         "top_logprobs_num": top if body.get("logprobs") else 0,
         "return_text_in_logprobs": True,

@@ -10,6 +10,7 @@ import trio
 
 from .http11 import ServerStatistics
 from .lora_registry import parse_lora_paths
+from .openai_tools import resolve_parser
 from .params import (
     GenerateItem,
     GenerateRequest,
@@ -71,6 +72,9 @@ class LocalEngineConfig:
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None
     lora_paths: tuple[str, ...] = ()  # "PATH", "NAME=PATH" or JSON, loaded at start-up
+    # reads tool calls out of `/v1/chat/completions` answers to requests with tools
+    # (`hermes`, `xml`, `none` or module:function; openai_tools.py)
+    tool_call_parser: str | None = "hermes"
 
     @property
     def lora_enabled(self) -> bool:
@@ -107,6 +111,7 @@ class EngineState:
         self.model_type = ""
         self.architectures: list[str] = []
         self._token_text: dict[int, str] = {}
+        self._tool_parser: Any = None
         self.http_stats = ServerStatistics()  # open/refused/timed-out connections
 
     @property
@@ -120,6 +125,16 @@ class EngineState:
     @property
     def weight_version(self) -> str:
         return self.scheduler.weight_version if self.scheduler else self.config.weight_version
+
+    def tool_parser(self) -> Any:
+        """The `--tool-call-parser` function, loaded at its first use (openai_tools.py).
+
+        Raises:
+            ValueError: it cannot be loaded (the message names the flag).
+        """
+        if self._tool_parser is None:
+            self._tool_parser = resolve_parser(str(self.config.tool_call_parser))
+        return self._tool_parser
 
     # ----- tokenizer helpers ----------------------------------------------------------------
 

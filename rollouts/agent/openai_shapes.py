@@ -9,7 +9,9 @@ given to the agent as a call).
 
 What a request may set: `messages`, `tools`, `tool_choice` ("auto" or "none"), `stream`,
 `n` (1 only), `max_tokens` / `max_completion_tokens` (cap the session's per-call budget) and
-`stop`. Sampling settings (`temperature`, `top_p`, `seed`, ...) are accepted and ignored: the
+`stop`, and `return_token_ids` (vLLM's field: the answer then carries the prompt's token ids
+as the engine saw them, `prompt_token_ids`, and the sampled ones, `choices[0].token_ids`; a
+stream sends the prompt's on its first chunk and the sampled ones as chunk deltas). Sampling settings (`temperature`, `top_p`, `seed`, ...) are accepted and ignored: the
 rollout's sampling params decide how tokens are drawn, because the trainer computes its
 logprobs under them. Other fields are ignored, as clients send many.
 """
@@ -50,6 +52,7 @@ class ChatRequest:
     max_tokens: int | None
     stop: tuple[str, ...]
     model: str
+    return_token_ids: bool = False
 
 
 def _text_content(content: Any, where: str) -> str | None:
@@ -143,9 +146,13 @@ def read_chat_request(body: Any) -> ChatRequest:
     if not all(isinstance(s, str) for s in stops):
         raise AgentRequestError("stop must be a string or a list of strings", param="stop")
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    return_ids = body.get("return_token_ids") or False
+    if not isinstance(return_ids, bool):
+        raise AgentRequestError(f"return_token_ids must be true or false, got {return_ids!r}",
+                                param="return_token_ids")  # fmt: skip
     return ChatRequest(messages, tuple(dict(t) for t in tools) if tools else None,
                        choice != "none", bool(body.get("stream", False)), max_tokens, stops,
-                       str(body.get("model") or "policy"))  # fmt: skip
+                       str(body.get("model") or "policy"), return_ids)  # fmt: skip
 
 
 def canonical(message: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -196,22 +203,34 @@ def _wire_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+TokenIds = tuple[Sequence[int], Sequence[int]]
+"""(prompt ids as the engine saw them, sampled ids): what `return_token_ids` answers."""
+
+
 def chat_completion(answer: Answer, *, completion_id: str, model: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:  # fmt: skip
-    """The non-streaming `chat.completion` object."""
-    return {
+                    completion_tokens: int, token_ids: TokenIds | None = None
+                    ) -> dict[str, Any]:  # fmt: skip
+    """The non-streaming `chat.completion` object (with vLLM's `prompt_token_ids` and
+    `choices[0].token_ids` when `token_ids` is given)."""
+    choice = {"index": 0, "message": _wire_message(answer.message), "logprobs": None,
+              "finish_reason": answer.finish_reason}  # fmt: skip
+    out = {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": _wire_message(answer.message), "logprobs": None,
-                     "finish_reason": answer.finish_reason}],
+        "model": model, "choices": [choice],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }  # fmt: skip
+    if token_ids is not None:
+        out["prompt_token_ids"], choice["token_ids"] = list(token_ids[0]), list(token_ids[1])
+    return out
 
 
-def completion_chunks(answer: Answer, *, completion_id: str, model: str) -> list[dict[str, Any]]:
+def completion_chunks(answer: Answer, *, completion_id: str, model: str,
+                      token_ids: TokenIds | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The `chat.completion.chunk` objects of a streamed answer: role, content, tool calls,
-    finish (the answer is sampled whole, then sent in these chunks)."""
+    finish (the answer is sampled whole, then sent in these chunks). With `token_ids`, as
+    vLLM streams them: `prompt_token_ids` on the first chunk, and each chunk's sampled ids as
+    `choices[0].token_ids` (all of them on the second chunk, none on the others)."""
     wire = _wire_message(answer.message)
     head = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}  # fmt: skip
@@ -225,6 +244,10 @@ def completion_chunks(answer: Answer, *, completion_id: str, model: str) -> list
     for j, call in enumerate(wire.get("tool_calls") or ()):
         out.append(chunk({"tool_calls": [{"index": j, **call}]}))
     out.append(chunk({}, answer.finish_reason))
+    if token_ids is not None:
+        out[0]["prompt_token_ids"] = list(token_ids[0])
+        for j, c in enumerate(out):
+            c["choices"][0]["token_ids"] = list(token_ids[1]) if j == 1 else []
     return out
 
 

@@ -6,7 +6,7 @@ lasts; `proxy.open_session(ctx, index)` gives one session its own base URL
 messages (or extends a branch, `rollouts.agent.trajectory`), sends the token ids to
 `ctx.engine.generate` (the engine pool: failover, staleness and weight versions apply), reads
 tool calls with the configured parser and answers in OpenAI's shapes, streamed (SSE) when
-asked. `GET /models` lists the one model.
+asked, with the call's token ids when asked (`return_token_ids`, as vLLM answers it). `GET /models` lists the one model.
 
 Guarantees:
 - a request needs its session's key (`Authorization: Bearer <key>`), checked on the headers
@@ -221,12 +221,16 @@ class AgentProxy:
             _versions(result), finish, req.tools,
         )  # fmt: skip
         completion_id = f"chatcmpl-{session.id}-{session.n_calls}"
+        # the trajectory's own ids: what the engine was sent and what it sampled
+        ids = (plan.input_ids, result.output_ids) if req.return_token_ids else None
         if req.stream:
-            chunks = completion_chunks(answer, completion_id=completion_id, model=req.model)
+            chunks = completion_chunks(answer, completion_id=completion_id, model=req.model,
+                                       token_ids=ids)  # fmt: skip
             return StreamingResponse(_sse(chunks))
         return json_response(chat_completion(
             answer, completion_id=completion_id, model=req.model,
             prompt_tokens=len(plan.input_ids), completion_tokens=len(result.output_ids),
+            token_ids=ids,
         ))  # fmt: skip
 
 

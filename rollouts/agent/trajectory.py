@@ -6,8 +6,10 @@ content and tool calls; tool-call ids aside) *extends* that branch, and its prom
 branch's ids + the rest of the turn close + the new messages and the next assistant header as
 the template renders them after an assistant turn (`ChatTurns.appended_ids`). Text the model
 produced is never re-tokenized. Any other call (a first call, or one that rewrote history:
-edited, dropped or summarised turns, other tools) starts a new branch from the template's
-rendering of all its messages; each branch is its own sample.
+edited, dropped or summarised turns, other tools, or a history the chat template itself
+renders differently once the new messages follow, as Qwen3's does with earlier reasoning)
+starts a new branch from the template's rendering of all its messages; each branch is its own
+sample.
 
 Guarantees (as `rollouts.multiturn`): `prompt_ids + response_ids` of a branch is, token for
 token, its last request plus the sampled output; `loss_mask` is 1 exactly on sampled tokens;
@@ -89,8 +91,9 @@ class SessionTrajectory:
              tools: Sequence[Mapping[str, Any]] | None) -> Plan:  # fmt: skip
         """The request ids for a call with `messages` (see the module docstring).
 
-        Raises:
-            ConfigError: the chat template is not prefix-stable (from `ChatTurns`).
+        A call that extends a branch whose history the template renders differently once the
+        new messages follow (`ChatTurns.appended_ids` is None: Qwen3's template drops earlier
+        reasoning) starts a new branch too.
         """
         key, canon = _tools_key(tools), [canonical(m) for m in messages]
         best = None
@@ -99,13 +102,17 @@ class SessionTrajectory:
             if branch.tools_key == key and branch.n_calls and canon[:n] == branch.history \
                     and len(canon) >= n and (best is None or n > len(self.branches[best].history)):  # fmt: skip
                 best = i
-        if best is None:
+        appended = None
+        if best is not None:
+            n = len(self.branches[best].history)
+            new, history = [dict(m) for m in messages[n:]], [dict(m) for m in messages[:n]]
+            appended = self.chat.appended_ids(self.branches[best].last_output, new,
+                                              list(tools) if tools else None, history=history)  # fmt: skip
+        if best is None or appended is None:  # a first call, a rewrite, or a re-rendered history
             ids = encode_prompt(self.chat.tokenizer, list(messages), list(tools) if tools else None,
                                 template_kwargs=self.chat.template_kwargs)  # fmt: skip
             return Plan(tuple(ids), None, (), 0, 0)
         branch = self.branches[best]
-        new = [dict(m) for m in messages[len(branch.history) :]]
-        appended = self.chat.appended_ids(branch.last_output, new, list(tools) if tools else None)
         return Plan((*branch.prompt_ids, *branch.ids, *appended), best, tuple(appended),
                     len(branch.ids), len(branch.history), tuple(branch.pending_calls))  # fmt: skip
 

@@ -25,7 +25,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", 
 
 # ChatML with optional tools (Qwen/Hermes style). Newlines are written as {{ '\n' }} expressions
 # because the template renderer drops a literal newline right after a {% %} tag.
-CHAT_TEMPLATE = (
+_TOOLS_HEADER = (
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
@@ -34,13 +34,8 @@ CHAT_TEMPLATE = (
     '{{- \'\\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>\''
     " + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'system' and tools and loop.first -%}"
-    "{%- elif message.role == 'tool' -%}"
-    "{{- '<|im_start|>tool\\n' + message.content + '<|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' -}}"
-    "{%- if message.content -%}{{- message.content -}}{%- endif -%}"
+)
+_TOOL_CALLS = (
     "{%- if message.tool_calls -%}"
     "{%- for call in message.tool_calls -%}"
     "{%- set fn = call.function if call.function is defined else call -%}"
@@ -49,11 +44,56 @@ CHAT_TEMPLATE = (
     "{{- '}</tool_call>' -}}"
     "{%- endfor -%}"
     "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
+)
+CHAT_TEMPLATE = (
+    _TOOLS_HEADER + "{%- for message in messages -%}"
+    "{%- if message.role == 'system' and tools and loop.first -%}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|im_start|>tool\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.content -%}{{- message.content -}}{%- endif -%}"
+    + _TOOL_CALLS
+    + "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+
+# The same, with Qwen3's thinking rules (what its template does, reduced to this vocabulary): an
+# assistant turn's `<think>...</think>` block is split from its content and kept only for turns
+# after the last user message; the last assistant turn always carries one (empty without
+# reasoning); `enable_thinking=False` writes the empty block in the generation prompt. So the
+# history renders differently once more messages follow (no longer last: the empty block goes;
+# a new user turn: earlier reasoning goes), as with Qwen3: multi-turn rollouts branch there.
+QWEN3_STYLE_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}" + _TOOLS_HEADER + "{%- for message in messages -%}"
+    "{%- if message.role == 'system' and tools and loop.first -%}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|im_start|>tool\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{%- set content = message.content or '' -%}{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- content -}}" + _TOOL_CALLS + "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
+)
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "qwen3": QWEN3_STYLE_CHAT_TEMPLATE}
 
 _ARCH = {
     # ~3.0 M parameters: fast enough to train to useful accuracy on 2 CPU cores in minutes.
@@ -90,8 +130,9 @@ def _tokenizer_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(model_max_length: int = 1024):
-    """Train the byte-level BPE tokenizer and wrap it as a `PreTrainedTokenizerFast`."""
+def build_tokenizer(model_max_length: int = 1024, template: str = "chatml"):
+    """Train the byte-level BPE tokenizer and wrap it as a `PreTrainedTokenizerFast`
+    (`template`: a key of `CHAT_TEMPLATES`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -117,18 +158,21 @@ def build_tokenizer(model_max_length: int = 1024):
         pad_token="<|endoftext|>",
         unk_token=None,
         model_max_length=model_max_length,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATES[template],
         clean_up_tokenization_spaces=False,
     )
 
 
-def build_tiny_model(output_dir: str | Path, *, seed: int = 0, size: Size = "tiny") -> Path:
+def build_tiny_model(output_dir: str | Path, *, seed: int = 0, size: Size = "tiny",
+                     template: str = "chatml") -> Path:  # fmt: skip
     """Write a randomly initialised Llama-class model plus tokenizer to `output_dir`.
 
     Args:
         output_dir: directory to create (or overwrite) with an HF model.
         seed: seed for the weight initialisation; the tokenizer does not depend on it.
         size: "tiny" (~3 M params) or "small" (~25 M params).
+        template: the chat template, "chatml" or "qwen3" (Qwen3's thinking rules, which
+            re-render earlier turns: `QWEN3_STYLE_CHAT_TEMPLATE`).
 
     Returns:
         The output directory as a Path.
@@ -138,9 +182,11 @@ def build_tiny_model(output_dir: str | Path, *, seed: int = 0, size: Size = "tin
 
     if size not in _ARCH:
         raise ValueError(f"size must be one of {sorted(_ARCH)}, got {size!r}")
+    if template not in CHAT_TEMPLATES:
+        raise ValueError(f"template must be one of {sorted(CHAT_TEMPLATES)}, got {template!r}")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(template=template)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = LlamaConfig(
