@@ -31,7 +31,8 @@ RESPONSES_TOOLS = [{"type": "function", **s["function"]} for s in SPECS]
 
 
 async def run_tool(name: str, args) -> str:
-    return (await execute_tool_call(ParsedToolCall(name, dict(args)), {t.name: t for t in TOOLS})).output
+    record = await execute_tool_call(ParsedToolCall(name, dict(args)), {t.name: t for t in TOOLS})
+    return record.output
 
 
 async def anthropic_calculator(client, task, *, stream: bool) -> float:
@@ -221,3 +222,72 @@ async def test_bad_requests_get_their_dialects_error_and_every_session_goes_on(
     assert other.fault is None and again.previous_response_id == foreign.id
     assert len(other.trajectory.branches) == 1 and other.trajectory.branches[0].n_calls == 2
     assert a_session.n_calls == 4 and r_session.n_calls == 5  # the good calls + two past context
+
+
+def sampled_spans(sample) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+    """(ids, logprobs) of each run of loss-mask 1 in a sample's response: one per model turn."""
+    spans, start = [], None
+    for i, m in enumerate([*sample.loss_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((tuple(sample.response_ids[start:i]),
+                          tuple(sample.rollout_logprobs[start:i])))  # fmt: skip
+            start = None
+    return spans
+
+
+PROGRAMS = ["calculator_agent_anthropic.py", "calculator_agent_responses.py"]
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+async def test_sdk_program_agents_train_on_exactly_the_tokens_the_engine_sampled(
+    local_engine, tiny_model_dir, tmp_path, program
+):
+    """Each example agent, a program using only its SDK (streamed, with its tool schema), trains
+    2 RL steps of the tool task (configs/agent_tiny.yaml) with no failed sample; every sampled
+    span of every trained sample in the rollout dump is, id for id and logprob for logprob, an
+    answer the engine gave (recorded between the pool and the engine)."""
+    import sys
+
+    from engines.testing.fault_proxy import FaultPlan, FaultProxy
+    from tests.distributed_launch import ROOT
+    from training.config import load_config
+    from training.recipes.rl import run_rl_recipe
+    from training.rl.dump_audit import read_dump_lines
+    from training.rl_config import RLRunConfig
+
+    server, _ = local_engine
+    sampled: set[tuple[tuple[int, ...], tuple[float, ...]]] = set()
+
+    def record(path: str, body: bytes, answer: bytes) -> None:
+        if path == "/generate":
+            out = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+            lps = tuple(lp for lp, *_ in out["meta_info"]["output_token_logprobs"])
+            sampled.add((tuple(out["output_ids"]), lps))
+
+    recorder = FaultProxy(server.url, FaultPlan())
+    recorder.on_answer = record
+    argv = json.dumps([sys.executable, str(ROOT / "examples" / program), "--stream", "--tools"])
+    config = load_config(RLRunConfig, ROOT / "configs" / "agent_tiny.yaml", [
+        f"output_dir={tmp_path / 'out'}", f"model.path={tiny_model_dir}",
+        f"data.task_dir={tmp_path / 'data'}", "data.multiply.n_sft=4", "data.multiply.n_rl=16",
+        "data.multiply.n_eval=4", "rollout.batch_size=1", "rollout.n_samples_per_prompt=2",
+        "rollout.filter_groups=none", "rollout.sampling.max_new_tokens=8", "train.max_steps=2",
+        "train.eval_samples=0", "train.dump_rollouts=true", f"agent.command={argv}",
+    ])  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(recorder.serve)
+        config = config.model_copy(update={"engines": config.engines.model_copy(
+            update={"urls": [url]})})  # fmt: skip
+        summary = await run_rl_recipe(config)
+        nursery.cancel_scope.cancel()
+    rows = [json.loads(r) for r in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert summary.steps == 2 and [r["weight_version"] for r in rows] == [1, 2]
+    assert all(r["samples_failed"] == 0 for r in rows), rows
+    lines = read_dump_lines(tmp_path / "out" / "rollouts.jsonl")
+    samples = [s for _, batch in lines for group in batch.groups for s in group]
+    assert [step for step, _ in lines] == [1, 2] and len(samples) >= 4
+    spans = [span for s in samples for span in sampled_spans(s)]
+    assert all(s.status in ("completed", "truncated") for s in samples)
+    assert len(spans) >= len(samples) and all(span in sampled for span in spans)
