@@ -84,6 +84,72 @@ async def responses_calculator(client, task, *, stream: bool, chain: bool) -> fl
     return 0.0
 
 
+def test_messages_translate_to_the_chat_turns_the_template_renders():
+    """system blocks, text + tool_use, tool_result (text blocks, is_error) in order, tools."""
+    from rollouts.agent.anthropic_dialect import read_messages_request
+
+    req = read_messages_request({
+        "model": "m", "max_tokens": 9, "stop_sequences": ["END"],
+        "system": [{"type": "text", "text": "be brief"}, {"type": "text", "text": "be right"}],
+        "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "auto"},
+        "messages": [
+            {"role": "user", "content": "2*3 and 4/0"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Let me compute."},
+                {"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "2*3"}},
+                {"type": "tool_use", "id": "t2", "name": "calculator", "input": {"expression": "4/0"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "6"}]},
+                {"type": "tool_result", "tool_use_id": "t2", "content": "division by zero",
+                 "is_error": True},
+                {"type": "text", "text": "and now?"}]},
+        ],
+    })  # fmt: skip
+    calls = [{"id": f"t{i}", "type": "function", "function": {"name": "calculator",
+              "arguments": {"expression": e}}} for i, e in ((1, "2*3"), (2, "4/0"))]  # fmt: skip
+    assert list(req.messages) == [
+        {"role": "system", "content": "be brief\nbe right"},
+        {"role": "user", "content": "2*3 and 4/0"},
+        {"role": "assistant", "content": "Let me compute.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "t1", "content": "6"},
+        {"role": "tool", "tool_call_id": "t2", "content": "Error: division by zero"},
+        {"role": "user", "content": "and now?"},
+    ]
+    assert list(req.tools) == SPECS and req.parse_tools and req.stop == ("END",)
+    assert req.max_tokens == 9 and not req.stream
+
+
+def test_responses_items_translate_to_chat_turns_and_chain_on_previous_responses():
+    """function_call items join the assistant message before them; previous_response_id puts
+    the stored conversation first; instructions lead but are not stored."""
+    from rollouts.agent.responses_dialect import read_responses_request
+
+    stored = ({"role": "user", "content": "2*3"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type":
+               "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}]})  # fmt: skip
+    req = read_responses_request({
+        "model": "m", "instructions": "be brief", "previous_response_id": "resp_1",
+        "input": [
+            {"type": "function_call_output", "call_id": "c1", "output": "6"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "6, and", "annotations": []}]},
+            {"type": "function_call", "call_id": "c2", "name": "calculator",
+             "arguments": '{"expression": "1+1"}', "id": "fc_2", "status": "completed"},
+            {"type": "function_call_output", "call_id": "c2", "output": "2"},
+            {"role": "user", "content": [{"type": "input_text", "text": "sum?"}]},
+        ],
+    }, {"resp_1": stored}.get)  # fmt: skip
+    c2 = {"id": "c2", "type": "function", "function": {"name": "calculator",
+                                                       "arguments": {"expression": "1+1"}}}  # fmt: skip
+    conversation = [*stored, {"role": "tool", "tool_call_id": "c1", "content": "6"},
+                    {"role": "assistant", "content": "6, and", "tool_calls": [c2]},
+                    {"role": "tool", "tool_call_id": "c2", "content": "2"},
+                    {"role": "user", "content": "sum?"}]  # fmt: skip
+    assert list(req.chat.messages) == [{"role": "system", "content": "be brief"}, *conversation]
+    assert list(req.history) == conversation and req.store
+    assert req.previous_response_id == "resp_1" and req.chat.tools is None
+
+
 def anthropic_harness(stream: bool):
     async def run(endpoint, task):
         async with anthropic.AsyncAnthropic(base_url=endpoint.anthropic_base_url,
@@ -196,6 +262,10 @@ async def test_bad_requests_get_their_dialects_error_and_every_session_goes_on(
                 assert good.object == "response" and good.status in ("completed", "incomplete")
             again = await o_client.responses.create(model="m", input="more",
                                                     previous_response_id=foreign.id)  # fmt: skip
+            with pytest.raises(anthropic.NotFoundError) as wrong_url:  # the OpenAI base URL
+                await anthropic.AsyncAnthropic(
+                    base_url=a_session.base_url, api_key=a_session.api_key, max_retries=0
+                ).messages.create(model="m", max_tokens=8, messages=[user])
             with pytest.raises(anthropic.AuthenticationError) as intruder:
                 await anthropic.AsyncAnthropic(
                     base_url=a_client.base_url, api_key=other.api_key, max_retries=0
@@ -208,6 +278,8 @@ async def test_bad_requests_get_their_dialects_error_and_every_session_goes_on(
     assert "messages[2].content[0].tool_use_id" in str(a_errors["unknown tool_use_id"])
     assert "context length" in str(a_errors["past the context"])
     assert intruder.value.status_code == 401 and intruder.value.body["type"] == "error"
+    assert wrong_url.value.body["error"]["type"] == "not_found_error"
+    assert "without /v1, AgentEndpoint.anthropic_base_url" in str(wrong_url.value)
     for case, exc in r_errors.items():
         assert exc.status_code == 400 and exc.type == "invalid_request_error", case
     assert r_errors["foreign previous_response_id"].code == "previous_response_not_found"

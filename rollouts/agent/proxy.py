@@ -152,8 +152,11 @@ class _ProxyApp(App):
         route, params = self._find(request.path)
         path = request.path
         if route is None:
+            hint = (" (the anthropic client appends /v1/messages itself: give it the session URL "
+                    "without /v1, AgentEndpoint.anthropic_base_url)"
+                    if path.endswith("/v1/v1/messages") else "")  # fmt: skip
             return _error(404, f"no route {path}: use /sessions/<id>/v1/chat/completions, "
-                          "/v1/responses or /v1/messages", path=path)  # fmt: skip
+                          f"/v1/responses or /v1/messages{hint}", path=path)  # fmt: skip
         if request.method not in route.methods:
             return _error(405, f"{request.method} is not allowed on {path}", path=path)
         session = self.proxy.sessions.get(params["session"])
