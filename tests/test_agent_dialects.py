@@ -245,6 +245,11 @@ async def test_bad_requests_get_their_dialects_error_and_every_session_goes_on(
                 a_errors[case] = raised.value
                 good = await a_client.messages.create(model="m", max_tokens=8, messages=[user])
                 assert good.type == "message" and good.stop_reason in ("end_turn", "max_tokens")
+            stream = await a_client.messages.create(model="m", max_tokens=8, messages=[user],
+                                                    stream=True)  # fmt: skip
+            a_events = [event.type async for event in stream]
+            stream = await r_client.responses.create(model="m", input="hi", stream=True)
+            r_events = [event.type async for event in stream]
             bad_inputs = {
                 "foreign previous_response_id": {"input": "again",
                                                  "previous_response_id": foreign.id},
@@ -280,6 +285,10 @@ async def test_bad_requests_get_their_dialects_error_and_every_session_goes_on(
     assert intruder.value.status_code == 401 and intruder.value.body["type"] == "error"
     assert wrong_url.value.body["error"]["type"] == "not_found_error"
     assert "without /v1, AgentEndpoint.anthropic_base_url" in str(wrong_url.value)
+    assert a_events == ["message_start", "content_block_start", "content_block_delta",
+                        "content_block_stop", "message_delta", "message_stop"]  # fmt: skip
+    assert r_events[:2] == ["response.created", "response.in_progress"]
+    assert r_events[-1] in ("response.completed", "response.incomplete")
     for case, exc in r_errors.items():
         assert exc.status_code == 400 and exc.type == "invalid_request_error", case
     assert r_errors["foreign previous_response_id"].code == "previous_response_not_found"
@@ -293,7 +302,7 @@ async def test_bad_requests_get_their_dialects_error_and_every_session_goes_on(
     assert "previous_response_id" in r_session.fault
     assert other.fault is None and again.previous_response_id == foreign.id
     assert len(other.trajectory.branches) == 1 and other.trajectory.branches[0].n_calls == 2
-    assert a_session.n_calls == 4 and r_session.n_calls == 5  # the good calls + two past context
+    assert a_session.n_calls == 5 and r_session.n_calls == 6  # good calls + one past the context
 
 
 def sampled_spans(sample) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
