@@ -200,7 +200,7 @@ async def test_broken_harnesses_fail_their_sample_with_the_cause_and_the_group_g
     assert "RuntimeError: agent bug" in by_kind["raise"].error
     assert "timed out after 2 s" in by_kind["hang"].error
     assert "messages[0].content" in by_kind["bad_body"].error
-    assert "made no chat-completions call" in by_kind["silent"].error
+    assert "made no model call" in by_kind["silent"].error
     assert all(by_kind[k].status == "failed" for k in kinds[:-1])
     assert by_kind["good"].status == "completed" and by_kind["good"].error is None
     assert env_reward(by_kind["good"])["total"] in (0.0, 1.0)

@@ -161,7 +161,8 @@ class AgentSection(Strict):
     itself instead (`RLExtensions(agent=...)`)."""
 
     command: list[str] | None = Field(
-        None, description="argv of a subprocess agent: OPENAI_BASE_URL/OPENAI_API_KEY set, "
+        None, description="argv of a subprocess agent: OPENAI_BASE_URL/OPENAI_API_KEY (and "
+        "ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY) set, "
         "task JSON on stdin, reward as the last line of stdout",
     )  # fmt: skip
     fn: str | None = Field(

@@ -17,8 +17,10 @@ Every wait is bounded (`io_timeout_s` per read, `hang_s`); `counts` tallies each
 forwarded request; `rids` lists the rid of each request drawn for, in order (an engine's request
 log); `longest_s` the longest time a request of each path was outstanding at the proxy (head
 read to answer sent or connection closed). `on_request(path)`, if set, is called as each
-request's head arrives (before its fault), e.g. to kill the client mid-weight-push. Only bodies
-with `Content-Length` are read (what httpx sends).
+request's head arrives (before its fault), e.g. to kill the client mid-weight-push;
+`on_answer(path, body, answer)`, if set, with each forwarded request's body and the engine's
+whole answer (head and body), e.g. to record what the engine sampled. Only bodies with
+`Content-Length` are read (what httpx sends).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class FaultProxy:
         self.counts: Counter[str] = Counter()
         self.longest_s: dict[str, float] = {}
         self.on_request: Callable[[str], None] | None = None
+        self.on_answer: Callable[[str, bytes, bytes], None] | None = None
         self.rids: list[str] = []  # of each request on `plan.paths`, as sent (a batch: each item)
         self.enabled = True
         self._rng = random.Random(plan.seed)
@@ -140,6 +143,8 @@ class FaultProxy:
                 answer = await self._forward(head, body)
         except (trio.TooSlowError, OSError, trio.BrokenResourceError):
             return  # the engine is gone or stuck: the client sees a dropped connection
+        if self.on_answer is not None:
+            self.on_answer(path, body, answer)
         await _send(client, answer[: len(answer) // 2] if fault == "truncate" else answer)
 
     async def _forward(self, head: bytes, body: bytes) -> bytes:

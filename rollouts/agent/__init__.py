@@ -1,8 +1,9 @@
-"""Train agents written for the OpenAI API: a proxy that turns their calls into exact tokens.
+"""Train agents written for the OpenAI or Anthropic APIs: a proxy turning calls into exact tokens.
 
-Layers: `openai_shapes` (request checks and answer shapes, pure) and `trajectory` (branches of
-exact token ids, pure) are used by `proxy` (the per-session HTTP server on 127.0.0.1);
-`harness` runs an agent program against a session (a Python callable given an
+Layers: `openai_shapes`, `anthropic_dialect` and `responses_dialect` (each API's request checks
+and answer shapes, pure), `trajectory` (branches of exact token ids, pure) and `turns` (one
+sampled turn, whatever the dialect) are used by `proxy` (the per-session HTTP server on
+127.0.0.1); `harness` runs an agent program against a session (a Python callable given an
 `openai.AsyncOpenAI`, or any subprocess); `generate` puts them together as a `GenerateFn`
 for the rollout manager (`agent_generate`). See docs/agents.md.
 """

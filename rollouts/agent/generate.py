@@ -74,7 +74,7 @@ def _status(session: AgentSession, branch: Branch | None, outcome: HarnessOutcom
     if outcome.error is not None and not session.truncated:
         return "failed", outcome.error
     if branch is None:
-        return "failed", "the agent made no chat-completions call"
+        return "failed", "the agent made no model call (chat/completions, responses or messages)"
     if session.truncated or branch.finish == "length":
         return "truncated", None
     return "completed", None

@@ -6,8 +6,9 @@ cover the usual cases:
 - `python_harness(agent)`: `agent(client, task)` gets an `openai.AsyncOpenAI` pointed at the
   session (no retries: a failed call is the agent's to handle or to fail on);
 - `subprocess_harness(argv)`: any program, in any language, run with `OPENAI_BASE_URL` and
-  `OPENAI_API_KEY` set, the task as JSON on stdin and its reward as the last line of stdout
-  (empty or `null`: no reward, the rollout's reward function decides).
+  `OPENAI_API_KEY` set (and `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY` for the same session,
+  for the `anthropic` client), the task as JSON on stdin and its reward as the last line of
+  stdout (empty or `null`: no reward, the rollout's reward function decides).
 
 `run_harness` runs one under a deadline and turns every way it can fail (it raises, the
 program exits non-zero or prints no number, the deadline passes) into a `HarnessOutcome` with
@@ -39,6 +40,11 @@ class AgentEndpoint:
 
     base_url: str
     api_key: str
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The same session for the `anthropic` client, which appends `/v1/messages` itself."""
+        return self.base_url.removesuffix("/").removesuffix("/v1")
 
 
 Harness: TypeAlias = Callable[[AgentEndpoint, Mapping[str, Any]], Awaitable[float | None]]
@@ -100,15 +106,18 @@ def read_reward(stdout: bytes, argv0: str) -> float | None:
 
 def subprocess_harness(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                        cwd: str | None = None) -> Harness:  # fmt: skip
-    """A Harness running `argv` with the session in `OPENAI_BASE_URL` / `OPENAI_API_KEY`,
-    the task as JSON on stdin and the reward read from stdout (`read_reward`)."""
+    """A Harness running `argv` with the session in `OPENAI_BASE_URL` / `OPENAI_API_KEY` (and
+    `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`), the task as JSON on stdin and the reward read
+    from stdout (`read_reward`)."""
     if not argv:
         raise ConfigError("subprocess_harness: argv is empty")
     command = [str(a) for a in argv]
 
     async def run(endpoint: AgentEndpoint, task: Mapping[str, Any]) -> float | None:
         environ = {**os.environ, **dict(env or {}), "OPENAI_BASE_URL": endpoint.base_url,
-                   "OPENAI_API_KEY": endpoint.api_key}  # fmt: skip
+                   "OPENAI_API_KEY": endpoint.api_key,
+                   "ANTHROPIC_BASE_URL": endpoint.anthropic_base_url,
+                   "ANTHROPIC_API_KEY": endpoint.api_key}  # fmt: skip
         done = await trio.run_process(command, stdin=json.dumps(dict(task)).encode(),
                                       capture_stdout=True, capture_stderr=True, check=False,
                                       env=environ, cwd=cwd)  # fmt: skip

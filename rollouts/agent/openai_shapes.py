@@ -31,14 +31,15 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class AgentRequestError(RolloutsError, ValueError):
-    """A chat request the proxy cannot serve; `status` and `param` go into the OpenAI error."""
+    """A request the proxy cannot serve; `status`, `param` and `code` go into the error object."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:  # fmt: skip
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.param = param
         self.status = status
         self.kind = kind
+        self.code = code
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,23 @@
-"""The agent proxy: an OpenAI-compatible server whose calls become exact token trajectories.
+"""The agent proxy: an OpenAI- and Anthropic-compatible server whose calls become exact tokens.
 
 `open_agent_proxy(chat)` serves on 127.0.0.1 (a free port) for as long as its `async with`
 lasts; `proxy.open_session(ctx, index)` gives one session its own base URL
-(`{url}/sessions/<id>/v1`) and API key. A session's `POST /chat/completions` renders the
-messages (or extends a branch, `rollouts.agent.trajectory`), sends the token ids to
-`ctx.engine.generate` (the engine pool: failover, staleness and weight versions apply), reads
-tool calls with the configured parser and answers in OpenAI's shapes, streamed (SSE) when
-asked, with the call's token ids when asked (`return_token_ids`, as vLLM answers it). `GET /models` lists the one model.
+(`{url}/sessions/<id>/v1`) and API key. A session speaks three dialects, each translated to
+chat messages + tools (`openai_shapes`, `anthropic_dialect`, `responses_dialect`) and sampled
+by one core (`AgentProxy.sample_turn`): it renders the messages (or extends a branch,
+`rollouts.agent.trajectory`), sends the token ids to `ctx.engine.generate` (the engine pool:
+failover, staleness and weight versions apply) and reads tool calls with the configured
+parser. `POST /chat/completions` (OpenAI chat), `POST /responses` (OpenAI Responses, with
+`previous_response_id` among the session's own responses) and `POST /messages` (Anthropic
+Messages: the anthropic client appends `/v1/messages` to `{url}/sessions/<id>`) answer in
+their API's shapes, streamed (SSE) when asked; chat completions with the call's token ids
+when asked (`return_token_ids`, as vLLM answers it). `GET /models` lists the one model.
 
 Guarantees:
-- a request needs its session's key (`Authorization: Bearer <key>`), checked on the headers
-  before the body is read: 401 otherwise, 404 for a session that is not open, so one harness
-  cannot write into another's session;
-- a bad body is answered 400 with OpenAI's error object naming the field, and recorded as
+- a request needs its session's key (`Authorization: Bearer <key>` or `x-api-key: <key>`),
+  checked on the headers before the body is read: 401 otherwise, 404 for a session that is not
+  open, so one harness cannot write into another's session;
+- a bad body is answered 400 with the dialect's error object naming the field, and recorded as
   the session's `fault` (its sample fails), and so are a body over the size limit (413) and
   the engine's own 4xx (a prompt past the context: answered with the engine's status and text);
   any other engine error is answered 502 and kept in `engine_error` (the rollout re-raises it,
@@ -23,16 +28,17 @@ Guarantees:
   and response tokens: past them a call is answered 400 and the session is `truncated`.
 
 Not covered: `n > 1`, forced tool choice, token-by-token streaming (the answer is sampled
-whole, then sent as SSE chunks), images and audio.
+whole, then sent as SSE chunks or events), images and audio.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 import secrets
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -50,24 +56,35 @@ from engines.local.asgi import (
 )
 from engines.local.http11 import ConnectionLimits, serve_http
 from plumbing.errors import EngineError
+from rollouts.agent.anthropic_dialect import (
+    anthropic_error,
+    message_events,
+    message_object,
+    read_messages_request,
+    stop_reason,
+)
 from rollouts.agent.openai_shapes import (
     AgentRequestError,
-    answer_from_text,
     chat_completion,
     completion_chunks,
     error_body,
     model_list,
     read_chat_request,
 )
+from rollouts.agent.responses_dialect import (
+    History,
+    read_responses_request,
+    response_events,
+    response_object,
+)
 from rollouts.agent.trajectory import SessionTrajectory
+from rollouts.agent.turns import sample_turn
 from rollouts.chat_turns import ChatTurns
 from rollouts.generate_fn import GenerateContext
-from rollouts.multiturn import generate_turn
-from rollouts.request_ids import oldest_version, request_rid, version_number
 from rollouts.tools.base import ToolParser
 from rollouts.tools.parsers import parse_hermes_tool_calls
 
-_PATH = re.compile(r"^/sessions/([A-Za-z0-9_-]+)/v1/(chat/completions|models)$")
+_PATH = re.compile(r"^/sessions/([A-Za-z0-9_-]+)/v1/(chat/completions|models|messages|responses)$")
 
 
 @dataclass(frozen=True)
@@ -96,11 +113,23 @@ class AgentSession:
     truncated: bool = False
     closed: bool = False
     last_branch: int | None = None  # the branch the latest call went to
+    responses: dict[str, History] = field(default_factory=dict)  # Responses API: id -> history
 
 
-def _error(status: int, message: str, *, kind: str = "invalid_request_error",
-           param: str | None = None, code: str | None = None) -> Response:  # fmt: skip
-    return json_response(error_body(message, kind=kind, param=param, code=code), status)
+def _openai_error(exc: AgentRequestError) -> Response:
+    body = error_body(str(exc), kind=exc.kind, param=exc.param, code=exc.code)
+    return json_response(body, exc.status)
+
+
+def _anthropic_error(exc: AgentRequestError) -> Response:
+    return json_response(anthropic_error(exc.status, str(exc)), exc.status)
+
+
+def _error(status: int, message: str, *, path: str = "", kind: str = "invalid_request_error",
+           code: str | None = None) -> Response:  # fmt: skip
+    """An error in the shape of the dialect `path` is for (Anthropic's for `/messages`)."""
+    exc = AgentRequestError(message, status=status, kind=kind, code=code)
+    return (_anthropic_error if path.endswith("/messages") else _openai_error)(exc)
 
 
 class _ProxyApp(App):
@@ -109,33 +138,43 @@ class _ProxyApp(App):
     def __init__(self, proxy: AgentProxy) -> None:
         super().__init__()
         self.proxy = proxy
-        self.chat_route = Route(("POST",), proxy.chat_completions, cancel_on_disconnect=True)
-        self.models_route = Route(("GET",), proxy.models)
+        post = partial(Route, ("POST",), cancel_on_disconnect=True)
+        self.routes = {"chat/completions": post(proxy.chat_completions),
+                       "messages": post(proxy.messages), "responses": post(proxy.responses),
+                       "models": Route(("GET",), proxy.models)}  # fmt: skip
 
     def _find(self, path: str) -> tuple[Route | None, dict[str, str]]:
         match = _PATH.match(path)
         if match is None:
             return None, {}
-        route = self.chat_route if match.group(2) == "chat/completions" else self.models_route
-        return route, {"session": match.group(1)}
+        return self.routes[match.group(2)], {"session": match.group(1)}
 
     def _refuse_on_headers(self, request: Request) -> Response | None:
         route, params = self._find(request.path)
+        path = request.path
         if route is None:
-            return _error(404, f"no route {request.path}: use /sessions/<id>/v1/chat/completions")
+            hint = (" (the anthropic client appends /v1/messages itself: give it the session URL "
+                    "without /v1, AgentEndpoint.anthropic_base_url)"
+                    if path.endswith("/v1/v1/messages") else "")  # fmt: skip
+            return _error(404, f"no route {path}: use /sessions/<id>/v1/chat/completions, "
+                          f"/v1/responses or /v1/messages{hint}", path=path)  # fmt: skip
         if request.method not in route.methods:
-            return _error(405, f"{request.method} is not allowed on {request.path}")
+            return _error(405, f"{request.method} is not allowed on {path}", path=path)
         session = self.proxy.sessions.get(params["session"])
         if session is None or session.closed:
-            return _error(404, f"session {params['session']!r} is not open", code="no_session")
-        if not self.authorized(request, session.api_key):
-            return _error(401, "incorrect API key for this session", code="invalid_api_key")
+            return _error(404, f"session {params['session']!r} is not open", path=path,
+                          code="no_session")  # fmt: skip
+        given = request.headers.get("x-api-key", "")
+        if not (self.authorized(request, session.api_key)
+                or hmac.compare_digest(given.encode(), session.api_key.encode())):  # fmt: skip
+            return _error(401, "incorrect API key for this session", path=path,
+                          code="invalid_api_key")  # fmt: skip
         request.path_params = params
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             message = f"request body over {self.max_body_bytes} bytes ({length})"
             session.fault = session.fault or f"refused (HTTP 413): {message}"
-            return _error(413, message)
+            return _error(413, message, path=path)
         return None
 
 
@@ -169,82 +208,84 @@ class AgentProxy:
     async def models(self, request: Request) -> Response:
         return json_response(model_list([self.model_name]))
 
+    @staticmethod
+    def _bad_body(session: AgentSession, exc: ValueError) -> AgentRequestError:
+        """A body that could not be read (not JSON, or a dialect's check): the session's fault."""
+        session.fault = session.fault or f"bad request body: {exc}"
+        return exc if isinstance(exc, AgentRequestError) else AgentRequestError(str(exc))
+
     async def chat_completions(self, request: Request) -> Response | StreamingResponse:
         session = self.sessions[request.path_params["session"]]
         try:
             req = read_chat_request(request.json())
         except ValueError as exc:  # AgentRequestError, or the body is not JSON
-            param = exc.param if isinstance(exc, AgentRequestError) else None
-            session.fault = session.fault or f"bad request body: {exc}"
-            return _error(400, str(exc), param=param)
-        limits = session.limits
-        if session.n_calls >= limits.max_calls:
-            session.truncated = True
-            return _error(400, f"this session allows {limits.max_calls} calls",
-                          code="max_calls_exceeded")  # fmt: skip
-        plan = session.trajectory.plan(req.messages, req.tools)
-        params = dict(session.ctx.sampling_params)
-        cap = [int(params["max_new_tokens"])] if "max_new_tokens" in params else []
-        if req.max_tokens is not None:
-            cap.append(req.max_tokens)
-        if limits.max_response_tokens is not None:
-            cap.append(limits.max_response_tokens - session.trajectory.response_len(plan))
-        if cap:
-            if min(cap) < 1:
-                session.truncated = True
-                return _error(400, "the session's response-token budget is spent",
-                              code="context_length_exceeded")  # fmt: skip
-            params["max_new_tokens"] = min(cap)
-            if "min_new_tokens" in params:
-                params["min_new_tokens"] = min(int(params["min_new_tokens"]), min(cap))
-        if req.stop:
-            params["stop"] = [*(params.get("stop") or []), *req.stop]
-        rid = request_rid(session.ctx.rid_prefix, session.index, f"c{session.n_calls}")
-        session.n_calls += 1
+            return _openai_error(self._bad_body(session, exc))
         try:
-            result = await generate_turn(session.ctx, plan.input_ids, params, rid)
-        except EngineError as exc:
-            if exc.status is not None and 400 <= exc.status < 500:  # the agent's request: a fault
-                session.fault = session.fault or f"the engine refused call {session.n_calls}: {exc}"
-                return _error(exc.status, f"the engine refused the request: {exc}")
-            session.engine_error = session.engine_error or exc
-            return _error(502, f"the engine failed: {exc}", kind="server_error")
-        finish = result.finish_reason.type
-        if finish == "abort":
-            session.aborted = True
-            return _error(503, "the request was aborted at the engine", kind="server_error")
-        text = self.chat.decode_turn(result.output_ids)
-        answer = answer_from_text(text, finish, self.parser if req.parse_tools else None,
-                                  f"call_{session.id}_{session.n_calls}")  # fmt: skip
-        session.last_branch = session.trajectory.record(
-            plan, req.messages, answer.message, result.output_ids, result.output_logprobs,
-            _versions(result), finish, req.tools,
-        )  # fmt: skip
-        completion_id = f"chatcmpl-{session.id}-{session.n_calls}"
+            turn = await sample_turn(session, req, self.chat, self.parser)
+        except AgentRequestError as exc:
+            return _openai_error(exc)
+        completion_id = f"chatcmpl-{session.id}-{turn.call}"
         # the trajectory's own ids: what the engine was sent and what it sampled
-        ids = (plan.input_ids, result.output_ids) if req.return_token_ids else None
+        ids = (turn.prompt_ids, turn.output_ids) if req.return_token_ids else None
         if req.stream:
-            chunks = completion_chunks(answer, completion_id=completion_id, model=req.model,
+            chunks = completion_chunks(turn.answer, completion_id=completion_id, model=req.model,
                                        token_ids=ids)  # fmt: skip
             return StreamingResponse(_sse(chunks))
         return json_response(chat_completion(
-            answer, completion_id=completion_id, model=req.model,
-            prompt_tokens=len(plan.input_ids), completion_tokens=len(result.output_ids),
+            turn.answer, completion_id=completion_id, model=req.model,
+            prompt_tokens=len(turn.prompt_ids), completion_tokens=len(turn.output_ids),
             token_ids=ids,
         ))  # fmt: skip
 
+    async def messages(self, request: Request) -> Response | StreamingResponse:
+        """Anthropic's `POST /v1/messages` (`rollouts.agent.anthropic_dialect`)."""
+        session = self.sessions[request.path_params["session"]]
+        try:
+            req = read_messages_request(request.json())
+        except ValueError as exc:
+            return _anthropic_error(self._bad_body(session, exc))
+        try:
+            turn = await sample_turn(session, req, self.chat, self.parser)
+        except AgentRequestError as exc:
+            return _anthropic_error(exc)
+        shape = {"message_id": f"msg_{session.id}_{turn.call}", "model": req.model,
+                 "stop": stop_reason(turn.answer, turn.finish.matched, req.stop),
+                 "input_tokens": len(turn.prompt_ids), "output_tokens": len(turn.output_ids)}  # fmt: skip
+        if req.stream:
+            return StreamingResponse(_named_sse(message_events(turn.answer, **shape)))
+        return json_response(message_object(turn.answer, **shape))
 
-def _versions(result: Any) -> list[tuple[int, int, int]]:
-    """(start, end, weight version) spans over a result's output ids."""
-    spans = [(s.start, s.end, version_number(s.version, 0))
-             for s in getattr(result, "weight_versions", ()) or () if s.end > s.start]  # fmt: skip
-    return spans or [(0, len(result.output_ids), oldest_version(result))]
+    async def responses(self, request: Request) -> Response | StreamingResponse:
+        """OpenAI's `POST /v1/responses` (`rollouts.agent.responses_dialect`)."""
+        session = self.sessions[request.path_params["session"]]
+        try:
+            req = read_responses_request(request.json(), session.responses.get)
+        except ValueError as exc:
+            return _openai_error(self._bad_body(session, exc))
+        try:
+            turn = await sample_turn(session, req.chat, self.chat, self.parser)
+        except AgentRequestError as exc:
+            return _openai_error(exc)
+        response_id = f"resp_{secrets.token_hex(12)}"
+        if req.store:
+            session.responses[response_id] = (*req.history, turn.answer.message)
+        shape = {"response_id": response_id, "request": req, "input_tokens": len(turn.prompt_ids),
+                 "output_tokens": len(turn.output_ids)}  # fmt: skip
+        if req.chat.stream:
+            return StreamingResponse(_named_sse(response_events(turn.answer, **shape)))
+        return json_response(response_object(turn.answer, **shape))
 
 
 async def _sse(chunks: list[Mapping[str, Any]]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield sse_event(chunk)
     yield SSE_DONE
+
+
+async def _named_sse(events: list[tuple[str, Mapping[str, Any]]]) -> AsyncIterator[bytes]:
+    """Server-sent events with an `event:` line each (Anthropic's and the Responses API's)."""
+    for name, data in events:
+        yield b"event: " + name.encode() + b"\n" + sse_event(data)
 
 
 @asynccontextmanager
