@@ -10,6 +10,7 @@ read given calls from each turn; the engine samples every token.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -46,6 +47,9 @@ from training.config import load_config
 from training.rl_config import RLRunConfig
 
 APP = "examples.openenv_calculator_env:app"
+# the env servers need the `openenv` package (the dev and openenv extras); looked up, not imported
+needs_openenv = pytest.mark.skipif(importlib.util.find_spec("openenv") is None,
+                                   reason="pip install -e .[dev] (or .[openenv]) for openenv")  # fmt: skip
 CALC_SPEC = {"type": "function", "function": {
     "name": "calculator",
     "description": "Evaluate an arithmetic expression: numbers, + - * / // % **, parentheses.",
@@ -102,6 +106,7 @@ def task_prompt(tok, url: str, split: str, index: int) -> PromptItem:
     )
 
 
+@needs_openenv
 def test_tasks_of_the_env_task_provider_become_prompt_records(env_server):
     url, _ = env_server
     records = task_records(fetch_tasks(url, "calculator", "test", limit=3), "test", "prompt")
@@ -117,6 +122,7 @@ def test_tasks_of_the_env_task_provider_become_prompt_records(env_server):
         task_records(fetch_tasks(url, "calculator", "test", limit=1), "test", "question")
 
 
+@needs_openenv
 async def test_an_episode_is_the_env_tools_calls_rewards_and_exactly_the_sampled_tokens(
     env_server, local_engine, tiny_tokenizer
 ):
@@ -157,6 +163,7 @@ async def test_an_episode_is_the_env_tools_calls_rewards_and_exactly_the_sampled
     assert "<|im_start|>tool\n42<|im_end|>" in appended  # the env's observation, as a tool turn
 
 
+@needs_openenv
 async def test_a_plain_answer_is_submitted_and_a_wrong_call_is_shown_to_the_model(
     env_server, local_engine, tiny_tokenizer
 ):
@@ -179,6 +186,7 @@ async def test_a_plain_answer_is_submitted_and_a_wrong_call_is_shown_to_the_mode
     assert received[-1]["done"] and sample.reward == received[-1]["reward"] == 0.0  # text wrong
 
 
+@needs_openenv
 async def test_an_env_server_that_is_down_or_errs_fails_the_sample_naming_url_and_cause(
     env_server, local_engine, tiny_tokenizer
 ):
@@ -195,6 +203,11 @@ async def test_an_env_server_that_is_down_or_errs_fails_the_sample_naming_url_an
     assert [s.status for s in samples] == ["failed", "failed"]
     assert samples[0].error.startswith(f"{dead}: cannot open a session at {dead}/ws: OSError")
     assert "ConnectionRefusedError" in samples[0].error
+    server, _ = local_engine  # an HTTP server, but not an OpenEnv one
+    with pytest.raises(OpenEnvError, match=rf"refused the WebSocket at {server.url}/ws \(HTTP 4"
+                                           r".*is this an OpenEnv server\?"):  # fmt: skip
+        async with open_session(server.url):
+            pass
     # an error the server answers (reset of a task that does not exist) is the sample's error
     bad = PromptItem(prompt.prompt_ids, prompt.messages, {"reset": {"split": "test", "index": 999}})
     (sample,) = await openenv_generate(OpenEnvConfig(url=url), url, parser=scripted())(bad, 1, ctx)
@@ -212,6 +225,7 @@ async def test_an_env_server_that_is_down_or_errs_fails_the_sample_naming_url_an
     assert result.n_retried_samples == 2 and result.n_failed_samples == 2
 
 
+@needs_openenv
 async def test_an_env_server_that_dies_mid_episode_fails_the_sample(local_engine, tiny_tokenizer):
     """Also: `serve_env_app` serves a config-named app on 127.0.0.1 and stops it."""
     _, engine = local_engine
@@ -237,6 +251,7 @@ async def test_an_env_server_that_dies_mid_episode_fails_the_sample(local_engine
     assert f"{served.url}: the " in sample.error  # the session's server, and what broke
 
 
+@needs_openenv
 async def test_the_openenv_recipe_trains_and_the_env_received_exactly_the_logged_calls(
     tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch
 ):
@@ -283,6 +298,34 @@ async def test_the_openenv_recipe_trains_and_the_env_received_exactly_the_logged
     assert rows[-1]["eval_scored"] == 2 and rows[-1]["eval_failed"] == 0  # held-out episodes
 
 
+@needs_openenv
+async def test_a_run_whose_env_server_is_down_or_does_not_start_stops_before_models_load(
+    tiny_model_dir, tmp_path
+):
+    from training.recipes.rl import run_rl_recipe
+
+    dead = f"http://127.0.0.1:{find_free_port()}"
+    base = [
+        f"output_dir={tmp_path / 'out'}",
+        f"model.path={tiny_model_dir}",
+        "env.openenv.app=null",
+    ]
+    config = load_config(RLRunConfig, ROOT / "configs" / "openenv_tiny.yaml",
+                         [*base, f"env.openenv.url={dead}"])  # fmt: skip
+    with pytest.raises(OpenEnvError, match=rf"^{dead}: the OpenEnv server does not answer GET "
+                                           r"/health: ConnectError.*\(start it, or fix "
+                                           r"env.openenv.url\)"):  # fmt: skip
+        await run_rl_recipe(config)
+    assert not (tmp_path / "out").exists()  # nothing was started or written
+    app = "examples.no_such_env:app"
+    config = load_config(RLRunConfig, ROOT / "configs" / "openenv_tiny.yaml",
+                         [*base, "env.openenv.url=null", f"env.openenv.app={app}"])  # fmt: skip
+    with pytest.raises(OpenEnvError, match=rf"env.openenv.app={app} exited with code \d+ before "
+                                           r"answering /health; log .* ends with:\n(.|\n)*"
+                                           r'Could not import module "examples.no_such_env"'):  # fmt: skip
+        await run_rl_recipe(config)
+
+
 def test_openenv_config_keys_are_checked_with_the_file_and_field(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("env:\n  kind: openenv\n  openenv:\n    url: http://127.0.0.1:1\n"
@@ -310,6 +353,7 @@ def test_the_trainer_never_imports_openenv():
     assert not [m for m in sys.modules if m == "openenv" or m.startswith("openenv.")]
 
 
+@needs_openenv
 async def test_a_session_deadline_names_the_url(env_server):
     url, _ = env_server
     with pytest.raises(OpenEnvError, match=rf"{url}: no WebSocket handshake at {url}/ws within"):

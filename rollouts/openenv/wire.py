@@ -38,6 +38,7 @@ from wsproto.events import (
     Request,
     TextMessage,
 )
+from wsproto.utilities import LocalProtocolError
 
 from plumbing.errors import RolloutsError
 
@@ -151,8 +152,9 @@ class OpenEnvSession:
                 if self._broken is None:
                     await self._send_text(json.dumps({"type": "close"}))
                     await self._stream.send_all(self._ws.send(CloseConnection(code=1000)))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, RuntimeError):
-                pass  # already gone: nothing to tell
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError,
+                    LocalProtocolError):  # fmt: skip
+                pass  # already gone or closing: nothing to tell
         self._broken = self._broken or "closed"
         await trio.aclose_forcefully(self._stream)
 
@@ -212,15 +214,16 @@ async def _handshake(url: str, stream: trio.abc.Stream, ws: WSConnection,
                 return
             if isinstance(event, RejectConnection):
                 status = event.status_code
-                if not event.has_body:
-                    break
+                if event.has_body:
+                    continue
             elif isinstance(event, RejectData):
                 body += event.data
                 if not event.body_finished:
                     continue
-            if status is not None:
-                raise OpenEnvError(f"{url}: the server refused the WebSocket at {url}/ws (HTTP "
-                                   f"{status}: {body[:200]!r}); is this an OpenEnv server?")  # fmt: skip
+            else:
+                continue
+            raise OpenEnvError(f"{url}: the server refused the WebSocket at {url}/ws (HTTP "
+                               f"{status}: {body[:200]!r}); is this an OpenEnv server?")  # fmt: skip
 
 
 async def check_server(url: str, *, timeout_s: float = 10.0) -> None:
