@@ -98,7 +98,7 @@ async def serve_env_app(app: str, *, startup_timeout_s: float = 120.0,
                 yield ServedApp(url, process.pid, out)
             finally:
                 stop.cancel()
-    log.info("OpenEnv server %s stopped (exit code %s)", url, process.returncode)
+    log.info("OpenEnv server %s stopped", url)
     if temp_log:
         out.unlink(missing_ok=True)
 

@@ -178,12 +178,10 @@ def load_prompts(config: RLRunConfig, tokenizer: Any):
     """(train prompts, held-out prompts), rendered with `model.enable_thinking` if set."""
     dc = config.data
     kw = {"template_kwargs": thinking_template_kwargs(tokenizer, config.model.enable_thinking)}
-    server = config.env.openenv
     if dc.train_path is not None:
         train_path, eval_path = dc.train_path, dc.eval_path
-    elif server is not None and server.train_split is not None:  # the env's task provider
-        out = Path(config.output_dir) / "openenv_tasks"
-        train_path, eval_path = openenv_task_files(server, out, dc.eval_path)
+    elif (tasks := openenv_task_files(config)) is not None:  # the env's task provider
+        train_path, eval_path = tasks
     else:
         files = dc.write_task_files()
         train_path, eval_path = files.rl_train, files.rl_eval

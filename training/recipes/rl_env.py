@@ -32,7 +32,6 @@ from rollouts.envs import env_reward, tool_env_factory
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generate_fn import GenerateFn, single_turn_generate
 from rollouts.multiturn import MultiTurnConfig, multiturn_generate
-from rollouts.openenv.config import OpenEnvConfig
 from rollouts.openenv.episode import openenv_generate, task_records
 from rollouts.openenv.wire import fetch_tasks
 from rollouts.prompts import PromptItem
@@ -142,23 +141,28 @@ def with_env_url(config: RLRunConfig, url: str) -> RLRunConfig:
     return config.model_copy(update={"env": config.env.model_copy(update={"openenv": served})})
 
 
-def openenv_task_files(server: OpenEnvConfig, out_dir: Path,
-                       eval_path: str | None) -> tuple[str, str | None]:  # fmt: skip
-    """(train, held-out) prompt files made from the env's task provider (`train_split`,
-    `eval_split`; `eval_path` when there is no eval split), written under `out_dir`.
+def openenv_task_files(config: RLRunConfig) -> tuple[str, str | None] | None:
+    """(train, held-out) prompt files made from the env's task provider (`env.openenv.
+    train_split`, `eval_split`; else `data.eval_path`), written under
+    `output_dir/openenv_tasks/`; None when the prompts do not come from the env.
 
     Raises:
         OpenEnvError: the task routes failed or a task has no prompt (named).
     """
-    assert server.url is not None and server.env_name is not None and server.train_split
+    server = config.env.openenv
+    if server is None or server.train_split is None:
+        return None
+    url, name = server.url, server.env_name
+    assert url is not None and name is not None  # the app is served and the config validated
+    out_dir = Path(config.output_dir) / "openenv_tasks"
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def write(split: str) -> str:
-        tasks = fetch_tasks(server.url, server.env_name, split, limit=server.max_tasks)
+        tasks = fetch_tasks(url, name, split, limit=server.max_tasks)
         path = out_dir / f"{split}.jsonl"
         lines = [json.dumps(r) for r in task_records(tasks, split, server.prompt_key)]
         path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         return str(path)
 
     train = write(server.train_split)
-    return train, (write(server.eval_split) if server.eval_split else eval_path)
+    return train, (write(server.eval_split) if server.eval_split else config.data.eval_path)
