@@ -214,6 +214,11 @@ async def test_an_env_server_that_is_down_or_errs_fails_the_sample_naming_url_an
     assert sample.status == "failed"
     assert sample.error.startswith(f"{url}: the env server answered reset ")
     assert "no task 999 in split 'test'" in sample.error and "EXECUTION_ERROR" in sample.error
+    wrong = OpenEnvConfig(url=url, answer_tool="finish")
+    (sample,) = await openenv_generate(wrong, url, parser=scripted())(prompt, 1, ctx)
+    assert sample.status == "failed" and sample.error == (
+        f"{url}: env.openenv.answer_tool 'finish' is not one of the env's tools "
+        "['calculator', 'submit_answer']")  # fmt: skip
     # and through collect_groups, such samples are counted as failed, never trained
     result = await collect_groups(
         GroupSource(lambda: (bad, [])), n_groups=1, n_samples=2, engine=engine,

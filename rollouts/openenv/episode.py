@@ -116,6 +116,10 @@ class OpenEnvEpisode:
                           for f in (s["function"] for s in specs)}  # fmt: skip
         except ValueError as exc:  # a name or schema rollouts' tool calls cannot carry
             raise OpenEnvError(f"{self.session.url}: list_tools: {exc}") from exc
+        answer = self.config.answer_tool
+        if answer is not None and answer not in self.tools:
+            raise OpenEnvError(f"{self.session.url}: env.openenv.answer_tool {answer!r} is not one "
+                               f"of the env's tools {sorted(self.tools)}")  # fmt: skip
         messages = tuple(self.prompt.messages)
         if self.system_prompt is not None and (not messages or messages[0].get("role") != "system"):
             messages = ({"role": "system", "content": self.system_prompt}, *messages)
