@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from rollouts.config import RolloutConfig, Strict
+from rollouts.openenv.config import OpenEnvConfig
 from training.config import (
     BackendConfig,
     LoggingConfig,
@@ -138,10 +139,11 @@ class RewardConfig(Strict):
 
 
 class EnvSection(Strict):
-    """How an episode runs: one assistant turn, multi-turn with tools (rollouts.multiturn), or
-    an agent written for the OpenAI API behind the agent proxy (`agent`; see AgentSection)."""
+    """How an episode runs: one assistant turn, multi-turn with tools (rollouts.multiturn), an
+    agent written for the OpenAI API behind the agent proxy (`agent`; see AgentSection), or
+    multi-turn in an OpenEnv MCP tool environment (`openenv`; see OpenEnvConfig)."""
 
-    kind: Literal["single_turn", "tools", "agent"] = "single_turn"
+    kind: Literal["single_turn", "tools", "agent", "openenv"] = "single_turn"
     tools: list[Literal["calculator", "python"]] = ["calculator"]
     parser: Literal["hermes", "xml"] = "hermes"
     grader: str = Field(
@@ -153,6 +155,19 @@ class EnvSection(Strict):
     max_turns: int = Field(4, ge=1)
     max_response_tokens: int | None = Field(128, ge=1, description="all turns together")
     tool_timeout_s: float = Field(10.0, gt=0)
+    openenv: OpenEnvConfig | None = Field(None, description="env.kind openenv: the env server")
+
+    @model_validator(mode="after")
+    def _openenv_has_its_section(self) -> EnvSection:
+        if (self.kind == "openenv") != (self.openenv is not None):
+            raise ValueError("env.openenv (url or app of the env server) goes with env.kind "
+                             f"openenv and only with it; env.kind is {self.kind}")  # fmt: skip
+        # the env server lists and runs the tools and grades the answers
+        foreign = sorted({"tools", "grader", "tool_timeout_s"} & self.model_fields_set)
+        if self.kind == "openenv" and foreign:
+            raise ValueError(f"env.{', env.'.join(foreign)} do not apply to env.kind openenv: "
+                             "the env server lists the tools and gives the rewards")  # fmt: skip
+        return self
 
 
 class AgentSection(Strict):
@@ -311,6 +326,14 @@ class RLRunConfig(Strict):
                 "engines.weight_transport=distributed with a router needs "
                 "engines.control_plane=direct: each worker joins the trainer's group itself"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> RLRunConfig:
+        server = self.env.openenv
+        if server is not None and server.train_split and self.data.train_path is not None:
+            raise ValueError("give data.train_path or env.openenv.train_split (the env's tasks "
+                             "as prompts), not both")  # fmt: skip
         return self
 
     @model_validator(mode="after")

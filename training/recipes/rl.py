@@ -29,9 +29,12 @@ from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
 from rollouts.generation import SampleTransform
 from rollouts.manager import AsyncRolloutManager
+from rollouts.openenv.server import serve_env_app
+from rollouts.openenv.wire import check_server
 from rollouts.prompts import load_prompt_jsonl
 from rollouts.rewards import RewardFn
 from rollouts.thinking import thinking_template_kwargs
+from rollouts.tools import ToolParser
 from training.backend.checkpoint import checkpoint_step, find_latest_checkpoint
 from training.backend.lora import loadable_model_dir
 from training.backend.model_io import check_model_path
@@ -60,7 +63,7 @@ from training.loops.weight_push import (
 from training.recipes.callables import resolve_callable as resolve_callable
 from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines
-from training.recipes.rl_env import build_episode_setup
+from training.recipes.rl_env import build_episode_setup, openenv_task_files, with_env_url
 from training.recipes.rl_models import build_rl_models
 from training.recipes.rl_summary import EngineWatch, rl_console_keys
 from training.recipes.rl_summary import RLSummary as RLSummary
@@ -179,6 +182,8 @@ def load_prompts(config: RLRunConfig, tokenizer: Any):
     kw = {"template_kwargs": thinking_template_kwargs(tokenizer, config.model.enable_thinking)}
     if dc.train_path is not None:
         train_path, eval_path = dc.train_path, dc.eval_path
+    elif (tasks := openenv_task_files(config)) is not None:  # the env's task provider
+        train_path, eval_path = tasks
     else:
         files = dc.write_task_files()
         train_path, eval_path = files.rl_train, files.rl_eval
@@ -209,6 +214,8 @@ async def check_rl_inputs(config: RLRunConfig) -> None:
         await probe_engines(ec.urls, api_key=ec.api_key)
     if ec.router_url:
         await probe_engines([ec.router_url], api_key=ec.api_key, flag="--router-url")
+    if config.env.openenv is not None and config.env.openenv.url is not None:
+        await check_server(config.env.openenv.url)
 
 
 @contextlib.asynccontextmanager
@@ -241,7 +248,7 @@ class RLExtensions:
     `reward_fn` replaces `config.reward.fn`; `transforms` shape each scored sample (e.g.
     `rollouts.shaping.add_shaping("length", length_bonus(-0.01))`); the rest go to
     `run_rl_training` as they are (`agent`, for `env.kind: agent`, is the program trained
-    through the agent proxy): the maths and reference rule in its `RLObjective`
+    through the agent proxy; `tool_parser` replaces `env.parser`): the maths and reference rule in its `RLObjective`
     (`rl_objective`), `stop_fn` and `checkpoint_hook` in its `RLHooks`.
     """
 
@@ -255,6 +262,7 @@ class RLExtensions:
     stop_fn: StopFn | None = None
     checkpoint_hook: CheckpointHook | None = None
     agent: OpenAIAgent | None = None  # env.kind agent: async (openai client, task) -> reward
+    tool_parser: ToolParser | None = None
 
 
 def rl_objective(config: RLRunConfig, schedule: algorithms.AlgorithmSchedule, reference: Any,
@@ -282,6 +290,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         config_dir: the config file's directory: `module:function` references in the config
             are looked for in the working directory, then there (training/recipes/callables.py).
     """
+    server = config.env.openenv
+    if server is not None and server.app is not None:  # serve it for the run, then run at its URL
+        async with serve_env_app(server.app, startup_timeout_s=server.startup_timeout_s) as app:
+            return await run_rl_recipe(with_env_url(config, app.url), on_step=on_step,
+                                       extensions=extensions, config_dir=config_dir)  # fmt: skip
     t0 = time.perf_counter()
     await check_rl_inputs(config)
     check_logger_extras(config.logging)
@@ -290,7 +303,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
     episodes = build_episode_setup(
         config.env, config.reward, resolve=partial(resolve_callable, config_dir=config_dir),
         template_kwargs={} if thinking is None else {"enable_thinking": thinking},
-        agent_section=config.agent, agent=extensions.agent,
+        agent_section=config.agent, agent=extensions.agent, parser=extensions.tool_parser,
     )  # fmt: skip
     reward_fn = extensions.reward_fn or episodes.reward_fn
     schedule = algorithm_schedule(config.algorithm, generation_budget(config))

@@ -5,13 +5,17 @@
 answer, so the reward is `env_reward` unless the config names another. `agent` runs an agent
 written for the OpenAI API (`agent.command`, `agent.fn`, or one the program passes) behind
 the agent proxy (`rollouts.agent`); the agent returns the reward, kept by `env_reward` unless
-the config names another reward.
+the config names another reward. `openenv` runs multi-turn episodes in an OpenEnv MCP tool
+environment at `env.openenv.url` (`rollouts.openenv`; the recipe serves `env.openenv.app`
+first); the env gives the rewards, kept by `env_reward` unless the config names another.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from plumbing.errors import ConfigError
@@ -28,11 +32,19 @@ from rollouts.envs import env_reward, tool_env_factory
 from rollouts.evaluation import evaluate_greedy
 from rollouts.generate_fn import GenerateFn, single_turn_generate
 from rollouts.multiturn import MultiTurnConfig, multiturn_generate
+from rollouts.openenv.episode import openenv_generate, task_records
+from rollouts.openenv.wire import fetch_tasks
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RewardFn
-from rollouts.tools import Tool, calculator_tool, parse_hermes_tool_calls, parse_xml_tool_calls
+from rollouts.tools import (
+    Tool,
+    ToolParser,
+    calculator_tool,
+    parse_hermes_tool_calls,
+    parse_xml_tool_calls,
+)
 from rollouts.tools import python_tool as make_python_tool
-from training.rl_config import AgentSection, EnvSection, RewardConfig
+from training.rl_config import AgentSection, EnvSection, RewardConfig, RLRunConfig
 
 _PARSERS = {"hermes": parse_hermes_tool_calls, "xml": parse_xml_tool_calls}
 
@@ -80,26 +92,77 @@ def build_episode_setup(section: EnvSection, reward: RewardConfig, *,
                         resolve: Callable[[str], Any],
                         template_kwargs: Mapping[str, Any] | None = None,
                         agent_section: AgentSection | None = None,
-                        agent: OpenAIAgent | None = None) -> EpisodeSetup:  # fmt: skip
+                        agent: OpenAIAgent | None = None,
+                        parser: ToolParser | None = None) -> EpisodeSetup:  # fmt: skip
     """GenerateFn and reward for the configured env (`resolve` imports `module:function`;
     `template_kwargs`: extra chat-template variables of multi-turn episodes; `agent_section`
-    and `agent`: the agent of `env.kind: agent`)."""
+    and `agent`: the agent of `env.kind: agent`; `parser`: replaces `env.parser`).
+
+    Raises:
+        ConfigError: env.kind openenv whose server has no URL yet (serve `env.openenv.app`
+            first, as `run_rl_recipe` does).
+    """
     if section.kind == "single_turn":
         return EpisodeSetup(single_turn_generate, resolve(reward.fn))
     explicit = "fn" in reward.model_fields_set
+    parser = parser or _PARSERS[section.parser]
     if section.kind == "agent":
         agents = agent_section or AgentSection()
-        config = AgentConfig(timeout_s=agents.timeout_s, parser=_PARSERS[section.parser],
+        config = AgentConfig(timeout_s=agents.timeout_s, parser=parser,
                              limits=SessionLimits(agents.max_calls, section.max_response_tokens),
                              template_kwargs=dict(template_kwargs or {}))  # fmt: skip
         generate = agent_generate(build_harness(agents, resolve, agent), config=config)
         return EpisodeSetup(generate, resolve(reward.fn) if explicit else env_reward)
-    make_env = tool_env_factory(
-        build_tools(section), resolve(section.grader), parser=_PARSERS[section.parser],
-        system_prompt=section.system_prompt, show_specs=section.show_specs,
-    )  # fmt: skip
     config = MultiTurnConfig(max_turns=section.max_turns,
                              max_response_tokens=section.max_response_tokens,
                              template_kwargs=dict(template_kwargs or {}))  # fmt: skip
+    if section.kind == "openenv":
+        server = section.openenv
+        if server is None or server.url is None:
+            raise ConfigError("env.kind openenv needs the env server's URL: set env.openenv.url, "
+                              "or serve env.openenv.app first (run_rl_recipe does)")  # fmt: skip
+        generate = openenv_generate(server, server.url, parser=parser, multiturn=config,
+                                    system_prompt=section.system_prompt,
+                                    show_specs=section.show_specs)  # fmt: skip
+        return EpisodeSetup(generate, resolve(reward.fn) if explicit else env_reward)
+    make_env = tool_env_factory(
+        build_tools(section), resolve(section.grader), parser=parser,
+        system_prompt=section.system_prompt, show_specs=section.show_specs,
+    )  # fmt: skip
     return EpisodeSetup(multiturn_generate(make_env, config=config),
                         resolve(reward.fn) if explicit else env_reward)  # fmt: skip
+
+
+def with_env_url(config: RLRunConfig, url: str) -> RLRunConfig:
+    """`config` with its OpenEnv server at `url` (the app the recipe serves for the run)."""
+    server = config.env.openenv
+    assert server is not None
+    served = server.model_copy(update={"url": url, "app": None})
+    return config.model_copy(update={"env": config.env.model_copy(update={"openenv": served})})
+
+
+def openenv_task_files(config: RLRunConfig) -> tuple[str, str | None] | None:
+    """(train, held-out) prompt files made from the env's task provider (`env.openenv.
+    train_split`, `eval_split`; else `data.eval_path`), written under
+    `output_dir/openenv_tasks/`; None when the prompts do not come from the env.
+
+    Raises:
+        OpenEnvError: the task routes failed or a task has no prompt (named).
+    """
+    server = config.env.openenv
+    if server is None or server.train_split is None:
+        return None
+    url, name = server.url, server.env_name
+    assert url is not None and name is not None  # the app is served and the config validated
+    out_dir = Path(config.output_dir) / "openenv_tasks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(split: str) -> str:
+        tasks = fetch_tasks(url, name, split, limit=server.max_tasks)
+        path = out_dir / f"{split}.jsonl"
+        lines = [json.dumps(r) for r in task_records(tasks, split, server.prompt_key)]
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        return str(path)
+
+    train = write(server.train_split)
+    return train, (write(server.eval_split) if server.eval_split else config.data.eval_path)
