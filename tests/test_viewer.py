@@ -270,3 +270,47 @@ def test_served_site_refreshes_as_steps_land(tmp_path):
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+# ----- SFT: held-out generations per evaluation -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A 4-step SFT run of the tiny model on arithmetic, evaluated (greedy) at steps 2 and 4."""
+    from training.config import SFTRunConfig, load_config
+    from training.recipes.sft import run_sft_recipe
+
+    tmp = tmp_path_factory.mktemp("viewer_sft")
+    root = Path(__file__).resolve().parent.parent
+    config = load_config(SFTRunConfig, root / "configs" / "sft_tiny.yaml", [
+        f"output_dir={tmp / 'run'}", f"model.path={tiny_model_dir}",
+        f"data.task_dir={tmp / 'data'}", "data.arithmetic.n_sft=200", "data.arithmetic.n_rl=16",
+        "data.arithmetic.n_eval=16", "train.max_steps=4", "train.eval_every=2",
+        "train.batch_size=8", "train.eval_samples=8", "train.greedy_eval_samples=6",
+        "train.checkpoint_every=4", "backend.num_threads=1",
+    ])  # fmt: skip
+    trio.run(run_sft_recipe, config)
+    build_site(tmp / "run")
+    return tmp / "run"
+
+
+@browser
+def test_sft_page_shows_each_evaluations_generations_and_their_accuracy(sft_run):
+    rows = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
+    accuracy = {r["step"]: r["accuracy"] for r in rows if "accuracy" in r}
+    assert sorted(accuracy) == [2, 4]
+    written = [
+        json.loads(line) for line in (sft_run / "eval_generations.jsonl").read_text().splitlines()
+    ]
+    for step in (2, 4):
+        dom, console = page(sft_run, f"#tab=sft&sft={step}")
+        assert console == []
+        prompts = re.findall(r'<div class="sft-row"[^>]*><div class="prompt">([^<]*)<', dom)
+        assert prompts == [
+            html.escape(r["prompt"], quote=False) for r in written if r["step"] == step
+        ]
+        assert count(dom, r'<div class="sft-row" data-correct="[01]">') == 6
+        right = count(dom, r'<div class="sft-row" data-correct="1">')
+        assert right == round(accuracy[step] * 6)
+        assert f"held-out greedy generations at step {step}: {right} of 6 correct" in dom
