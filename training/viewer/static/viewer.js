@@ -407,7 +407,11 @@ function render() {
 function onManifest() {
   const first = !RV.started;
   RV.started = true;
-  if (first) RV.state = readHash();
+  if (first) {
+    RV.state = readHash();
+    // an SFT run has no rollout steps: open on its evaluations
+    if (!RV.manifest.steps.length && RV.manifest.sft_evals && !/tab=/.test(location.hash)) RV.state.tab = "sft";
+  }
   const stamp = RV.manifest.generated + ":" + RV.manifest.steps.length + ":" + RV.manifest.metrics.steps.length;
   if (stamp !== RV.stamp) { RV.stamp = stamp; render(); }
   if (first && RV.live) setInterval(() => loadScript("data/manifest.js?v=" + Date.now()), RV.pollMs);
