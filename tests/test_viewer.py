@@ -9,7 +9,6 @@ import math
 import re
 import statistics
 import threading
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -239,34 +238,37 @@ def test_prompt_diff_across_steps_marks_the_tokens_that_changed(synthetic):
 
 
 @browser
-def test_served_site_refreshes_as_steps_land(tmp_path):
-    from tests.viewer_helpers import write_synthetic_run as write
+def test_served_page_shows_new_steps_as_the_run_writes_them(tmp_path):
+    """`rollouts view --serve`: a page left open (driven over the DevTools protocol) lists the
+    steps the run appends while it is open, and shows the newest."""
+    from tests.viewer_helpers import DevToolsPage
     from training.viewer.serve import make_server
 
-    run = write(tmp_path / "run", steps=2)
+    run = write_synthetic_run(tmp_path / "run", steps=2)
     server = make_server(run, port=0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    (tmp_path / "chromium").mkdir()
+    browser_page = None
     try:
         host, port = server.server_address[:2]
         assert host == "127.0.0.1"
-        url = f"http://{host}:{port}/"
-
-        def manifest_steps() -> list[int]:
-            with urllib.request.urlopen(url + "data/manifest.js", timeout=30) as answer:
-                text = answer.read().decode()
-            return [
-                s["step"] for s in json.loads(text[text.index(",") + 1 : text.rindex(")")])["steps"]
-            ]
-
-        assert manifest_steps() == [1, 2]
+        browser_page = DevToolsPage(f"http://{host}:{port}/", tmp_path / "chromium")
+        rows = "document.querySelectorAll('#step-list tbody tr').length"
+        browser_page.wait_for(f"{rows} === 2", timeout_s=30, what="the two steps of the run")
         (run / "rollouts.jsonl").unlink()  # the run goes on: 4 steps (a longer file, same start)
         (run / "metrics.jsonl").unlink()
-        write(run, steps=4)
-        assert manifest_steps() == [1, 2, 3, 4]
-        dom, console = chromium_dom(url + "#step=4")
-        assert console == [] and 'id="step-now">step 4<' in dom and "· live" in dom
+        write_synthetic_run(run, steps=4)
+        browser_page.wait_for(f"{rows} === 4", timeout_s=30, what="the steps written since")
+        shown = browser_page.evaluate("document.getElementById('step-now').textContent")
+        assert shown == "step 4"
+        groups = browser_page.evaluate("document.querySelectorAll('div.group').length")
+        assert groups == len(read_rollout_dump(run / "rollouts.jsonl")[4].groups)
+        assert "· live" in browser_page.evaluate("document.getElementById('run-info').textContent")
+        assert browser_page.problems == []
     finally:
+        if browser_page is not None:
+            browser_page.close()
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)

@@ -9,10 +9,13 @@ writes a 300-step one.
 
 `chromium_dom(url)` runs Debian's chromium headless and returns the DOM after the page's
 scripts ran, and the console lines it printed (an uncaught error or a console message).
+`DevToolsPage(url, tmp)` keeps a page open and drives it over the DevTools protocol (the
+`websockets` package of the dev extra), for a page that changes while it is open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import shutil
@@ -116,3 +119,85 @@ def chromium_dom(
 
 def count(dom: str, pattern: str) -> int:
     return len(re.findall(pattern, dom))
+
+
+class DevToolsPage:
+    """A page in headless chromium driven over the DevTools protocol (for what --dump-dom cannot
+    show: a page that changes while it is open). `evaluate(js)` returns the value; `wait_for(js)`
+    polls until it is truthy; `problems` collects uncaught exceptions and console messages."""
+
+    def __init__(self, url: str, tmp: Path, *, start_timeout_s: float = 60):
+        import json
+        import time
+        import urllib.request
+
+        from websockets.sync.client import connect
+
+        self._proc = subprocess.Popen(
+            [CHROMIUM, "--headless=new", "--disable-gpu", "--no-sandbox",
+             "--remote-debugging-port=0", f"--user-data-dir={tmp}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        port_file = tmp / "DevToolsActivePort"
+        deadline = time.monotonic() + start_timeout_s
+        while not port_file.is_file() or not port_file.read_text().strip():
+            if time.monotonic() > deadline or self._proc.poll() is not None:
+                self.close()
+                raise TimeoutError(
+                    f"chromium did not open its DevTools port in {start_timeout_s} s"
+                )
+            time.sleep(0.05)
+        port = int(port_file.read_text().split()[0])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as answer:
+            target = next(t for t in json.load(answer) if t["type"] == "page")
+        self._stack = contextlib.ExitStack()
+        self._ws = self._stack.enter_context(
+            connect(target["webSocketDebuggerUrl"], max_size=2**26)
+        )
+        self._id = 0
+        self.problems: list[str] = []
+        self._call("Runtime.enable")
+        self._call("Page.enable")
+        self._call("Page.navigate", url=url)
+
+    def _call(self, method: str, **params):
+        import json
+
+        self._id += 1
+        self._ws.send(json.dumps({"id": self._id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self._ws.recv(timeout=30))
+            if message.get("id") == self._id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message.get("result", {})
+            if message.get("method") == "Runtime.exceptionThrown":
+                self.problems.append(str(message["params"]["exceptionDetails"]))
+            elif message.get("method") == "Runtime.consoleAPICalled":
+                self.problems.append(str(message["params"]["args"]))
+
+    def evaluate(self, expression: str):
+        result = self._call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result.get("result", {}).get("value")
+
+    def wait_for(self, expression: str, *, timeout_s: float, what: str):
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s} s for {what} ({expression})")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if getattr(self, "_stack", None) is not None:
+            self._stack.close()
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=10)

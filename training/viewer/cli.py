@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     index = (site.out_dir / "index.html").resolve()
-    print(f"wrote {index} ({len(site._summaries)} steps); open file://{index}")
+    print(f"wrote {index} ({len(site.steps)} steps); open file://{index}")
     return 0
 
 

@@ -87,6 +87,11 @@ class ViewerSite:
         self._signature: tuple = ()
         self._ready = False
 
+    @property
+    def steps(self) -> list[int]:
+        """The steps written so far."""
+        return sorted(self._summaries)
+
     def _prepare(self) -> None:
         """The run's config, tokenizer and advantage rule, once (the checkpoint that has the
         tokenizer may land after a live run's first steps: looked for again until found)."""

@@ -237,7 +237,7 @@ function groupNode(step, g, st) {
 
 // ----- curves (inline SVG) ---------------------------------------------------------------------
 
-const CURVE_KEYS = ["reward_mean", "eval_accuracy", "loss", "eval_loss", "kl_to_old",
+const CURVE_KEYS = ["reward_mean", "eval_accuracy", "accuracy", "loss", "eval_loss", "kl_to_old",
   "logprob_diff_mean_abs", "staleness_max", "rollout_tokens_per_s", "tokens_per_s", "grad_norm",
   "truncation_rate", "samples_failed"];
 
