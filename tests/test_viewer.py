@@ -316,3 +316,51 @@ def test_sft_page_shows_each_evaluations_generations_and_their_accuracy(sft_run)
         right = count(dom, r'<div class="sft-row" data-correct="1">')
         assert right == round(accuracy[step] * 6)
         assert f"held-out greedy generations at step {step}: {right} of 6 correct" in dom
+
+
+# ----- the command and the reader, without a browser ---------------------------------------------
+
+
+def test_view_command_writes_the_site_and_names_a_missing_run_dir(tmp_path, capsys):
+    from training.recipes.cli import main
+
+    run = write_synthetic_run(tmp_path / "run", steps=3)
+    assert main(["view", str(run)]) == 0
+    index = (run / "viewer" / "index.html").resolve()
+    assert f"wrote {index} (3 steps); open file://{index}" in capsys.readouterr().out
+    assert sorted(p.name for p in (run / "viewer" / "data").iterdir()) == [
+        "manifest.js", "step_000001.js", "step_000002.js", "step_000003.js"]  # fmt: skip
+    assert main(["view", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert "nowhere is not a directory" in err and "output_dir" in err
+
+
+def test_a_step_being_written_is_shown_once_its_line_is_whole(tmp_path):
+    """A live run's last line may be half written when the viewer reads: it waits for it."""
+    from training.viewer.site import ViewerSite
+
+    run = write_synthetic_run(tmp_path / "run", steps=2)
+    dump = run / "rollouts.jsonl"
+    lines = dump.read_bytes().splitlines(keepends=True)
+    dump.write_bytes(lines[0] + lines[1][:100])
+    site = ViewerSite(run)
+    site.refresh()
+    assert site.steps == [1]
+    with dump.open("ab") as file:
+        file.write(lines[1][100:])
+    assert site.refresh() and site.steps == [1, 2]
+    assert not site.refresh()  # nothing new: nothing rewritten
+
+
+def test_a_malformed_dump_line_is_named_by_file_and_offset(tmp_path):
+    from plumbing.errors import DataError
+    from training.viewer.site import ViewerSite
+
+    run = write_synthetic_run(tmp_path / "run", steps=1)
+    size = (run / "rollouts.jsonl").stat().st_size
+    with (run / "rollouts.jsonl").open("a") as file:
+        file.write('{"groups": []}\n')
+    with pytest.raises(DataError) as err:
+        ViewerSite(run).refresh()
+    assert f"rollouts.jsonl: the line at byte {size} is not a rollout dump record" in str(err.value)
+    assert "train.dump_rollouts=true" in str(err.value)
