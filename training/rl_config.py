@@ -247,6 +247,13 @@ class AlgorithmSection(Strict):
         return list(self.switches)
 
 
+class PrometheusConfig(Strict):
+    """`train.prometheus`: serve GET /metrics in the Prometheus text format (docs/prometheus.md)."""
+
+    host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
+    port: int = Field(9464, ge=0, le=65535, description="TCP port (0: any free one, logged)")
+
+
 class RLLoopConfig(Strict):
     max_steps: int = Field(50, ge=1)
     sync_every: int = Field(1, ge=1)
@@ -263,6 +270,9 @@ class RLLoopConfig(Strict):
     keep_last: int = Field(2, ge=1)
     resume: Literal["auto", "never"] = "never"
     dump_rollouts: bool = False
+    prometheus: PrometheusConfig | None = Field(
+        None, description="a Prometheus /metrics endpoint on the trainer (off by default)"
+    )
     share_prompts: bool = Field(True, description="score a group's responses on one prompt copy")
     mini_batches: int = Field(
         1, ge=1, description="optimizer steps per pass over a rollout batch (whole groups each)"

@@ -1,4 +1,4 @@
-"""The command line: `rollouts sft | rl | serve | eval | plot | generate`, and the examples'
+"""The command line: `rollouts sft | rl | serve | eval | plot | generate | view`, and the examples'
 entry points.
 
 This module is the flags and the subcommands: a shared run parser, then one `*_main` per
@@ -226,6 +226,13 @@ def plot_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     return main(argv, prog)
 
 
+def view_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """`rollouts view RUN_DIR`: a static site of a run's rollouts and curves (training/viewer)."""
+    from training.viewer.cli import main
+
+    return main(argv, prog)
+
+
 COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "sft": (sft_main, "supervised fine-tuning on a JSONL dataset"),
     "rl": (rl_main, "RL (GRPO family) against local or live engines"),
@@ -233,6 +240,7 @@ COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "eval": (eval_main, "greedy held-out accuracy of a model on prompts with answers"),
     "plot": (plot_main, "plot a run directory's metrics.jsonl"),
     "generate": (generate_main, "print a model's answers to a prompts or chat JSONL file"),
+    "view": (view_main, "a browsable site of a run's rollouts, rewards and curves"),
 }
 
 

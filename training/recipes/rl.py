@@ -54,6 +54,7 @@ from training.loops.loggers import (
     format_metrics,
     shown_evals,
 )
+from training.loops.prometheus import open_prometheus
 from training.loops.rl import run_rl_training
 from training.loops.weight_push import (
     WeightsCopies,
@@ -342,7 +343,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             closing.callback(shutil.rmtree, weights, True)
         copies = WeightsCopies(backend, weights)  # for engines back after a broadcast
         async with open_engines(config, model_path, out, copies) as (engine, clients), \
-                _refit_group(config.engines) as refit:  # fmt: skip
+                _refit_group(config.engines) as refit, \
+                open_prometheus(config.train.prometheus) as prometheus:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
                 await push_weights(
                     backend, clients, weights, pause_mode=config.engines.pause_mode,
@@ -367,7 +369,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             )  # fmt: skip
 
             watch = EngineWatch(engine)  # the engines lost, for the summary
-            hooks = RLHooks(logger=fan_out(*loggers, watch, *([on_step] if on_step else [])),
+            extra = [x for x in (prometheus, on_step) if x is not None]
+            hooks = RLHooks(logger=fan_out(*loggers, watch, *extra),
                             evaluate_fn=evaluate if held_out else None,
                             stop_fn=extensions.stop_fn,
                             checkpoint_hook=extensions.checkpoint_hook, on_batch=dump)  # fmt: skip

@@ -31,7 +31,7 @@ from training.data.accounting import issues_warning, write_data_report
 from training.data.buffer import DataBuffer
 from training.data.sft_data import load_sft_jsonl
 from training.data.tokenize import TokenizeStats, tokenize_records
-from training.loops.evaluate import EvalPrompt, greedy_accuracy
+from training.loops.evaluate import EvalPrompt, greedy_accuracy, write_generations
 from training.loops.hooks import SFTHooks
 from training.loops.loggers import (
     ConsoleLogger,
@@ -320,10 +320,15 @@ async def run_sft_recipe(config: SFTRunConfig, *, on_step: Logger | None = None)
     with backend:
 
         async def accuracy(b: PyTorchTrainingBackend) -> dict[str, float]:
-            return await greedy_accuracy(b, prepared.accuracy_prompts, is_correct)
+            def record(rows: list[dict]) -> None:  # for `rollouts view` (training/viewer)
+                write_generations(out / "eval_generations.jsonl", b.step, rows)
+
+            return await greedy_accuracy(b, prepared.accuracy_prompts, is_correct,
+                                         generations=record)  # fmt: skip
 
         if config.train.resume == "never":
             (out / "metrics.jsonl").unlink(missing_ok=True)
+            (out / "eval_generations.jsonl").unlink(missing_ok=True)
         jsonl = JsonlLogger(out / "metrics.jsonl")
         console = ConsoleLogger(length.steps, every=config.train.log_every,
                                 max_wall_s=config.train.max_wall_s)  # fmt: skip
