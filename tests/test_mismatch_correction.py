@@ -18,6 +18,7 @@ import torch
 
 from plumbing.errors import ConfigError
 from tests.rl_helpers import batch_of, grads_of, rl_backend
+from tests.shape_cases import MISMATCH_KINDS, engine_offsets
 from training.rl.algorithms import AlgorithmConfig, compute_policy_loss, grpo, online_dpo
 from training.rl.batch import build_examples, loss_weight_fn, rl_loss_fn
 
@@ -128,6 +129,13 @@ def test_the_statistics_report_an_injected_mismatch_exactly(share_of):
     assert none["mismatch_kl_k3"].item() == 0.0 < plain["mismatch_kl_k3"].item()
 
 
+def test_the_defaults_are_the_papers_bounds():
+    assert tuple(BOUNDS) == MISMATCH_KINDS
+    for kind, (lo, hi) in BOUNDS.items():
+        correction = grpo(mismatch=kind).mismatch_correction
+        assert (correction.lo, correction.hi) == (lo, hi)
+
+
 def test_the_config_names_what_it_refuses():
     assert grpo(mismatch="icepop").mismatch_correction.bounds == (0.5, 5.0)
     assert grpo(mismatch="tis").mismatch_correction.bounds == (0.5, 2.0)
@@ -173,14 +181,6 @@ def _length(g: int, i: int) -> int:
     return 1 + (5 * g + 3 * i) % 9
 
 
-def offsets_of(j: int, n: int) -> list[float]:
-    """Engine − trainer logprobs of row j's n tokens: every third row agrees exactly, every
-    third the engine is less sure by about a nat (ρ > 2: truncated at sequence level)."""
-    if j % 3 == 0:
-        return [0.0] * n
-    return [OFFSETS[(3 * j + k) % 8] - (j % 3 == 2) for k in range(n)]
-
-
 def model_logprobs(model, example) -> torch.Tensor:
     """Logprobs (with gradient) of `example`'s trained tokens under a plain model."""
     ids = torch.tensor([example.input_ids])
@@ -198,7 +198,7 @@ def expected_grads(model, examples, kind: str) -> dict[str, torch.Tensor]:
     lp_BT = torch.stack([torch.cat([lp, lp.new_zeros(width - len(lp))]) for lp in lp_S])
     for j, lp in enumerate(lp_S):
         mask_BT[j, : len(lp)] = 1.0
-        ratio_BT[j, : len(lp)] = torch.exp(-torch.tensor(offsets_of(j, len(lp))))
+        ratio_BT[j, : len(lp)] = torch.exp(-torch.tensor(engine_offsets(j, len(lp))))
     ratio_BT[mask_BT == 0] = 1.0
     w_BT = paper_weights(kind, ratio_BT, mask_BT)
     adv_B = torch.tensor([e.advantage for e in examples])
@@ -220,7 +220,7 @@ def backend_runs(tiny_model_dir, tmp_path_factory):
                             micro_batch_tokens=budget) as backend:  # fmt: skip
                 examples = build_examples(batch, grpo(), share_prompts=False)
                 trainer_S = await backend.compute_logprobs(examples).result()
-                engine = [(lp + torch.tensor(offsets_of(j, len(lp)))).tolist()
+                engine = [(lp + torch.tensor(engine_offsets(j, len(lp)))).tolist()
                           for j, lp in enumerate(trainer_S)]  # fmt: skip
                 examples = [replace(e, rollout_logprobs=tuple(v)) for e, v in zip(examples, engine,
                                                                                    strict=True)]  # fmt: skip
