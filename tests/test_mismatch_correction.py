@@ -284,3 +284,16 @@ async def test_is_cap_corrects_the_overlap_mode_through_the_loop(local_engine, t
     assert second["logprob_diff_mean_abs"] > 1e-2 and second["mismatch_kl_k3"] > 0
     assert abs(second["tis_weight_mean"] - 1.0) > 1e-2
     assert second["tis_weight_mean"] <= min(cap, second["mismatch_ratio_mean"]) + 1e-6
+
+
+async def test_a_correction_without_engine_logprobs_is_refused_not_inert(tiny_model_dir, tmp_path):
+    """Samples without engine logprobs (a source that returned none) under is_cap: the
+    correction did nothing and no tis_* metric said so; now the step names the cause."""
+    batch = batch_of([[1.0, 0.0], [0.0, 1.0]])  # no rollout_logprobs
+    for name, algorithm in (("a", grpo(is_cap=2.0)), ("b", grpo(mismatch="icepop"))):
+        with rl_backend(tiny_model_dir, tmp_path, name=name) as backend:  # (a failed op ends it)
+            examples = build_examples(batch, algorithm, share_prompts=False)
+            fut = backend.forward_backward(examples, loss_fn=rl_loss_fn(algorithm, old_from_rollout=True),
+                                           loss_weight_fn=loss_weight_fn(algorithm))  # fmt: skip
+            with pytest.raises(ConfigError, match="engine's logprobs"):
+                await fut.result()
