@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ async def run_case(model_dir: str, tokenizer, case: dict[str, Any], out: Path) -
         save_file(tensors, str(out / f"{case['name']}.safetensors"))
         return {"name": case["name"], "seed": case["seed"], "n_outputs": len(outputs)}
     if case["kind"] == "rl":
-        algorithm = grpo(loss=case["loss"], aggregation=case["aggregation"], max_tokens_norm=16)
+        algorithm = grpo(loss=case["loss"], aggregation=case["aggregation"], max_tokens_norm=16,
+                         mismatch=case.get("mismatch"))  # fmt: skip
         backend = PyTorchTrainingBackend(
             load, pack_length=None,
             collate_fn=partial(collate_rl, pad_id=tokenizer.pad_token_id), **common,
@@ -70,6 +72,10 @@ async def run_case(model_dir: str, tokenizer, case: dict[str, Any], out: Path) -
         rows = build_examples(rl_batch(case), algorithm, share_prompts=case["share_prompts"])
         logprobs = await backend.compute_logprobs(rows).result()
         extra = {f"logprobs/{i}": lp for i, lp in enumerate(logprobs)}
+        if "mismatch" in case:  # the engine's logprobs: the trainer's, offset by a known amount
+            offsets = map(torch.tensor, case["engine_offsets"])
+            rows = [replace(r, rollout_logprobs=tuple((lp + next(offsets)).tolist()))
+                    for r, lp in zip(rows, logprobs, strict=True)]  # fmt: skip
         metrics = await backend.forward_backward(
             rows, loss_fn=rl_loss_fn(algorithm), loss_weight_fn=loss_weight_fn(algorithm)
         ).result()

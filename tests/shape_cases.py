@@ -95,6 +95,35 @@ def cases(seeds: range) -> list[dict[str, Any]]:
     return [case_from_seed(s) for s in seeds]
 
 
+# The engine/trainer mismatch corrections (training/rl/mismatch.py) at any world size: GRPO's
+# clipped loss per sequence, the engine's logprobs = the trainer's + `engine_offsets` (a known
+# ratio e^-offset per token), one case per correction; tests/test_mismatch_correction.py writes
+# each paper's gradient out and compares.
+MISMATCH_KINDS = ("tis", "mis", "icepop", "seq_tis", "seq_mis")
+_OFFSETS = (0.0, 0.5, -0.3, 1.2, -0.9, 0.1, 2.0, -1.8)
+
+
+def engine_offsets(j: int, n: int) -> list[float]:
+    """Engine − trainer logprobs of row j's n trained tokens: every third row agrees exactly,
+    every third the engine is less sure by about a nat (ρ > 2: truncated at sequence level)."""
+    if j % 3 == 0:
+        return [0.0] * n
+    return [_OFFSETS[(3 * j + k) % 8] - (j % 3 == 2) for k in range(n)]
+
+
+def mismatch_cases() -> list[dict[str, Any]]:
+    """One RL case per correction (seeds 0..4's batches, full fine-tuning, sdpa or segments)."""
+    out = []
+    for seed, kind in zip((0, 1, 2, 3, 5), MISMATCH_KINDS, strict=True):
+        case = case_from_seed(seed)
+        masks = [mask for g in case["groups"] for mask in g["masks"]]  # rows in sample order
+        offsets = [engine_offsets(j, sum(mask)) for j, mask in enumerate(masks)]
+        out.append(case | {"name": f"mismatch_{kind}", "mismatch": kind, "lora": False,
+                           "loss": "ppo_clip", "aggregation": "seq-mean-token-mean",
+                           "engine_offsets": offsets})  # fmt: skip
+    return out
+
+
 # Held-out greedy decoding (issue 24, item 5): 7 prompts of different lengths in batches of 2,
 # split across ranks (world 3: batches [1, 1, 2], so two ranks decode an idle batch).
 GREEDY = {

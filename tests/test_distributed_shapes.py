@@ -18,12 +18,18 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests import shape_cases
 from tests.distributed_launch import launch
 
-FAST = [*shape_cases.cases(range(5)), shape_cases.ISSUE_24, shape_cases.GREEDY]
+FAST = [
+    *shape_cases.cases(range(5)),
+    shape_cases.ISSUE_24,
+    shape_cases.GREEDY,
+    *shape_cases.mismatch_cases(),
+]
 STRESS = shape_cases.cases(range(100, 160))
 pytestmark = pytest.mark.slow  # one launch per world size (1, 2, 3) for the fast cases
 WORLDS = (1, 2, 3)
@@ -92,6 +98,31 @@ def test_generated_shapes_give_the_one_process_gradient(fast_runs, world):
     uneven = [c for c in trained if len(set(fast_runs[world][c["name"]][0]["mb_counts"])) > 1]
     assert uneven, "no case split unevenly: the generator lost its point"
     assert [m for c in trained for m in mismatches(fast_runs, c["name"], world)] == []
+
+
+@pytest.mark.parametrize("kind", shape_cases.MISMATCH_KINDS)
+def test_each_mismatch_correction_at_two_ranks_is_its_papers_gradient(fast_runs, tiny_model_dir,
+                                                                      kind):  # fmt: skip
+    """Issue 46: at world 2 (and so, by the test above, 1 and 3) each correction's gradient is
+    its paper's objective written out (tests/test_mismatch_correction.py), and its metrics are
+    the one-process ones."""
+    from tests.distributed_shapes import rl_batch
+    from tests.test_mismatch_correction import expected_grads
+    from training.backend.pytorch import load_model_and_tokenizer
+    from training.rl.algorithms import grpo
+    from training.rl.batch import build_examples
+
+    case = next(c for c in FAST if c.get("mismatch") == kind)
+    result, tensors = fast_runs[2][case["name"]]
+    examples = build_examples(rl_batch(case), grpo(), share_prompts=case["share_prompts"])
+    expected = expected_grads(load_model_and_tokenizer(tiny_model_dir)[0].eval(), examples, kind)
+    flat = torch.cat([tensors[f"grad/{n}"].flatten() for n in expected])
+    flat_expected = torch.cat([g.flatten() for g in expected.values()])
+    torch.testing.assert_close(flat, flat_expected, rtol=1e-4,
+                               atol=1e-4 * flat_expected.abs().max().item())  # fmt: skip
+    assert mismatches(fast_runs, case["name"], 2) == []
+    flag = "masked" if kind in ("mis", "icepop", "seq_mis") else "capped"
+    assert 0 < result["metrics"][f"{kind}_{flag}_fraction"] < 1
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -61,6 +61,13 @@ CASES = {  # name: (algorithm, old_from_rollout)
     "dr_grpo": (dr_grpo(max_tokens_norm=16), False),
     "dapo": (dapo(max_response_len=16), False),
     "online_dpo": (online_dpo(), False),
+    "mis": (grpo(mismatch="mis"), False),
+    "icepop_gspo": (gspo(clip_low=0.05, clip_high=0.05, mismatch="icepop"), False),
+    "seq_tis": (cispo(mismatch="seq_tis", mismatch_hi=1.5), False),
+    "seq_mis_dapo": (
+        dapo(max_response_len=16, mismatch="seq_mis", mismatch_lo=1.0, mismatch_hi=50.0),
+        False,
+    ),
 }
 
 EMITTED = {
@@ -70,6 +77,11 @@ EMITTED = {
     "tis_capped_fraction", "kl", "entropy", "seq_ratio_mean", "cispo_weight_mean",
     "pg_is_weight_mean", "pg_is_capped_fraction", "num_pairs", "preference_accuracy",
     "reward_margin", "n_samples", "n_tokens", "n_trained_tokens",
+    "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_ratio_min", "mismatch_kl_k3",
+    "mismatch_outside_fraction", "mismatch_seq_outside_fraction", "mismatch_seq_log_ratio_mean",
+    "mismatch_seq_log_ratio_max_abs", "mis_weight_mean", "mis_masked_fraction",
+    "icepop_weight_mean", "icepop_masked_fraction", "seq_tis_weight_mean",
+    "seq_tis_capped_fraction", "seq_mis_weight_mean", "seq_mis_masked_fraction",
 }  # fmt: skip
 DEPEND_ON_SPLIT = {"n_microbatches", "padding_efficiency", "time_forward_backward_s"}
 
@@ -132,6 +144,11 @@ def test_the_metrics_are_not_trivial(metrics_by_budget):
     assert 0 < tis["clip_fraction"] < 1 and 0 < one["reinforce_is"]["pg_is_capped_fraction"] < 1
     assert 0 < one["gspo"]["clip_fraction"] < 1
     assert one["grpo_kl_entropy_dual"]["clip_fraction_dual"] > 0
+    for case, kind, flag in (("mis", "mis", "masked"), ("icepop_gspo", "icepop", "masked"),
+                             ("seq_tis", "seq_tis", "capped"),
+                             ("seq_mis_dapo", "seq_mis", "masked")):  # fmt: skip
+        assert 0 < one[case][f"{kind}_{flag}_fraction"] < 1, case
+        assert 0 < one[case]["mismatch_seq_outside_fraction"] < 1, case
 
 
 def test_online_dpo_num_pairs_is_the_true_pair_count_at_any_micro_batch_size(metrics_by_budget):

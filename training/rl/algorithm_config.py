@@ -22,6 +22,7 @@ from plumbing.errors import ConfigError
 from rollouts.config import Strict
 from training.rl.kl import KLKind
 from training.rl.losses import Aggregation
+from training.rl.mismatch import MismatchCorrection, MismatchKind, correction_of
 
 AdvantageEstimator = Literal[
     "grpo",
@@ -94,7 +95,18 @@ class AlgorithmConfig(Strict):
         description="truncated IS cap for engine/trainer mismatch (None: off): each token's "
         "loss x min(pi_trainer / pi_engine, is_cap), in every mode (off-policy too: the ratio is "
         "then to the trainer's logprobs); for loss=pg also the cap of the weight to the "
-        "behaviour policy (None: 2.0)",
+        "behaviour policy (None: 2.0). The same as mismatch='tis', mismatch_hi=is_cap",
+    )
+    mismatch: MismatchKind | None = Field(
+        None,
+        description="correction for the engine/trainer mismatch (training/rl/mismatch.py): tis, "
+        "mis, icepop, seq_tis or seq_mis; None: none (the statistics are reported anyway)",
+    )
+    mismatch_lo: float | None = Field(
+        None, ge=0, description="lower bound on pi_trainer / pi_engine (None: the paper's)"
+    )
+    mismatch_hi: float | None = Field(
+        None, gt=0, description="upper bound on pi_trainer / pi_engine (None: the paper's)"
     )
 
     @model_validator(mode="after")
@@ -106,6 +118,37 @@ class AlgorithmConfig(Strict):
                 "from the batch would make the gradient depend on how rows were cut"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_mismatch_correction(self) -> AlgorithmConfig:
+        if self.mismatch is None:
+            if self.mismatch_lo is not None or self.mismatch_hi is not None:
+                raise ValueError(
+                    "mismatch_lo / mismatch_hi bound a mismatch correction: set mismatch "
+                    "(tis, mis, icepop, seq_tis or seq_mis) too, or drop them"
+                )
+        elif self.is_cap is not None:
+            raise ValueError(
+                f"is_cap is mismatch='tis' with mismatch_hi=is_cap: give is_cap or "
+                f"mismatch={self.mismatch!r}, not both"
+            )
+        else:
+            correction_of(self.mismatch, self.mismatch_lo, self.mismatch_hi)
+        if self.loss == "pairwise" and self.mismatch_correction is not None:
+            raise ValueError(
+                "loss=pairwise (online DPO) has no per-token policy loss to weight: drop "
+                "is_cap / mismatch"
+            )
+        return self
+
+    @property
+    def mismatch_correction(self) -> MismatchCorrection | None:
+        """The engine/trainer mismatch correction (`mismatch`, or is_cap as "tis"), or None."""
+        if self.mismatch is not None:
+            return correction_of(self.mismatch, self.mismatch_lo, self.mismatch_hi)
+        if self.is_cap is not None:
+            return MismatchCorrection("tis", None, self.is_cap)
+        return None
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -125,7 +168,7 @@ class AlgorithmConfig(Strict):
     @property
     def needs_old_logprobs(self) -> bool:
         """Whether trainer logprobs before the update are needed (ratio-based losses, TIS)."""
-        return self.loss in ("ppo_clip", "gspo", "cispo") or self.is_cap is not None
+        return self.loss in ("ppo_clip", "gspo", "cispo") or self.mismatch_correction is not None
 
 
 def _preset(defaults: dict[str, Any], overrides: dict[str, Any]) -> AlgorithmConfig:

@@ -83,14 +83,7 @@ from training.rl.algorithm_config import (
 from training.rl.algorithm_config import (
     switch_at_steps as switch_at_steps,
 )
-from training.rl.kl import (
-    KLFn,
-    bool_mask,
-    kl_reward_penalty,
-    logprob_mismatch_metrics,
-    masked_mean,
-    truncated_is_weights,
-)
+from training.rl.kl import KLFn, bool_mask, kl_reward_penalty, logprob_mismatch_metrics
 from training.rl.losses import (
     DEFAULT_IS_CAP,
     LossOutput,
@@ -102,6 +95,7 @@ from training.rl.losses import (
     policy_gradient_loss,
     ppo_clip_loss,
 )
+from training.rl.mismatch import STATISTICS_BOUNDS, mismatch_statistics, mismatch_weights
 
 # ----- the dispatch ----------------------------------------------------------------------------
 
@@ -207,15 +201,17 @@ def compute_policy_loss(
             advantages [B, T] (same shape as `mask_BT`: GAE).
         mask_BT: 1/True on trained response tokens.
         ref_logprobs_BT: reference-model logprobs; required when `config.needs_ref_logprobs`.
-        rollout_logprobs_BT: engine logprobs; when given, mismatch metrics are reported and,
-            with `is_cap`, truncated IS weights are applied.
+        rollout_logprobs_BT: engine logprobs; when given, the mismatch statistics are
+            reported and the configured correction (`mismatch`, or `is_cap` as truncated IS)
+            weights each token's loss (training/rl/mismatch.py); required with `mismatch`.
         rewards_GN: rewards [G, N]; required by loss="pairwise" to pick each group's pair.
         kl_fn: per-token KL for the KL loss term; default: the `config.kl_kind` estimator.
         entropy_BT: exact per-token entropy with gradient; required when `entropy_coef > 0`.
 
     Returns:
         (loss, metrics): "loss" is the total; the policy loss's own metrics, "kl" when a KL
-        loss is used, logprob_diff_* and tis_* when rollout logprobs are given. Values are 0-dim
+        loss is used, logprob_diff_*, mismatch_* and the correction's (tis_*, icepop_*, ...)
+        when rollout logprobs are given. Values are 0-dim
         tensors on the loss's device (or floats): the backend reads an op's metrics in one
         transfer after its last micro-batch, so none waits on the host.
 
@@ -234,15 +230,21 @@ def compute_policy_loss(
         raise ConfigError(f"{config.name} (entropy_coef > 0) needs entropy_BT")
     metrics: dict[str, float] = {}
     is_weights_BT = None
+    correction = config.mismatch_correction
     if rollout_logprobs_BT is not None:
         metrics |= logprob_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, mask_BT)
-        if config.is_cap is not None:
-            is_weights_BT = truncated_is_weights(
-                old_logprobs_BT, rollout_logprobs_BT, mask_BT, cap=config.is_cap
+        bounds = STATISTICS_BOUNDS if correction is None else correction.bounds
+        metrics |= mismatch_statistics(old_logprobs_BT, rollout_logprobs_BT, mask_BT, bounds)
+        if correction is not None:
+            is_weights_BT, correction_metrics = mismatch_weights(
+                correction, old_logprobs_BT, rollout_logprobs_BT, mask_BT
             )
-            capped_BT = (is_weights_BT >= config.is_cap).float()
-            metrics["tis_weight_mean"] = masked_mean(is_weights_BT, mask_BT)
-            metrics["tis_capped_fraction"] = masked_mean(capped_BT, mask_BT)
+            metrics |= correction_metrics
+    elif config.mismatch is not None:
+        raise ConfigError(
+            f"{config.name} (mismatch={config.mismatch!r}) needs rollout_logprobs_BT, the "
+            "engine's logprobs of the sampled tokens"
+        )
     common = {
         "agg": config.aggregation,
         "max_tokens": config.max_tokens_norm,

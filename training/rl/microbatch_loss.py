@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plumbing.errors import ConfigError
 from training.backend.state import Mean
 from training.data.logprob_head import scores_of
 from training.data.packing import IGNORE_INDEX
 from training.data.scores import ReadsScores, TokenScores
 from training.rl.algorithms import AlgorithmConfig, PolicyLossFn, compute_policy_loss
 from training.rl.kl import KLFn, logprob_mismatch_metrics
+from training.rl.mismatch import SEQUENCE_MEAN_METRICS, TOKEN_MEAN_METRICS, mismatch_statistics
 
 if TYPE_CHECKING:  # annotations only: batch.py re-exports this module's names
     from training.rl.batch import RLBatch
@@ -38,9 +40,10 @@ def rl_loss_fn(
     Engine logprobs are those of the temperature-scaled distribution, so the trainer scales its
     logits the same way before comparing or training. The behaviour policy ("old" in the
     ratio) is, in this order: the engine's logprobs with `old_from_rollout` (off-policy samples
-    in overlap/async modes) unless the algorithm sets `is_cap`, which corrects for the engine
-    by truncated importance sampling instead (decoupled: ratio to the trainer's logprobs, each
-    token weighted by min(π_trainer / π_engine, is_cap), metrics tis_*); the trainer's
+    in overlap/async modes) unless the algorithm sets a mismatch correction (`mismatch`, or
+    `is_cap`: truncated IS), which corrects for the engine by importance weights instead
+    (decoupled: ratio to the trainer's logprobs, each token weighted by a function of
+    π_trainer / π_engine, training/rl/mismatch.py; metrics tis_*, icepop_*, ...); the trainer's
     logprobs before the step's first update when the examples carry them (several updates per
     batch, `RLExample.old_logprobs`); otherwise the current logprobs, detached (one update on
     on-policy samples: the same values).
@@ -106,16 +109,23 @@ def _policy_loss(scores, batch, algorithm, old_from_rollout, policy_loss_fn, kl_
         common["entropy_BT"] = scores.entropy_BT
     advantages = (batch.token_advantages_BT if batch.token_advantages_BT is not None
                   else batch.advantages_B)  # fmt: skip
-    if old_from_rollout and batch.rollout_logprobs_BT is not None and algorithm.is_cap is None:
+    correction = algorithm.mismatch_correction
+    if correction is not None and batch.rollout_logprobs_BT is None:
+        raise ConfigError(
+            f"{algorithm.name}: the mismatch correction ({correction.kind}) needs the engine's "
+            "logprobs of every trained token, and this micro-batch's samples have none "
+            "(Sample.rollout_logprobs): generate with logprobs, or drop is_cap / mismatch"
+        )
+    if old_from_rollout and batch.rollout_logprobs_BT is not None and correction is None:
         # the engine's logprobs are the behaviour policy; mismatch is measured against the
-        # trainer's current logprobs (before this update) instead. With `is_cap` the trainer's
-        # logprobs are (below) and the engine's enter as truncated IS weights.
+        # trainer's current logprobs (before this update) instead. With a correction the
+        # trainer's logprobs are (below) and the engine's enter as importance weights.
         loss_value, metrics = policy_loss_fn(
             algorithm, logprobs_BT, batch.rollout_logprobs_BT, advantages, mask_BT, **common
         )  # fmt: skip
-        mismatch = logprob_mismatch_metrics(
-            logprobs_BT.detach(), batch.rollout_logprobs_BT, mask_BT
-        )
+        engine_BT, trainer_BT = batch.rollout_logprobs_BT, logprobs_BT.detach()
+        mismatch = logprob_mismatch_metrics(trainer_BT, engine_BT, mask_BT)
+        mismatch |= mismatch_statistics(trainer_BT, engine_BT, mask_BT)
         return loss_value, {**metrics, **mismatch}
     old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
     return policy_loss_fn(
@@ -131,8 +141,8 @@ def _policy_loss(scores, batch, algorithm, old_from_rollout, policy_loss_fn, kl_
 # by their names.
 TOKEN_MEANS = frozenset({
     "clip_fraction", "clip_fraction_high", "clip_fraction_low", "clip_fraction_dual",
-    "kl_to_old", "ratio_mean", "entropy_estimate", "logprob_diff_mean_abs", "tis_weight_mean",
-    "tis_capped_fraction", "pg_is_weight_mean", "pg_is_capped_fraction", "cispo_weight_mean",
+    "kl_to_old", "ratio_mean", "entropy_estimate", "logprob_diff_mean_abs",
+    "pg_is_weight_mean", "pg_is_capped_fraction", "cispo_weight_mean", *TOKEN_MEAN_METRICS,
 })  # fmt: skip
 GSPO_SEQUENCE_MEANS = frozenset({"clip_fraction", "seq_ratio_mean"})  # of sequences, in GSPO
 PAIR_MEANS = frozenset({"preference_accuracy", "reward_margin"})
@@ -145,7 +155,8 @@ def with_units(metrics: dict[str, float], algorithm: AlgorithmConfig, batch: RLB
     n_tokens, n_sequences = trained_B.sum(), (trained_B > 0).sum()  # read with the metrics
     out: dict[str, float | Mean] = {}
     for key, value in metrics.items():
-        if algorithm.loss == "gspo" and key in GSPO_SEQUENCE_MEANS:
+        by_sequence = algorithm.loss == "gspo" and key in GSPO_SEQUENCE_MEANS
+        if by_sequence or key in SEQUENCE_MEAN_METRICS:  # (the mismatch's per-sequence ratios)
             out[key] = Mean(value, n_sequences)
         elif key in TOKEN_MEANS:
             out[key] = Mean(value, n_tokens)

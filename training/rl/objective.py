@@ -37,7 +37,9 @@ class RLObjective:
             and async modes the rollout side follows a switch from the batch generated after it.
             Required: which algorithm a run trains with is its main decision, never implied.
         temperature: the sampling temperature; trainer logprobs are taken at it too.
-        old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes).
+        old_from_rollout: use engine logprobs as the behaviour policy (off-policy modes);
+            with a mismatch correction (`algorithm.mismatch` or `is_cap`) the ratio is to the
+            trainer's logprobs and the engine's weight each token instead (decoupled PPO).
         reference: frozen reference policy for KL / DPO (needed only if the algorithm says so);
             `make_reference(backend)` builds the right one (a LoRA policy's is its base model).
         reference_update: how the reference follows the policy (frozen, EMA, periodic or

@@ -98,8 +98,9 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
         examples, gae_metrics = with_gae(examples, values_S, algorithm)
         metrics |= gae_metrics
     # the policy moves between updates: the ratio's behaviour policy is the trainer's before
-    # the first (with old_from_rollout, only under TIS: else it is the engine's)
-    if mini_batches * epochs > 1 and (not old_from_rollout or algorithm.is_cap is not None):
+    # the first (with old_from_rollout, only under a mismatch correction: else the engine's)
+    corrected = algorithm.mismatch_correction is not None
+    if mini_batches * epochs > 1 and (not old_from_rollout or corrected):
         old_fut = backend.compute_logprobs(examples, temperature=temperature)
         examples = with_old_logprobs(examples, await old_fut.result())
     chunks = split_mini_batches(examples, mini_batches)
