@@ -10,6 +10,7 @@ is an error the SDK raises, naming the cause, and the server goes on serving.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -41,29 +42,36 @@ def hf_target_logprobs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    """(url, service) of a tinker server running in a thread of its own (the SDK is sync)."""
+@contextlib.contextmanager
+def tinker_server_thread(model_dir, run_dir, **options):
+    """A tinker server running in a thread of its own (the SDK is sync); yields it."""
     box: dict = {}
     stop = threading.Event()
 
     async def run() -> None:
-        async with open_tinker_server(tiny_model_dir, tmp_path_factory.mktemp("tinker_runs"),
-                                      model_names=("tiny",), max_lora_rank=8,
-                                      num_threads=1) as srv:  # fmt: skip
+        async with open_tinker_server(model_dir, run_dir, model_names=("tiny",),
+                                      max_lora_rank=8, num_threads=1, **options) as srv:  # fmt: skip
             box["server"] = srv
             while not stop.is_set():
                 await trio.sleep(0.05)
 
-    thread = threading.Thread(target=lambda: box.setdefault("error", trio.run(run)), daemon=True)
+    thread = threading.Thread(target=lambda: trio.run(run), daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
     while "server" not in box:
         assert thread.is_alive() and time.monotonic() < deadline, "the tinker server did not start"
         time.sleep(0.05)
-    yield box["server"]
-    stop.set()
-    thread.join(timeout=30)
+    try:
+        yield box["server"]
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with tinker_server_thread(tiny_model_dir, tmp_path_factory.mktemp("tinker_runs")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +226,55 @@ def test_bad_input_is_an_sdk_error_naming_the_cause(service_client, server):
         missing.result()
     # and the server goes on serving its other clients
     assert good.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_restarted_server_resumes_a_saved_state_on_the_same_loss_curve(service_client, server,
+                                                                         tiny_model_dir):  # fmt: skip
+    batch = [datum(t) for t in DATA]
+    adam = types.AdamParams(learning_rate=1e-2, eps=1e-8)
+    tc = lora_client(service_client, seed=7)
+    for _ in range(2):
+        tc.forward_backward(batch, "cross_entropy")
+        tc.optim_step(adam)
+    path = tc.save_state("mid").result().path
+    after = []
+    for _ in range(2):
+        after.append(tc.forward_backward(batch, "cross_entropy"))
+        tc.optim_step(adam)
+    after = [f.result().metrics["loss:sum"] for f in after]
+    assert path in [c.tinker_path for c in tinker.RestClient(base_url=server.url, api_key="tml-local")
+                    .list_checkpoints(tc.model_id).result().checkpoints]  # fmt: skip
+    # a new server process state on the same run directory (the engine is reused: cheaper)
+    with tinker_server_thread(tiny_model_dir, server.service.run_root,
+                              engine_url=server.service.engine.url) as restarted:  # fmt: skip
+        client = tinker.ServiceClient(base_url=restarted.url, api_key="tml-local")
+        resumed = client.create_training_client_from_state_with_optimizer(path).result()
+        again = []
+        for _ in range(2):
+            again.append(resumed.forward_backward(batch, "cross_entropy"))
+            resumed.optim_step(adam)
+        again = [f.result().metrics["loss:sum"] for f in again]
+    assert again == pytest.approx(after, rel=1e-6)
+
+
+def test_forward_backward_custom_trains_as_the_same_builtin_loss(service_client):
+    """The SDK runs a custom loss client-side: forward, its autograd, then cross_entropy with
+    the gradient as weights; a custom loss equal to cross_entropy must step the same way."""
+    batch = [datum(t) for t in DATA]
+    adam = types.AdamParams(learning_rate=1e-2, eps=1e-8)
+
+    def custom(data, logprobs_list):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum()
+                   for d, lp in zip(data, logprobs_list, strict=True))  # fmt: skip
+        return loss, {}
+
+    losses = []
+    for use_custom in (True, False):
+        tc = lora_client(service_client, seed=9)
+        if use_custom:
+            tc.forward_backward_custom(batch, custom).result()
+        else:
+            tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(adam).result()
+        losses.append(tc.forward(batch, "cross_entropy").result().metrics["loss:sum"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
