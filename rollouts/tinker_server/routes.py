@@ -147,7 +147,7 @@ def build_app(service: TinkerService) -> App:
             "type": "get_info", "model_id": model_id, "is_lora": rank is not None,
             "lora_rank": rank, "model_name": model.spec.base_model,
             "model_data": {"arch": arch, "model_name": model.spec.base_model,
-                           "tokenizer_id": service.model_path},
+                           "tokenizer_id": service.tokenizer_id},
         })  # fmt: skip
 
     @route(app, "/api/v1/forward_backward")

@@ -86,6 +86,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
                         help="torch threads of the local engine")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
 
     async def run() -> None:
         async with open_tinker_server(args.model, args.run_dir, engine_url=args.engine_url,

@@ -47,6 +47,8 @@ class TinkerService:
         self.nursery = nursery
         path = Path(model_path)
         self.base_name = model_names[0] if model_names else model_path
+        # what the SDK's get_tokenizer() loads: the directory, wherever the client runs
+        self.tokenizer_id = str(path.resolve()) if path.is_dir() else model_path
         self.names = {model_path, str(path.resolve()), path.name, *model_names}
         self.max_lora_rank, self.lora_keep = max_lora_rank, lora_keep
         self.table = table or FutureTable()
