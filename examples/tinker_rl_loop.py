@@ -73,7 +73,7 @@ def main(args: argparse.Namespace, base_url: str) -> None:
         print(f"step {step:3d}  reward {means[-1]:.3f}  datums {len(datums)}", flush=True)
     path = training_client.save_state("final").result().path
     print(f"summary: steps={args.steps} reward {means[0]:.3f} -> {means[-1]:.3f} "
-          f"(mean of the last 3: {sum(means[-3:]) / 3:.3f}) state={path}")  # fmt: skip
+          f"(mean of the last 3: {sum(means[-3:]) / len(means[-3:]):.3f}) state={path}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import contextlib
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 import trio
@@ -156,6 +157,12 @@ def test_rl_loop_samples_the_weights_just_saved(service_client, server):
     again = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
     assert server.service.samplers[sampler._sampling_session_id].adapter.endswith("-v0")
     assert again.logprobs != seq.logprobs
+    # named sampler weights, sampled through a client made from their path
+    path = tc.save_weights_for_sampler("named").result().path
+    assert path.endswith("/sampler_weights/named")
+    by_path = service_client.create_sampling_client(model_path=path).result()
+    named = by_path.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    assert len(named.tokens) == 6
 
 
 def test_requests_sent_without_waiting_run_in_order(service_client):
@@ -224,6 +231,9 @@ def test_bad_input_is_an_sdk_error_naming_the_cause(service_client, server):
                          request_start_time=time.time(), request_type="OptimStep")  # fmt: skip
     with pytest.raises(ValueError, match="no request 'no-such-future'"):
         missing.result()
+    garbage = httpx.post(f"{server.url}/api/v1/forward_backward", content=b"\xff" * 40,
+                         headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+    assert garbage.status_code == 400 and "not a ForwardBackwardRequest" in garbage.text
     # and the server goes on serving its other clients
     assert good.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0
 
