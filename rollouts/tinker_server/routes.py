@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import uuid
+from collections import Counter
 from typing import Any
 
 from engines.local.asgi import App, Request, Response, json_response
@@ -44,12 +45,15 @@ def _refusal(exc: TinkerRequestError) -> Response:
     return json_response({"error": exc.message, "category": exc.category}, exc.status)
 
 
-def route(app: App, path: str, methods=("POST",)):
-    """Register a handler whose TinkerRequestError (or malformed JSON) becomes a 4xx answer."""
+def _route(app: App, path: str, methods=("POST",), *, counts: Counter | None = None):
+    """Register a handler whose TinkerRequestError (or malformed JSON) becomes a 4xx answer;
+    `counts[path]` counts its requests."""
 
     def register(fn):
         @functools.wraps(fn)
         async def handler(request: Request) -> Response:
+            if counts is not None:
+                counts[path] += 1
             try:
                 return await fn(request)
             except TinkerRequestError as exc:
@@ -94,6 +98,7 @@ def _engine_params(sp: dict[str, Any], n: int) -> dict[str, Any]:
 
 def build_app(service: TinkerService) -> App:
     app = App(max_body_bytes=MAX_BODY_BYTES)
+    route = functools.partial(_route, counts=service.request_counts)
 
     @route(app, "/api/v1/healthz", ("GET",))
     async def healthz(request: Request) -> Response:

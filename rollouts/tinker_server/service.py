@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ class TinkerService:
         self.samplers: dict[str, Sampler] = {}
         self.sampler_paths: dict[str, Sampler] = {}
         self._adapters = 0
+        self.request_counts: Counter[str] = Counter()  # HTTP requests by route
 
     # -- names and paths -------------------------------------------------------------------------
 
