@@ -202,9 +202,13 @@ async def test_a_model_queue_runs_requests_by_seq_id_whatever_their_arrival():
             entry = await table.wait(rid)
             assert entry is not None and entry.error is None
         again = await table.wait(queue.submit(2, job(99)))
+        # a seq_id that never arrives fails the requests behind it, naming it
+        gappy = ModelQueue(nursery, table, "g", gap_timeout_s=0.2)
+        stuck = await table.wait(gappy.submit(2, job(22)))
         nursery.cancel_scope.cancel()
     assert ran == [1, 2, 3, 4]
     assert again is not None and "seq_id 2 was already used" in again.error.message
+    assert stuck is not None and "for seq_id 1, which never arrived" in stuck.error.message
 
 
 def test_bad_input_is_an_sdk_error_naming_the_cause(service_client, server):

@@ -39,22 +39,26 @@ async def open_tinker_server(model_path: str | Path, run_dir: str | Path, *,
                              engine_url: str | None = None, host: str = "127.0.0.1",
                              port: int = 0, model_names: Sequence[str] = (),
                              max_lora_rank: int = 32, num_threads: int | None = None,
+                             device: str = "cpu", dtype: str = "float32",
                              ) -> AsyncIterator[TinkerServer]:  # fmt: skip
     """Serve the Tinker API (and its sampling engine) in the caller's task; yield once both
-    answer. `port` 0 picks a free port (`server.url`)."""
+    answer. `port` 0 picks a free port (`server.url`). `device`/`dtype`: of the trainers and
+    of the local engine."""
     from engines import SGLangEngine
     from engines.local import open_local_engine
 
     async with contextlib.AsyncExitStack() as stack:
         if engine_url is None:
             local = await stack.enter_async_context(open_local_engine(
-                str(model_path), num_threads=num_threads, enable_lora=True,
+                str(model_path), num_threads=num_threads, enable_lora=True, device=device,
+                dtype=dtype,
                 max_lora_rank=max_lora_rank, lora_target_modules=("all",)))  # fmt: skip
             engine_url = local.url
         engine = await stack.enter_async_context(SGLangEngine(engine_url, max_retries=0))
         nursery = await stack.enter_async_context(trio.open_nursery())
         service = TinkerService(str(model_path), Path(run_dir), engine, nursery,
-                                model_names=tuple(model_names), max_lora_rank=max_lora_rank)  # fmt: skip
+                                model_names=tuple(model_names), max_lora_rank=max_lora_rank,
+                                device=device, dtype=dtype)  # fmt: skip
         app = build_app(service)
         urls = await nursery.start(serve_http, app, host, port,
                                    ConnectionLimits(read_timeout_s=300.0))  # fmt: skip
@@ -82,9 +86,18 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     parser.add_argument("--run-dir", default="tinker_runs",
                         help="where save_state checkpoints and sampler weights go")  # fmt: skip
     parser.add_argument("--max-lora-rank", type=int, default=32)
+    parser.add_argument(
+        "--device", default=None, help="cpu or cuda (default: cuda if there is one)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="of the trained weights and the local engine")  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads of the local engine")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
 
@@ -93,7 +106,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
                                       host=args.host, port=args.port,
                                       model_names=args.model_name,
                                       max_lora_rank=args.max_lora_rank,
-                                      num_threads=args.num_threads) as server:  # fmt: skip
+                                      num_threads=args.num_threads, device=args.device,
+                                      dtype=args.dtype) as server:  # fmt: skip
             print(f"tinker API on {server.url}: tinker.ServiceClient(base_url="
                   f"{server.url!r}, api_key='tml-local')", flush=True)  # fmt: skip
             await trio.sleep_forever()

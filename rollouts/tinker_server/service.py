@@ -43,7 +43,8 @@ class Sampler:
 class TinkerService:
     def __init__(self, model_path: str, run_root: Path, engine: Any, nursery: trio.Nursery, *,
                  model_names: tuple[str, ...] = (), max_lora_rank: int = 32,
-                 lora_keep: int = 4, table: FutureTable | None = None) -> None:  # fmt: skip
+                 lora_keep: int = 4, table: FutureTable | None = None,
+                 device: str = "cpu", dtype: str = "float32") -> None:  # fmt: skip
         self.model_path, self.run_root, self.engine = model_path, Path(run_root), engine
         self.nursery = nursery
         path = Path(model_path)
@@ -52,6 +53,7 @@ class TinkerService:
         self.tokenizer_id = str(path.resolve()) if path.is_dir() else model_path
         self.names = {model_path, str(path.resolve()), path.name, *model_names}
         self.max_lora_rank, self.lora_keep = max_lora_rank, lora_keep
+        self.device, self.dtype = device, dtype  # of the trainers
         self.table = table or FutureTable()
         self.sessions: set[str] = set()
         self.models: dict[str, TinkerModel] = {}
@@ -125,7 +127,7 @@ class TinkerService:
         adapter = f"tinker{self._adapters}-{uuid.uuid4().hex[:6]}"
         model = await trio.to_thread.run_sync(lambda: TinkerModel.build(
             spec, self.model_path, self.run_root / model_id, adapter_name=adapter,
-            lora_keep=self.lora_keep))  # fmt: skip
+            lora_keep=self.lora_keep, device=self.device, dtype=self.dtype))  # fmt: skip
         self.models[model_id] = model
         self.queues[model_id] = ModelQueue(self.nursery, self.table, f"model {model_id}",
                                            next_seq=next_seq)  # fmt: skip

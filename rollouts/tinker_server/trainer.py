@@ -58,14 +58,14 @@ class TinkerModel:
 
     @classmethod
     def build(cls, spec: ModelSpec, model_path: str, run_dir: Path, *, adapter_name: str,
-              lora_keep: int = 4) -> TinkerModel:  # fmt: skip
+              lora_keep: int = 4, device: str = "cpu", dtype: str = "float32") -> TinkerModel:  # fmt: skip
         lora = None
         if spec.lora_rank is not None:
             lora = LoraSettings(rank=spec.lora_rank, name=adapter_name, keep=lora_keep)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / META).write_text(spec.to_json(), encoding="utf-8")
         backend = PyTorchTrainingBackend(
-            partial(load_model, model_path), load_tokenizer(model_path),
+            partial(load_model, model_path, device=device, dtype=dtype), load_tokenizer(model_path),
             optim=OptimConfig(lr=1e-4, schedule="constant", weight_decay=0.0, grad_clip=None),
             max_steps=1, checkpoint_dir=run_dir / "weights", pack_length=None, keep_last=None,
             seed=spec.seed, lora=lora,
