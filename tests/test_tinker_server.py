@@ -292,3 +292,23 @@ def test_forward_backward_custom_trains_as_the_same_builtin_loss(service_client)
         tc.optim_step(adam).result()
         losses.append(tc.forward(batch, "cross_entropy").result().metrics["loss:sum"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_seeded_samples_repeat_and_differ_and_prompt_logprobs_are_the_models(
+    service_client, tiny_hf_model
+):
+    sampler = service_client.create_sampling_client(base_model="tiny").result()
+    prompt = [5, 6, 7, 8, 9, 10]
+    params = types.SamplingParams(max_tokens=5, seed=3, stop=[])
+
+    def draw():
+        out = sampler.sample(types.ModelInput.from_ints(prompt), 2, params,
+                             include_prompt_logprobs=True).result()  # fmt: skip
+        return out, [list(s.tokens) for s in out.sequences]
+
+    first, tokens = draw()
+    _, again = draw()
+    assert again == tokens and tokens[0] != tokens[1]  # reproducible, yet a group of 2 samples
+    assert first.prompt_logprobs[0] is None
+    want = hf_target_logprobs(tiny_hf_model, prompt)
+    assert torch.allclose(torch.tensor(first.prompt_logprobs[1:]), want, atol=1e-4)

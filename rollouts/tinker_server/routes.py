@@ -272,8 +272,13 @@ def build_app(service: TinkerService) -> App:
         want_prompt = bool(body.get("prompt_logprobs"))
 
         async def job() -> bytes:
+            prompts, per_sample = [prompt], params
+            if "sampling_seed" in params and n > 1:  # n samples, each its own seed: not n copies
+                seed = params["sampling_seed"]
+                prompts = [prompt] * n
+                per_sample = [{**params, "n": 1, "sampling_seed": seed + i} for i in range(n)]
             results = await service.engine.generate_batch(
-                [prompt], params, return_logprob=True,
+                prompts, per_sample, return_logprob=True,
                 logprob_start_len=0 if want_prompt else None, lora_path=sampler.adapter)  # fmt: skip
             seqs = []
             for r in results:
