@@ -295,8 +295,11 @@ def test_forward_backward_custom_trains_as_the_same_builtin_loss(service_client)
 
 
 def test_seeded_samples_repeat_and_differ_and_prompt_logprobs_are_the_models(
-    service_client, tiny_hf_model
+    service_client, server, tiny_hf_model
 ):
+    rest = tinker.RestClient(base_url=server.url, api_key="tml-local")
+    served = rest.get_server_capabilities().result().supported_models
+    assert served[0].model_name == "tiny" and served[0].trainable
     sampler = service_client.create_sampling_client(base_model="tiny").result()
     prompt = [5, 6, 7, 8, 9, 10]
     params = types.SamplingParams(max_tokens=5, seed=3, stop=[])

@@ -104,6 +104,12 @@ def build_app(service: TinkerService) -> App:
     async def healthz(request: Request) -> Response:
         return json_response({"status": "ok"})
 
+    @route(app, "/api/v1/get_server_capabilities", ("GET",))
+    async def capabilities(request: Request) -> Response:
+        return json_response({"supported_models": [
+            {"model_name": name, "trainable": True, "sampleable": True}
+            for name in sorted(service.names, key=lambda n: n != service.base_name)]})  # fmt: skip
+
     @route(app, "/api/v1/client/config")
     async def client_config(request: Request) -> Response:
         return json_response(CLIENT_CONFIG)
