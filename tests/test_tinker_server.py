@@ -71,7 +71,10 @@ def tinker_server_thread(model_dir, run_dir, **options):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with tinker_server_thread(tiny_model_dir, tmp_path_factory.mktemp("tinker_runs")) as srv:
+    """One datum per forward_backward request: the SDK sends a batch's chunks at once, the
+    first one last, so every multi-datum call here arrives out of seq_id order."""
+    with tinker_server_thread(tiny_model_dir, tmp_path_factory.mktemp("tinker_runs"),
+                              client_config={"fwdbwd_max_chunk_len": 1}) as srv:  # fmt: skip
         yield srv
 
 
@@ -165,7 +168,7 @@ def test_rl_loop_samples_the_weights_just_saved(service_client, server):
     assert len(named.tokens) == 6
 
 
-def test_requests_sent_without_waiting_run_in_order(service_client):
+def test_requests_sent_without_waiting_run_in_order(service_client, server):
     batch = [datum(t) for t in DATA]
     adam = types.AdamParams(learning_rate=1e-2, eps=1e-8)
     waited = lora_client(service_client, seed=3)
@@ -181,6 +184,7 @@ def test_requests_sent_without_waiting_run_in_order(service_client):
     assert steps == [1.0, 2.0, 3.0]
     assert losses == pytest.approx([r.metrics["loss:sum"] for r in one_by_one], rel=1e-6)
     assert len(set(losses)) == 3  # each forward_backward saw the step before it
+    assert server.service.queues[queued.model_id].early > 0  # chunks did arrive out of order
 
 
 async def test_a_model_queue_runs_requests_by_seq_id_whatever_their_arrival():

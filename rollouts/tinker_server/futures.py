@@ -86,6 +86,7 @@ class ModelQueue:
         self.nursery, self.table, self.name = nursery, table, name
         self.next_seq, self.gap_timeout_s = next_seq, gap_timeout_s
         self.waiting: dict[int, tuple[Entry, Job]] = {}
+        self.early = 0  # requests that arrived before a smaller seq_id (and waited for it)
         self.send, self.receive = trio.open_memory_channel[tuple[Entry, Job]](float("inf"))
         nursery.start_soon(self._worker)
 
@@ -100,6 +101,7 @@ class ModelQueue:
             entry.done.set()
             return request_id
         self.waiting[seq_id] = (entry, job)
+        self.early += seq_id != self.next_seq
         self._release()
         if self.waiting:
             self.nursery.start_soon(self._expire_gap, self.next_seq)

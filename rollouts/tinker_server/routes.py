@@ -112,7 +112,7 @@ def build_app(service: TinkerService) -> App:
 
     @route(app, "/api/v1/client/config")
     async def client_config(request: Request) -> Response:
-        return json_response(CLIENT_CONFIG)
+        return json_response({**CLIENT_CONFIG, **service.client_config})
 
     @route(app, "/api/v1/client/dynamic_config")
     async def dynamic_config(request: Request) -> Response:

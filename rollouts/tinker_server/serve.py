@@ -40,10 +40,12 @@ async def open_tinker_server(model_path: str | Path, run_dir: str | Path, *,
                              port: int = 0, model_names: Sequence[str] = (),
                              max_lora_rank: int = 32, num_threads: int | None = None,
                              device: str = "cpu", dtype: str = "float32",
+                             client_config: dict | None = None,
                              ) -> AsyncIterator[TinkerServer]:  # fmt: skip
     """Serve the Tinker API (and its sampling engine) in the caller's task; yield once both
     answer. `port` 0 picks a free port (`server.url`). `device`/`dtype`: of the trainers and
-    of the local engine."""
+    of the local engine. `client_config`: flags sent to the SDK over the defaults
+    (routes.CLIENT_CONFIG), e.g. `{"fwdbwd_max_chunk_len": 1}`."""
     from engines import SGLangEngine
     from engines.local import open_local_engine
 
@@ -58,7 +60,7 @@ async def open_tinker_server(model_path: str | Path, run_dir: str | Path, *,
         nursery = await stack.enter_async_context(trio.open_nursery())
         service = TinkerService(str(model_path), Path(run_dir), engine, nursery,
                                 model_names=tuple(model_names), max_lora_rank=max_lora_rank,
-                                device=device, dtype=dtype)  # fmt: skip
+                                device=device, dtype=dtype, client_config=client_config)  # fmt: skip
         app = build_app(service)
         urls = await nursery.start(serve_http, app, host, port,
                                    ConnectionLimits(read_timeout_s=300.0))  # fmt: skip

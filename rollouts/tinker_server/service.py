@@ -44,7 +44,8 @@ class TinkerService:
     def __init__(self, model_path: str, run_root: Path, engine: Any, nursery: trio.Nursery, *,
                  model_names: tuple[str, ...] = (), max_lora_rank: int = 32,
                  lora_keep: int = 4, table: FutureTable | None = None,
-                 device: str = "cpu", dtype: str = "float32") -> None:  # fmt: skip
+                 device: str = "cpu", dtype: str = "float32",
+                 client_config: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.model_path, self.run_root, self.engine = model_path, Path(run_root), engine
         self.nursery = nursery
         path = Path(model_path)
@@ -54,6 +55,7 @@ class TinkerService:
         self.names = {model_path, str(path.resolve()), path.name, *model_names}
         self.max_lora_rank, self.lora_keep = max_lora_rank, lora_keep
         self.device, self.dtype = device, dtype  # of the trainers
+        self.client_config = dict(client_config or {})  # over routes.CLIENT_CONFIG
         self.table = table or FutureTable()
         self.sessions: set[str] = set()
         self.models: dict[str, TinkerModel] = {}
