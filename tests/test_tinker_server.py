@@ -319,3 +319,17 @@ def test_seeded_samples_repeat_and_differ_and_prompt_logprobs_are_the_models(
     assert first.prompt_logprobs[0] is None
     want = hf_target_logprobs(tiny_hf_model, prompt)
     assert torch.allclose(torch.tensor(first.prompt_logprobs[1:]), want, atol=1e-4)
+
+
+def test_saving_weights_does_not_abort_samples_in_flight(service_client):
+    """An async loop samples with an older sampling client while the trainer saves new
+    weights: the engine's pause for the push must keep those samples, not abort them."""
+    tc = lora_client(service_client, seed=11)
+    old = tc.save_weights_and_get_sampling_client().result()
+    long = types.SamplingParams(max_tokens=400, temperature=1.0, stop=[])
+    running = old.sample(types.ModelInput.from_ints([5, 6, 7]), 1, long)
+    time.sleep(0.2)  # let it start decoding
+    tc.forward_backward([datum(DATA[0])], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2))
+    tc.save_weights_and_get_sampling_client().result()
+    assert len(running.result().sequences[0].tokens) == 400

@@ -182,7 +182,12 @@ class TinkerModel:
         """Export the current weights and load them into `engine`; (the adapter name the
         engine serves them under, None for full weights; the weight version)."""
         version = self.backend.weight_version
+        # Samples in flight (an older sampling client's) must survive the push's pause: with
+        # LoRA they keep their own adapter ("in_place"); with full weights they are recomputed
+        # on the new ones ("retract"). The default "abort" would fail them.
+        mode = "in_place" if self.backend.lora else "retract"
         await push_weights(self.backend, [engine], self.run_dir / "sampler_weights",
+                           pause_mode=mode,
                            keep=self.backend.lora.keep if self.backend.lora else 2)  # fmt: skip
         name = None if self.adapter_name is None else f"{self.adapter_name}-v{version}"
         self.sampler_saves += 1
