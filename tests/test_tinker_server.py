@@ -226,6 +226,12 @@ def test_bad_input_is_an_sdk_error_naming_the_cause(service_client, server):
     long = datum(list(range(3, 100)) * 11)  # 1,066 tokens > the tiny model's 1,024
     with pytest.raises(tinker.RequestFailedError, match="more than the model's context"):
         lora_client(service_client).forward_backward([long], "cross_entropy").result()
+    outside = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                          loss_fn_inputs={"target_tokens": [6, 7, 999]})  # fmt: skip
+    with pytest.raises(
+        tinker.RequestFailedError, match=r"outside the vocabulary \[0, 371\): \[999\]"
+    ):
+        lora_client(service_client).forward_backward([outside], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match="not served here.*tiny"):
         service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     from tinker.lib.api_future_impl import _APIFuture

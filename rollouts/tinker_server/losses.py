@@ -106,8 +106,9 @@ def check_request(loss_fn: str, data: list[Datum], *, vocab_size: int, max_lengt
                     f"data[{i}].loss_fn_inputs[{key!r}] has shape {list(value.shape)} but "
                     f"model_input has {n} tokens: give one value per input token, shape [{n}]"
                 )
-        bad = [t for t in (*datum.tokens, *datum.inputs["target_tokens"].tolist())
-               if not 0 <= int(t) < vocab_size]  # fmt: skip
+        ids = np.concatenate([np.asarray(datum.tokens, dtype=np.int64),
+                              datum.inputs["target_tokens"].astype(np.int64).reshape(-1)])  # fmt: skip
+        bad = ids[(ids < 0) | (ids >= vocab_size)].tolist()
         if bad:
             raise TinkerRequestError(
                 f"data[{i}] has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
