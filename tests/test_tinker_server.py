@@ -325,6 +325,12 @@ def test_seeded_samples_repeat_and_differ_and_prompt_logprobs_are_the_models(
     assert first.prompt_logprobs[0] is None
     want = hf_target_logprobs(tiny_hf_model, prompt)
     assert torch.allclose(torch.tensor(first.prompt_logprobs[1:]), want, atol=1e-4)
+    # SamplingClient.compute_logprobs (the cookbook's scorer), whole and the last 3 only
+    whole = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert torch.allclose(torch.tensor(whole[1:]), want, atol=1e-4)
+    tail = sampler.compute_logprobs(types.ModelInput.from_ints(prompt), 3).result()
+    assert tail[:3] == [None] * 3
+    assert torch.allclose(torch.tensor(tail[3:]), want[-3:], atol=1e-4)
 
 
 def test_saving_weights_does_not_abort_samples_in_flight(service_client):

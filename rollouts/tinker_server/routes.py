@@ -276,6 +276,13 @@ def build_app(service: TinkerService) -> App:
         n = int(body.get("num_samples", 1))
         params = _engine_params(body.get("sampling_params") or {}, n)
         want_prompt = bool(body.get("prompt_logprobs"))
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
+            raise TinkerRequestError(f"prompt_logprobs_last_n {last_n} is not in [1, "
+                                     f"{len(prompt) - 1}] (the prompt has {len(prompt)} tokens)")  # fmt: skip
+        # the first position scored; the engine's first logprob (position logprob_start_len) is
+        # always None (SGLang's layout), so it is asked to start one position earlier
+        start = 0 if last_n is None else len(prompt) - int(last_n)
 
         async def job() -> bytes:
             prompts, per_sample = [prompt], params
@@ -285,7 +292,7 @@ def build_app(service: TinkerService) -> App:
                 per_sample = [{**params, "n": 1, "sampling_seed": seed + i} for i in range(n)]
             results = await service.engine.generate_batch(
                 prompts, per_sample, return_logprob=True,
-                logprob_start_len=0 if want_prompt else None, lora_path=sampler.adapter)  # fmt: skip
+                logprob_start_len=max(0, start - 1) if want_prompt else None, lora_path=sampler.adapter)  # fmt: skip
             seqs = []
             for r in results:
                 if r.aborted:
@@ -295,7 +302,9 @@ def build_app(service: TinkerService) -> App:
                 seqs.append(SampledSeq(list(r.output_ids), list(r.output_logprobs or []), reason))
             prompt_lp = None
             if want_prompt and results and results[0].input_logprobs is not None:
-                prompt_lp = [math.nan if v is None else v for v in results[0].input_logprobs]
+                scored = list(results[0].input_logprobs)[start - len(prompt) :] if start else \
+                    list(results[0].input_logprobs)  # fmt: skip
+                prompt_lp = [math.nan] * start + [math.nan if v is None else v for v in scored]
             return encode_sample_response(seqs, prompt_lp)
 
         ids = [f"{body.get('sampling_session_id')}:{body.get('seq_id')}:{i}" for i in range(n)]
