@@ -302,8 +302,8 @@ def build_app(service: TinkerService) -> App:
                 seqs.append(SampledSeq(list(r.output_ids), list(r.output_logprobs or []), reason))
             prompt_lp = None
             if want_prompt and results and results[0].input_logprobs is not None:
-                scored = list(results[0].input_logprobs)[start - len(prompt) :] if start else \
-                    list(results[0].input_logprobs)  # fmt: skip
+                got = list(results[0].input_logprobs)
+                scored = got[start - len(prompt) :] if start else got
                 prompt_lp = [math.nan] * start + [math.nan if v is None else v for v in scored]
             return encode_sample_response(seqs, prompt_lp)
 
