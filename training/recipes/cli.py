@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "usage: rollouts {"
         + ",".join(COMMANDS)
         + "} ...\n\n"
-        + "\n".join(f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items())
+        + "\n".join(f"  {name:<12} {text}" for name, (_, text) in COMMANDS.items())
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
