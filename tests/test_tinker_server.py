@@ -345,3 +345,15 @@ def test_saving_weights_does_not_abort_samples_in_flight(service_client):
     tc.optim_step(types.AdamParams(learning_rate=1e-2))
     tc.save_weights_and_get_sampling_client().result()
     assert len(running.result().sequences[0].tokens) == 400
+
+
+def test_a_zstd_body_that_inflates_past_the_bound_is_refused_not_decompressed():
+    import zstandard
+
+    from rollouts.tinker_server.wire import TinkerRequestError, decode_body
+
+    body = zstandard.ZstdCompressor().compress(b"\0" * 100_000)  # ~20 bytes on the wire
+    assert decode_body(body, {"content-encoding": "zstd"}) == b"\0" * 100_000
+    with pytest.raises(TinkerRequestError, match="inflates past 1000 bytes") as refused:
+        decode_body(body, {"content-encoding": "zstd"}, limit=1000)
+    assert refused.value.status == 413

@@ -50,16 +50,24 @@ def _pb() -> Any:
     return tinker_public_pb2
 
 
-def decode_body(body: bytes, headers: dict[str, str]) -> bytes:
+MAX_DECOMPRESSED = 1 << 30  # a zstd body may not inflate past 1 GiB (a decompression bomb)
+
+
+def decode_body(body: bytes, headers: dict[str, str], limit: int = MAX_DECOMPRESSED) -> bytes:
     """The request body, zstd-decompressed when `Content-Encoding: zstd` says so."""
     if headers.get("content-encoding", "").lower() != "zstd":
         return body
     import zstandard
 
     try:
-        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            raw = reader.read(limit + 1)
     except zstandard.ZstdError as exc:
         raise TinkerRequestError(f"the zstd request body does not decompress: {exc}") from None
+    if len(raw) > limit:
+        raise TinkerRequestError(f"the zstd request body inflates past {limit} bytes: split "
+                                 "the batch into smaller forward_backward calls", status=413)  # fmt: skip
+    return raw
 
 
 _DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}
