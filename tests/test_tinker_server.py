@@ -245,6 +245,10 @@ def test_bad_input_is_an_sdk_error_naming_the_cause(service_client, server):
                          request_start_time=time.time(), request_type="OptimStep")  # fmt: skip
     with pytest.raises(ValueError, match="no request 'no-such-future'"):
         missing.result()
+    base = service_client.create_sampling_client(base_model="tiny").result()
+    with pytest.raises(tinker.RequestFailedError, match="engine refused the sample.*temperature"):
+        base.sample(types.ModelInput.from_ints([5, 6]), 1,
+                    types.SamplingParams(max_tokens=2, temperature=-1.0)).result()  # fmt: skip
     garbage = httpx.post(f"{server.url}/api/v1/forward_backward", content=b"\xff" * 40,
                          headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
     assert garbage.status_code == 400 and "not a ForwardBackwardRequest" in garbage.text

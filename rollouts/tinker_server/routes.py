@@ -17,6 +17,7 @@ from collections import Counter
 from typing import Any
 
 from engines.local.asgi import App, Request, Response, json_response
+from plumbing.errors import EngineError
 from rollouts.tinker_server.losses import check_request
 from rollouts.tinker_server.service import TinkerService
 from rollouts.tinker_server.wire import (
@@ -94,6 +95,41 @@ def _engine_params(sp: dict[str, Any], n: int) -> dict[str, Any]:
     elif isinstance(stop, list):
         params["stop"] = stop
     return params
+
+
+async def _sample(service: TinkerService, adapter: str | None, prompt: list[int],
+                  params: dict[str, Any], want_prompt: bool, start: int) -> bytes:  # fmt: skip
+    """One `asample` on the engine: n samples (each its own seed when seeded, not n copies),
+    logprobs, and the prompt's from position `start` on; a `SampleResponse` protobuf."""
+    n = params["n"]
+    prompts, per_sample = [prompt], params
+    if "sampling_seed" in params and n > 1:
+        prompts = [prompt] * n
+        per_sample = [{**params, "n": 1, "sampling_seed": params["sampling_seed"] + i}
+                      for i in range(n)]  # fmt: skip
+    try:
+        # the engine's first prompt logprob (at logprob_start_len) is always None (SGLang's
+        # layout), so it is asked to start one position earlier
+        results = await service.engine.generate_batch(
+            prompts, per_sample, return_logprob=True,
+            logprob_start_len=max(0, start - 1) if want_prompt else None, lora_path=adapter)  # fmt: skip
+    except EngineError as exc:
+        if exc.status is not None and 400 <= exc.status < 500:  # the caller's parameters
+            raise TinkerRequestError(f"the engine refused the sample: {exc}") from None
+        raise
+    seqs = []
+    for r in results:
+        if r.aborted:
+            raise TinkerRequestError(f"the engine aborted the sample: {r.finish_reason}", 500,
+                                     "server")  # fmt: skip
+        reason = "length" if r.finish_reason.type == "length" else "stop"
+        seqs.append(SampledSeq(list(r.output_ids), list(r.output_logprobs or []), reason))
+    prompt_lp = None
+    if want_prompt and results and results[0].input_logprobs is not None:
+        got = list(results[0].input_logprobs)
+        scored = got[start - len(prompt) :] if start else got
+        prompt_lp = [math.nan] * start + [math.nan if v is None else v for v in scored]
+    return encode_sample_response(seqs, prompt_lp)
 
 
 def build_app(service: TinkerService) -> App:
@@ -280,33 +316,10 @@ def build_app(service: TinkerService) -> App:
         if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
             raise TinkerRequestError(f"prompt_logprobs_last_n {last_n} is not in [1, "
                                      f"{len(prompt) - 1}] (the prompt has {len(prompt)} tokens)")  # fmt: skip
-        # the first position scored; the engine's first logprob (position logprob_start_len) is
-        # always None (SGLang's layout), so it is asked to start one position earlier
-        start = 0 if last_n is None else len(prompt) - int(last_n)
+        start = 0 if last_n is None else len(prompt) - int(last_n)  # the first position scored
 
-        async def job() -> bytes:
-            prompts, per_sample = [prompt], params
-            if "sampling_seed" in params and n > 1:  # n samples, each its own seed: not n copies
-                seed = params["sampling_seed"]
-                prompts = [prompt] * n
-                per_sample = [{**params, "n": 1, "sampling_seed": seed + i} for i in range(n)]
-            results = await service.engine.generate_batch(
-                prompts, per_sample, return_logprob=True,
-                logprob_start_len=max(0, start - 1) if want_prompt else None, lora_path=sampler.adapter)  # fmt: skip
-            seqs = []
-            for r in results:
-                if r.aborted:
-                    raise TinkerRequestError(f"the engine aborted the sample: {r.finish_reason}",
-                                             500, "server")  # fmt: skip
-                reason = "length" if r.finish_reason.type == "length" else "stop"
-                seqs.append(SampledSeq(list(r.output_ids), list(r.output_logprobs or []), reason))
-            prompt_lp = None
-            if want_prompt and results and results[0].input_logprobs is not None:
-                got = list(results[0].input_logprobs)
-                scored = got[start - len(prompt) :] if start else got
-                prompt_lp = [math.nan] * start + [math.nan if v is None else v for v in scored]
-            return encode_sample_response(seqs, prompt_lp)
-
+        job = functools.partial(_sample, service, sampler.adapter, prompt, params,
+                                want_prompt, start)  # fmt: skip
         ids = [f"{body.get('sampling_session_id')}:{body.get('seq_id')}:{i}" for i in range(n)]
         return json_response(service.start(job, sample_sequence_ids=ids))
 
