@@ -270,6 +270,13 @@ def test_a_restarted_server_resumes_a_saved_state_on_the_same_loss_curve(service
         after.append(tc.forward_backward(batch, "cross_entropy"))
         tc.optim_step(adam)
     after = [f.result().metrics["loss:sum"] for f in after]
+    # load_state_with_optimizer onto the same client rewinds it: the same two steps again
+    tc.load_state_with_optimizer(path).result()
+    rewound = []
+    for _ in range(2):
+        rewound.append(tc.forward_backward(batch, "cross_entropy"))
+        tc.optim_step(adam)
+    assert [f.result().metrics["loss:sum"] for f in rewound] == pytest.approx(after, rel=1e-6)
     assert path in [c.tinker_path for c in tinker.RestClient(base_url=server.url, api_key="tml-local")
                     .list_checkpoints(tc.model_id).result().checkpoints]  # fmt: skip
     # a new server process state on the same run directory (the engine is reused: cheaper)
