@@ -219,6 +219,14 @@ def serve_main(argv: Sequence[str] | None = None, *, prog: str | None = None) ->
     return main(None if argv is None else list(argv), prog=prog or "rollouts serve")
 
 
+def tinker_serve_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """`rollouts tinker-serve`: Tinker's training API on this machine (docs/tinker.md)."""
+    with gc_paused(freeze=True):
+        from rollouts.tinker_server.serve import main
+
+    return main(argv, prog=prog)
+
+
 def plot_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """`rollouts plot RUN_DIR`: curves.png from a run's metrics.jsonl."""
     from training.recipes.plot import main
@@ -238,6 +246,7 @@ COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "rl": (rl_main, "RL (GRPO family) against local or live engines"),
     "serve": (serve_main, "run the local CPU inference engine (SGLang HTTP protocol)"),
     "eval": (eval_main, "greedy held-out accuracy of a model on prompts with answers"),
+    "tinker-serve": (tinker_serve_main, "serve Tinker's training API (the `tinker` SDK) here"),
     "plot": (plot_main, "plot a run directory's metrics.jsonl"),
     "generate": (generate_main, "print a model's answers to a prompts or chat JSONL file"),
     "view": (view_main, "a browsable site of a run's rollouts, rewards and curves"),
@@ -251,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "usage: rollouts {"
         + ",".join(COMMANDS)
         + "} ...\n\n"
-        + "\n".join(f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items())
+        + "\n".join(f"  {name:<12} {text}" for name, (_, text) in COMMANDS.items())
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
