@@ -14,7 +14,6 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Any
 import trio
 
 from engines.client import probe_engines
-from engines.refit import RefitGroup
 from plumbing.errors import ConfigError
 from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
@@ -63,7 +61,7 @@ from training.loops.weight_push import (
 )
 from training.recipes.callables import resolve_callable as resolve_callable
 from training.recipes.engine_model import model_served_by
-from training.recipes.rl_engines import open_engines, probe_vllm_engines
+from training.recipes.rl_engines import open_engines, probe_vllm_engines, refit_group
 from training.recipes.rl_env import build_episode_setup, openenv_task_files, with_env_url
 from training.recipes.rl_models import build_rl_models
 from training.recipes.rl_summary import EngineWatch, rl_console_keys
@@ -78,7 +76,7 @@ from training.rl.objective import RLObjective
 from training.rl.preference_loss import PairSelector, best_vs_worst
 from training.rl.reference import ReferenceUpdateFn, check_lora_reference_rule, frozen
 from training.rl.rollout_dump import RolloutDumpWriter
-from training.rl_config import AlgorithmSection, EnginesConfig, RLRunConfig
+from training.rl_config import AlgorithmSection, RLRunConfig
 
 log = logging.getLogger("rollouts.rl_recipe")
 
@@ -219,25 +217,6 @@ async def check_rl_inputs(config: RLRunConfig) -> None:
         await check_server(config.env.openenv.url)
 
 
-@contextlib.asynccontextmanager
-async def _refit_group(engines: EnginesConfig) -> AsyncIterator[RefitGroup | None]:
-    """The weight-update group of `engines.weight_transport: distributed` (None: disk), left
-    by every engine when the run ends."""
-    if engines.weight_transport != "distributed":
-        yield None
-        return
-    group = RefitGroup(master_address=engines.weight_master_address,
-                       backend=engines.weight_group_backend,
-                       timeout_s=engines.weight_group_timeout_s,
-                       broadcast_timeout_s=engines.weight_broadcast_timeout_s,
-                       bucket_mb=engines.weight_bucket_mb)  # fmt: skip
-    try:
-        yield group
-    finally:
-        with trio.CancelScope(shield=True):
-            await group.close()
-
-
 def _closing(resource: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if resource is None else contextlib.closing(resource)
 
@@ -343,7 +322,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             closing.callback(shutil.rmtree, weights, True)
         copies = WeightsCopies(backend, weights)  # for engines back after a broadcast
         async with open_engines(config, model_path, out, copies) as (engine, clients), \
-                _refit_group(config.engines) as refit, \
+                refit_group(config.engines) as refit, \
                 open_prometheus(config.train.prometheus) as prometheus:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
                 await push_weights(

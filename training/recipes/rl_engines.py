@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import trio
 from engines import EnginePool, LoraLaunch, SGLangEngine
 from engines.client import EngineTimeouts
 from engines.control_plane import GatewayControl, choose_control_plane, control_targets
+from engines.refit import RefitGroup
 from engines.router import RouterEngine
 from engines.supervisor import supervise_engine
 from engines.types import EngineTimeoutError, EngineUnavailableError
@@ -182,3 +184,22 @@ def lora_launch(config: RLRunConfig) -> LoraLaunch | None:
         return None
     return LoraLaunch(max_lora_rank=lora.rank, target_modules=lora.target_modules,
                       max_loras_per_batch=lora.keep + 1)  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def refit_group(engines: EnginesConfig) -> AsyncIterator[RefitGroup | None]:
+    """The weight-update group of `engines.weight_transport: distributed` (None: disk), left
+    by every engine when the run ends."""
+    if engines.weight_transport != "distributed":
+        yield None
+        return
+    group = RefitGroup(master_address=engines.weight_master_address,
+                       backend=engines.weight_group_backend,
+                       timeout_s=engines.weight_group_timeout_s,
+                       broadcast_timeout_s=engines.weight_broadcast_timeout_s,
+                       bucket_mb=engines.weight_bucket_mb)  # fmt: skip
+    try:
+        yield group
+    finally:
+        with trio.CancelScope(shield=True):
+            await group.close()
