@@ -49,6 +49,19 @@ class EnginesConfig(Strict):
     local_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="the dtype launched local engines hold the weights in"
     )
+    local_prefix_cache: bool = Field(
+        True,
+        description="launched local engines keep a radix prefix cache (false: "
+        "--disable-radix-cache)",
+    )
+    exact_logprobs: bool = Field(
+        False,
+        description="true on-policy: launched local engines return each sampled token's "
+        "logprob as the trainer computes it (--exact-logprobs: the finished sequence rescored "
+        "alone, one full forward), and the trainer scores each sample alone too (one sample per "
+        "micro-batch, train.share_prompts off), so logprob_diff_max_abs is 0.0 "
+        "(docs/engines.md, 'Exact logprobs')",
+    )
     max_running_requests: int = Field(64, ge=1)
     startup_timeout_s: float = Field(300.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)
@@ -297,6 +310,18 @@ class RLRunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _exact_logprobs_on_both_sides(self) -> RLRunConfig:
+        if not self.engines.exact_logprobs:
+            return self
+        refuse = exact_logprobs_conflicts(self)
+        if refuse:
+            raise ValueError(f"engines.exact_logprobs=true {refuse}")
+        # the trainer scores each sample alone, as the engine does: no shared prompt rows
+        # (a copy: the default RLLoopConfig instance is shared by every config)
+        object.__setattr__(self, "train", self.train.model_copy(update={"share_prompts": False}))
+        return self
+
+    @model_validator(mode="after")
     def _mini_batches_fit_the_batch(self) -> RLRunConfig:
         if self.train.mini_batches > self.rollout.batch_size:
             raise ValueError(
@@ -339,3 +364,31 @@ class RLRunConfig(Strict):
                 "async (engine logprobs as the behaviour policy, staleness counted)"
             )
         return self
+
+
+def exact_logprobs_conflicts(config: RLRunConfig) -> str | None:
+    """Why `engines.exact_logprobs` cannot give exact logprobs with `config`, and the fix; None
+    when it can."""
+    ec, model = config.engines, config.model
+    if ec.urls or ec.router_url:
+        return ("applies to the local engines the run launches; with engines.urls / router_url "
+                "set, drop engines.exact_logprobs (SGLang has its own deterministic modes)")  # fmt: skip
+    if ec.local_dtype != model.dtype:
+        return (f"needs the engine's weights in the trainer's dtype: engines.local_dtype is "
+                f"{ec.local_dtype}, model.dtype {model.dtype}; set them equal")  # fmt: skip
+    if ec.local_device != config.backend.device.split(":")[0]:
+        return (f"needs the engine on the trainer's device kind: engines.local_device is "
+                f"{ec.local_device}, backend.device {config.backend.device}; set them equal")  # fmt: skip
+    if model.attention != "sdpa":
+        return ("needs model.attention: sdpa (the engine scores with sdpa; the segment "
+                "attention's kernels differ)")  # fmt: skip
+    if model.lora is not None:
+        return "does not cover LoRA (the engine's adapter forward is not the trainer's): drop model.lora"
+    if config.env.kind != "single_turn":
+        return (f"covers single-turn samples only (env.kind is {config.env.kind!r}: the trainer "
+                "scores the whole trajectory in one forward, the engine each turn): set "
+                "env.kind: single_turn")  # fmt: skip
+    if "share_prompts" in config.train.model_fields_set and config.train.share_prompts:
+        return ("scores each sample alone; train.share_prompts=true shares prompt rows: "
+                "drop train.share_prompts")  # fmt: skip
+    return None

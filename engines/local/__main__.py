@@ -45,6 +45,17 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--exact-logprobs",
+        action="store_true",
+        help="return the sampled tokens' logprobs as the trainer computes them: each finished "
+        "request rescored alone, one full forward (batch-invariant; docs/engines.md)",
+    )
+    parser.add_argument(
+        "--exact-logprobs-scorer",
+        default="training.data.exact_scoring:score_alone",
+        help="module:function that rescores a sequence in --exact-logprobs mode",
+    )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument(
@@ -163,6 +174,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local"
         disable_radix_cache=args.disable_radix_cache,
         dtype=args.dtype,
         device=args.device,
+        exact_logprobs=args.exact_logprobs,
+        exact_logprobs_scorer=args.exact_logprobs_scorer,
         served_model_name=args.served_model_name,
         random_seed=args.random_seed,
         num_threads=threads,
