@@ -7,13 +7,22 @@ process (`tiny_hf_model`), one sequence at a time."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import httpx
 import pytest
 import torch
 import trio
+from pydantic import ValidationError
 
 from engines.local import open_local_engine
+from tests.distributed_launch import ROOT, launch
+from tests.torchrun_exit import SMALL_EVAL_DATA, SMALL_RL_DATA
 from training.data.exact_scoring import score_alone
+from training.recipes.rl_engines import local_engine_args
+from training.rl_config import RLRunConfig
 
 # prompts sharing a long prefix (the radix cache serves it) and of different lengths (padding)
 PREFIX = list(range(10, 40))
@@ -64,3 +73,71 @@ async def test_exact_mode_returns_the_trainers_logprob_of_each_token_whatever_it
         results, cached = await _sample_all(server.url, temperature)
     assert cached > 0, "the second round should reuse the prefix cache"
     assert _max_diff_to_trainer(tiny_hf_model, results, temperature) == 0.0
+
+
+# ----- a GRPO run with engines.exact_logprobs, through the recipe (config key -> launch flag) ----
+
+
+def exact_run_args(model_dir: Path, out: Path, *, steps: int, temperature: float = 1.0,
+                   prefix_cache: bool = True) -> list[str]:  # fmt: skip
+    """`examples/run_rl.py` arguments: the tiny recipe, 4 prompts x 4 samples, exact mode."""
+    return ["--config", str(ROOT / "configs" / "rl_tiny.yaml"), "--model", str(model_dir),
+            "--output-dir", str(out / "rl"), "--max-steps", str(steps),
+            "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.filter_groups=none",
+            f"rollout.sampling.temperature={temperature}", "train.eval_samples=8",
+            "train.eval_every=1000", "backend.num_threads=1", "engines.exact_logprobs=true",
+            f"engines.local_prefix_cache={str(prefix_cache).lower()}",
+            "reward.fn=rollouts.tasks.arithmetic:digit_share_reward",
+            f"data.task_dir={out / 'data'}", SMALL_RL_DATA, SMALL_EVAL_DATA]  # fmt: skip
+
+
+def step_diffs(out: Path) -> list[float]:
+    rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    return [r["logprob_diff_max_abs"] for r in rows]
+
+
+def test_grpo_with_exact_logprobs_measures_no_mismatch_at_one_process(tiny_model_dir, tmp_path):
+    proc = launch("examples/run_rl.py", *exact_run_args(tiny_model_dir, tmp_path, steps=3),
+                  world=1, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_diffs(tmp_path) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_grpo_with_exact_logprobs_measures_no_mismatch_under_fsdp2_at_two_ranks(
+    tiny_model_dir, tmp_path, warm_python
+):
+    """The sharded trainer gathers each layer's full weights before its forward, so a sample's
+    forward at two ranks is the one-process forward: still no mismatch."""
+    args = exact_run_args(tiny_model_dir, tmp_path, steps=2, temperature=0.7)
+    proc = launch("examples/run_rl.py", *args, world=2, cwd=tmp_path, warm=warm_python)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_diffs(tmp_path) == [0.0, 0.0]
+
+
+# ----- the config key ------------------------------------------------------------------------
+
+
+def test_exact_logprobs_turns_prompt_sharing_off_and_leaves_other_configs_alone():
+    exact = RLRunConfig(engines={"exact_logprobs": True})
+    assert exact.train.share_prompts is False
+    assert RLRunConfig().train.share_prompts is True
+    assert "--exact-logprobs" in local_engine_args(exact.engines)
+    assert "--exact-logprobs" not in local_engine_args(RLRunConfig().engines)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"engines": {"urls": ["http://h:30000"]}}, "engines.urls"),
+        ({"engines": {"local_dtype": "bfloat16"}}, "engines.local_dtype"),
+        ({"model": {"attention": "segments"}}, "model.attention"),
+        ({"model": {"lora": {"rank": 4}}}, "model.lora"),
+        ({"env": {"kind": "tools"}}, "env.kind"),
+        ({"train": {"share_prompts": True}}, "train.share_prompts"),
+    ],
+)
+def test_exact_logprobs_refuses_what_it_cannot_make_exact_and_names_the_key(overrides, named):
+    engines = {"exact_logprobs": True, **overrides.pop("engines", {})}
+    with pytest.raises(ValidationError, match=re.escape(named)):
+        RLRunConfig(engines=engines, **overrides)
