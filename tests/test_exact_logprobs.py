@@ -75,6 +75,36 @@ async def test_exact_mode_returns_the_trainers_logprob_of_each_token_whatever_it
     assert _max_diff_to_trainer(tiny_hf_model, results, temperature) == 0.0
 
 
+def refusing_scorer(model, prompt_ids, output_ids, *, temperature):
+    raise RuntimeError("this scorer refuses every sequence")
+
+
+async def test_a_request_whose_rescoring_fails_fails_instead_of_returning_fast_logprobs(
+    tiny_model_dir,
+):
+    scorer = "tests.test_exact_logprobs:refusing_scorer"
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1, exact_logprobs=True,
+                          exact_logprobs_scorer=scorer, skip_server_warmup=True) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=60) as http,
+    ):  # fmt: skip
+        body = {"input_ids": PROMPTS[0], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}  # fmt: skip
+        response = await http.post("/generate", json=body)
+        healthy = await http.get("/health_generate")
+    assert response.status_code == 500
+    assert "Exact logprob scoring failed" in response.text and "refuses" in response.text
+    assert healthy.status_code == 200  # the engine keeps serving
+
+
+async def test_an_unloadable_scorer_is_refused_at_start_naming_the_flag(tiny_model_dir):
+    with pytest.raises(BaseExceptionGroup) as refused:
+        async with open_local_engine(tiny_model_dir, num_threads=1, exact_logprobs=True,
+                                     exact_logprobs_scorer="no_such_module:f"):  # fmt: skip
+            pass
+    assert refused.group_contains(ValueError, match="--exact-logprobs-scorer 'no_such_module:f'")
+
+
 # ----- a GRPO run with engines.exact_logprobs, through the recipe (config key -> launch flag) ----
 
 

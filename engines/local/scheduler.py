@@ -149,7 +149,11 @@ class Scheduler(SchedulerControl):
         """Replace the finished `seqs`' output logprobs by the exact ones (model thread)."""
         if not seqs:
             return
-        results = await trio.to_thread.run_sync(self.exact, seqs, limiter=self._limiter)
+        try:
+            results = await trio.to_thread.run_sync(self.exact, seqs, limiter=self._limiter)
+        except Exception as exc:  # they fail rather than return logprobs of another kind
+            logger.exception("exact logprob scoring failed for %d requests", len(seqs))
+            results = [f"Exact logprob scoring failed: {exc!r}"] * len(seqs)
         for seq, result in zip(seqs, results, strict=True):
             if isinstance(result, str):
                 seq.error = result
