@@ -148,12 +148,15 @@ def test_grpo_with_exact_logprobs_measures_no_mismatch_under_fsdp2_at_two_ranks(
 # ----- the config key ------------------------------------------------------------------------
 
 
-def test_exact_logprobs_turns_prompt_sharing_off_and_leaves_other_configs_alone():
-    exact = RLRunConfig(engines={"exact_logprobs": True})
+def test_exact_logprobs_turns_prompt_sharing_off_and_reaches_the_engine_as_its_flags():
+    from engines.local.__main__ import build_parser
+
+    exact = RLRunConfig(engines={"exact_logprobs": True, "local_prefix_cache": False})
     assert exact.train.share_prompts is False
-    assert RLRunConfig().train.share_prompts is True
-    assert "--exact-logprobs" in local_engine_args(exact.engines)
-    assert "--exact-logprobs" not in local_engine_args(RLRunConfig().engines)
+    assert RLRunConfig().train.share_prompts is True  # the shared default is left alone
+    for config, on in ((exact, True), (RLRunConfig(), False)):
+        args = build_parser().parse_args(["--model-path", "m", *local_engine_args(config.engines)])
+        assert (args.exact_logprobs, args.disable_radix_cache) == (on, on)
 
 
 @pytest.mark.parametrize(
