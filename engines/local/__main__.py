@@ -12,6 +12,7 @@ import trio
 from plumbing.errors import ModelLoadError
 from plumbing.model_paths import resolve_model_dir
 
+from .exact_logprobs import DEFAULT_SCORER
 from .server import serve
 from .state import LocalEngineConfig
 
@@ -53,7 +54,7 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
     )
     parser.add_argument(
         "--exact-logprobs-scorer",
-        default="training.data.exact_scoring:score_alone",
+        default=DEFAULT_SCORER,
         help="module:function that rescores a sequence in --exact-logprobs mode",
     )
     parser.add_argument("--served-model-name", default=None)
