@@ -165,6 +165,8 @@ def test_exact_logprobs_turns_prompt_sharing_off_and_reaches_the_engine_as_its_f
         ({"engines": {"urls": ["http://h:30000"]}}, "engines.urls"),
         ({"engines": {"local_dtype": "bfloat16"}}, "engines.local_dtype"),
         ({"model": {"attention": "segments"}}, "model.attention"),
+        ({"backend": {"fsdp": {"param_dtype": "bfloat16"}}}, "backend.fsdp.param_dtype"),
+        ({"backend": {"fsdp": {"compile_layers": True}}}, "backend.fsdp.compile_layers"),
         ({"model": {"lora": {"rank": 4}}}, "model.lora"),
         ({"env": {"kind": "tools"}}, "env.kind"),
         ({"train": {"share_prompts": True}}, "train.share_prompts"),

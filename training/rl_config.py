@@ -14,6 +14,7 @@ from training.config import (
     OptimConfig,
     TaskDataSource,
 )
+from training.exact_logprobs_checks import exact_logprobs_conflicts
 from training.trl_names import RL_TABLES
 
 
@@ -364,31 +365,3 @@ class RLRunConfig(Strict):
                 "async (engine logprobs as the behaviour policy, staleness counted)"
             )
         return self
-
-
-def exact_logprobs_conflicts(config: RLRunConfig) -> str | None:
-    """Why `engines.exact_logprobs` cannot give exact logprobs with `config`, and the fix; None
-    when it can."""
-    ec, model = config.engines, config.model
-    if ec.urls or ec.router_url:
-        return ("applies to the local engines the run launches; with engines.urls / router_url "
-                "set, drop engines.exact_logprobs (SGLang has its own deterministic modes)")  # fmt: skip
-    if ec.local_dtype != model.dtype:
-        return (f"needs the engine's weights in the trainer's dtype: engines.local_dtype is "
-                f"{ec.local_dtype}, model.dtype {model.dtype}; set them equal")  # fmt: skip
-    if ec.local_device != config.backend.device.split(":")[0]:
-        return (f"needs the engine on the trainer's device kind: engines.local_device is "
-                f"{ec.local_device}, backend.device {config.backend.device}; set them equal")  # fmt: skip
-    if model.attention != "sdpa":
-        return ("needs model.attention: sdpa (the engine scores with sdpa; the segment "
-                "attention's kernels differ)")  # fmt: skip
-    if model.lora is not None:
-        return "does not cover LoRA (the engine's adapter forward is not the trainer's): drop model.lora"
-    if config.env.kind != "single_turn":
-        return (f"covers single-turn samples only (env.kind is {config.env.kind!r}: the trainer "
-                "scores the whole trajectory in one forward, the engine each turn): set "
-                "env.kind: single_turn")  # fmt: skip
-    if "share_prompts" in config.train.model_fields_set and config.train.share_prompts:
-        return ("scores each sample alone; train.share_prompts=true shares prompt rows: "
-                "drop train.share_prompts")  # fmt: skip
-    return None
