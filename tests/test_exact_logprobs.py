@@ -8,7 +8,10 @@ process (`tiny_hf_model`), one sequence at a time."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -103,6 +106,19 @@ async def test_an_unloadable_scorer_is_refused_at_start_naming_the_flag(tiny_mod
                                      exact_logprobs_scorer="no_such_module:f"):  # fmt: skip
             pass
     assert refused.group_contains(ValueError, match="--exact-logprobs-scorer 'no_such_module:f'")
+
+
+def test_exact_scores_do_not_depend_on_where_the_weights_sit_in_memory(tiny_model_dir):
+    """FSDP2's gathered parameters sit at other offsets than a loaded model's; MKL's strict mode
+    (`strict_blas`, which the exact mode turns on first thing) makes the float32 matrix products
+    round the same wherever their operands sit (without it: 4 of these 150 differ here)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("MKL_CBWR", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exact_alignment.py"),
+                           str(tiny_model_dir), "--strict"], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "0/150"
 
 
 # ----- a GRPO run with engines.exact_logprobs, through the recipe (config key -> launch flag) ----

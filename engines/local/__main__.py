@@ -11,6 +11,7 @@ import trio
 
 from plumbing.errors import ModelLoadError
 from plumbing.model_paths import resolve_model_dir
+from plumbing.threads import strict_blas
 
 from .exact_logprobs import DEFAULT_SCORER
 from .server import serve
@@ -149,6 +150,8 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
 def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local") -> int:
     """The server's command line; `prog` is how the help names it (`rollouts serve`)."""
     args = build_parser(prog).parse_args(argv)
+    if args.exact_logprobs:  # before the model's first matrix product (exact_logprobs.py)
+        strict_blas()
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
