@@ -14,6 +14,10 @@ Contract:
   reports it, so no weight update can come between the tokens and their rescoring.
 - The cost: one forward of prompt + response per finished request, on the model thread
   (docs/engines.md, "Exact logprobs").
+- `python -m engines.local --exact-logprobs` turns on MKL's strict reproducible mode before the
+  model loads (plumbing.threads.strict_blas): float32 matrix products then round the same
+  wherever their operands sit in memory, as the trainer's FSDP2-gathered weights sit elsewhere.
+  An engine opened in a process that already ran matrix products keeps that process's mode.
 
 Not covered (the fast logprobs are returned): aborted requests, streamed chunks before the
 last one, input (prompt) logprobs and top-logprobs. Refused at start: LoRA serving (the trainer's
