@@ -15,6 +15,7 @@ from training.config import (
     OptimConfig,
     TaskDataSource,
 )
+from training.exact_logprobs_checks import exact_logprobs_conflicts
 from training.rl_engines_config import EnginesConfig as EnginesConfig
 from training.trl_names import RL_TABLES
 
@@ -236,6 +237,18 @@ class RLRunConfig(Strict):
         if server is not None and server.train_split and self.data.train_path is not None:
             raise ValueError("give data.train_path or env.openenv.train_split (the env's tasks "
                              "as prompts), not both")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _exact_logprobs_on_both_sides(self) -> RLRunConfig:
+        if not self.engines.exact_logprobs:
+            return self
+        refuse = exact_logprobs_conflicts(self)
+        if refuse:
+            raise ValueError(f"engines.exact_logprobs=true {refuse}")
+        # the trainer scores each sample alone, as the engine does: no shared prompt rows
+        # (a copy: the default RLLoopConfig instance is shared by every config)
+        object.__setattr__(self, "train", self.train.model_copy(update={"share_prompts": False}))
         return self
 
     @model_validator(mode="after")

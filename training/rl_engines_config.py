@@ -38,6 +38,19 @@ class EnginesConfig(Strict):
     local_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="the dtype launched local engines hold the weights in"
     )
+    local_prefix_cache: bool = Field(
+        True,
+        description="launched local engines keep a radix prefix cache (false: "
+        "--disable-radix-cache)",
+    )
+    exact_logprobs: bool = Field(
+        False,
+        description="true on-policy: launched local engines return each sampled token's "
+        "logprob as the trainer computes it (--exact-logprobs: the finished sequence rescored "
+        "alone, one full forward), and the trainer scores each sample alone too (one sample per "
+        "micro-batch, train.share_prompts off), so logprob_diff_max_abs is 0.0 "
+        "(docs/engines.md, 'Exact logprobs')",
+    )
     max_running_requests: int = Field(64, ge=1)
     startup_timeout_s: float = Field(300.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)

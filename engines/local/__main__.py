@@ -11,7 +11,9 @@ import trio
 
 from plumbing.errors import ModelLoadError
 from plumbing.model_paths import resolve_model_dir
+from plumbing.threads import strict_blas
 
+from .exact_logprobs import DEFAULT_SCORER
 from .openai_tools import check_parser_name
 from .server import serve
 from .state import LocalEngineConfig
@@ -46,6 +48,17 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--exact-logprobs",
+        action="store_true",
+        help="return the sampled tokens' logprobs as the trainer computes them: each finished "
+        "request rescored alone, one full forward (batch-invariant; docs/engines.md)",
+    )
+    parser.add_argument(
+        "--exact-logprobs-scorer",
+        default=DEFAULT_SCORER,
+        help="module:function that rescores a sequence in --exact-logprobs mode",
+    )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument(
@@ -144,6 +157,8 @@ def build_parser(prog: str = "python -m engines.local") -> argparse.ArgumentPars
 def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local") -> int:
     """The server's command line; `prog` is how the help names it (`rollouts serve`)."""
     args = build_parser(prog).parse_args(argv)
+    if args.exact_logprobs:  # before the model's first matrix product (exact_logprobs.py)
+        strict_blas()
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -171,6 +186,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m engines.local"
         disable_radix_cache=args.disable_radix_cache,
         dtype=args.dtype,
         device=args.device,
+        exact_logprobs=args.exact_logprobs,
+        exact_logprobs_scorer=args.exact_logprobs_scorer,
         served_model_name=args.served_model_name,
         random_seed=args.random_seed,
         num_threads=threads,

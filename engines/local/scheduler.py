@@ -9,6 +9,8 @@ Contract:
 - All mutation of sequences happens here, on the trio thread, between steps.
 - Abort is immediate for the caller (the sequence finishes with `finish_reason.type ==
   "abort"`; "Abort in waiting queue" if it had not started); its row is dropped at the next step.
+- Exact-logprobs mode (`exact`, exact_logprobs.py): the requests a step finishes are rescored
+  on the model thread before anyone hears of them, inside the step (no weight update between).
 - LoRA (lora_registry.py): a sequence joins the batch only if the distinct adapters running
   (the base model counts as one) stay within `max_loras_per_batch`, else it waits, as in
   SGLang; `submit` counts the requests using each adapter, and an unload waits for them.
@@ -29,6 +31,7 @@ from typing import Any
 
 import trio
 
+from .exact_logprobs import wants_rescoring
 from .memory_occupation import MemoryOccupation
 from .params import GenerateItem
 from .sampling_params import BadRequestError
@@ -54,9 +57,11 @@ class Scheduler(SchedulerControl):
         max_running_requests: int = 128,
         max_prefill_tokens: int = 8192,
         max_loras_per_batch: int = 8,
+        exact: Callable[[list[Sequence]], list[list[float] | str]] | None = None,
     ) -> None:
         self.runner = runner
         self.memory = MemoryOccupation(runner)  # /release_memory_occupation (colocated mode)
+        self.exact = exact  # rescores finished sequences on the model thread (exact_logprobs.py)
         self._decode = decode  # (token ids, skip_special_tokens) -> text
         self.model_path = model_path
         self.weight_version = weight_version
@@ -101,7 +106,11 @@ class Scheduler(SchedulerControl):
                 out = await trio.to_thread.run_sync(
                     self.runner.step, keep, admit, limiter=self._limiter
                 )
-                self._apply(out, time.perf_counter() - started)
+                touched = self._apply(out, time.perf_counter() - started)
+                if self.exact is not None:
+                    await self._rescore([s for s in touched if wants_rescoring(s)])
+                for seq in touched:
+                    notify(seq)
             except Exception as exc:  # a bug or a broken model: fail this batch, keep serving
                 logger.exception("model step failed; failing %d requests", len(self.running))
                 for seq in self.running:
@@ -138,7 +147,23 @@ class Scheduler(SchedulerControl):
         self.waiting.extendleft(reversed(deferred))
         return admit
 
-    def _apply(self, out: Any, elapsed: float) -> None:
+    async def _rescore(self, seqs: list[Sequence]) -> None:
+        """Replace the finished `seqs`' output logprobs by the exact ones (model thread)."""
+        if not seqs:
+            return
+        try:
+            results = await trio.to_thread.run_sync(self.exact, seqs, limiter=self._limiter)
+        except Exception as exc:  # they fail rather than return logprobs of another kind
+            logger.exception("exact logprob scoring failed for %d requests", len(seqs))
+            results = [f"Exact logprob scoring failed: {exc!r}"] * len(seqs)
+        for seq, result in zip(seqs, results, strict=True):
+            if isinstance(result, str):
+                seq.error = result
+            else:
+                seq.output_logprobs[:] = result
+
+    def _apply(self, out: Any, elapsed: float) -> set[Sequence]:
+        """The step's results on the sequences; the ones changed (to notify)."""
         touched: set[Sequence] = set()
         for p in out.prefilled:
             seq = p.seq
@@ -164,8 +189,7 @@ class Scheduler(SchedulerControl):
         self.generated_tokens += len(out.tokens)
         if elapsed > 0 and out.tokens:
             self.last_gen_throughput = len(out.tokens) / elapsed
-        for seq in touched:
-            notify(seq)
+        return touched
 
     def _check_finished(self, seq: Sequence) -> None:
         params = seq.item.params

@@ -82,6 +82,10 @@ class _ThreadedRunner:
         with _torch_threads(self._threads):
             return self._runner.step(keep, admit)
 
+    def rescore(self, exact: Any, seqs: list[Any]) -> list[Any]:
+        with _torch_threads(self._threads):
+            return exact(seqs)
+
     def load_weights(self, path: str) -> None:
         with _torch_threads(self._threads):
             self._runner.load_weights(path)
@@ -126,6 +130,7 @@ def _load(config: LocalEngineConfig):
         )
         if config.lora_enabled:
             _enable_lora(runner, config)
+        exact = _exact_logprobs(runner, config)
     try:
         generation = GenerationConfig.from_pretrained(config.model_path).to_dict()
     except OSError:
@@ -138,7 +143,22 @@ def _load(config: LocalEngineConfig):
     limits = ModelLimits(
         vocab_size=runner.vocab_size, context_len=runner.context_len, sampling_defaults=defaults
     )
-    return tokenizer, runner, limits
+    return tokenizer, runner, limits, exact
+
+
+def _exact_logprobs(runner: Any, config: LocalEngineConfig) -> Any:
+    """The rescorer of `--exact-logprobs` (exact_logprobs.py), or None."""
+    if not config.exact_logprobs:
+        return None
+    from .exact_logprobs import ExactLogprobs, resolve_scorer
+
+    if config.lora_enabled:
+        raise ValueError(
+            "--exact-logprobs with LoRA serving: the trainer's adapter forward is not the "
+            "engine's, so the logprobs would not be exact; drop one of --exact-logprobs and "
+            "--enable-lora/--lora-paths"
+        )
+    return ExactLogprobs(runner.model, resolve_scorer(config.exact_logprobs_scorer))
 
 
 def _enable_lora(runner: Any, config: LocalEngineConfig) -> None:
@@ -216,18 +236,20 @@ async def serve(
         )
         url = binds[0].replace("0.0.0.0", "127.0.0.1")
         logger.info("local engine listening on %s; loading %s", url, config.model_path)
-        tokenizer, runner, limits = await trio.to_thread.run_sync(_load, config)
+        tokenizer, runner, limits, exact = await trio.to_thread.run_sync(_load, config)
         state.tokenizer, state.limits = tokenizer, limits
         state.model_type = getattr(runner.model.config, "model_type", "")
         state.architectures = list(getattr(runner.model.config, "architectures", None) or [])
+        threaded = _ThreadedRunner(runner, config.num_threads)
         state.scheduler = Scheduler(
-            _ThreadedRunner(runner, config.num_threads),
+            threaded,
             state.decode,
             model_path=config.model_path,
             weight_version=config.weight_version,
             max_running_requests=config.max_running_requests,
             max_prefill_tokens=config.max_prefill_tokens,
             max_loras_per_batch=config.max_loras_per_batch,
+            exact=None if exact is None else partial(threaded.rescore, exact),
         )
         state.lora = state.scheduler.lora = _lora_registry(state.scheduler, config)
         await nursery.start(state.scheduler.run)

@@ -8,6 +8,7 @@ from typing import Any
 
 import trio
 
+from .exact_logprobs import DEFAULT_SCORER
 from .http11 import ServerStatistics
 from .lora_registry import parse_lora_paths
 from .openai_tools import resolve_parser
@@ -42,6 +43,10 @@ class LocalEngineConfig:
     disable_radix_cache: bool = False
     dtype: str = "float32"
     device: str = "cpu"
+    # exact_logprobs.py: finished requests' output logprobs recomputed with the trainer's
+    # numerics (`scorer`, module:function), one full forward of each sequence alone
+    exact_logprobs: bool = False
+    exact_logprobs_scorer: str = DEFAULT_SCORER
     served_model_name: str | None = None
     random_seed: int = 0
     num_threads: int | None = None  # torch intra-op threads of the model thread; None = torch's

@@ -19,6 +19,7 @@ from typing import Any
 
 from plumbing.errors import RolloutsError
 from plumbing.gc_pause import gc_paused
+from plumbing.threads import strict_blas
 from training.recipes.cli_run import EXIT_ERROR, run_command, run_without_run_dir
 
 
@@ -146,6 +147,8 @@ def rl_main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     config = load_or_exit(RLRunConfig, args.config, overrides_from_args(args, engine_flags))
     if config is None:
         return EXIT_ERROR
+    if config.engines.exact_logprobs:  # before torch's first matrix product (docs/engines.md)
+        strict_blas()
     with gc_paused(freeze=True):  # torch: once the config is valid
         from training.recipes.plot import print_curve, write_reward_png
         from training.recipes.rl import RLExtensions, run_rl_recipe

@@ -36,6 +36,10 @@ def local_engine_args(ec: EnginesConfig) -> list[str]:
             "--device", ec.local_device, "--dtype", ec.local_dtype]  # fmt: skip
     if ec.local_threads:
         args += ["--num-threads", str(ec.local_threads)]
+    if not ec.local_prefix_cache:
+        args.append("--disable-radix-cache")
+    if ec.exact_logprobs:
+        args.append("--exact-logprobs")
     return args
 
 

@@ -60,9 +60,12 @@ def build_rl_models(config: RLRunConfig, model_path: str, tokenizer: Any,
     Blocking (loads model copies): call it in a worker thread from async code.
     """
     out = Path(config.output_dir)
+    # exact logprobs: each sample is a micro-batch of its own (a budget of one token), scored
+    # alone as the engine scores it (training/data/exact_scoring.py)
+    micro_batch_tokens = 1 if config.engines.exact_logprobs else config.backend.micro_batch_tokens
     backend = rl_backend(model_path, tokenizer=tokenizer, optim=config.optim,
                          max_steps=config.train.max_steps, checkpoint_dir=out / "checkpoints",
-                         micro_batch_tokens=config.backend.micro_batch_tokens,
+                         micro_batch_tokens=micro_batch_tokens,
                          keep_last=config.train.keep_last, num_threads=config.backend.num_threads,
                          seed=config.backend.seed, dtype=config.model.dtype,
                          attention=config.model.attention,
