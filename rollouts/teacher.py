@@ -116,17 +116,21 @@ async def score_with_teacher(teacher: ScoringEngine, samples: Sequence[Sample], 
 
 def _teacher_error(exc: EngineError, name: str, where: str) -> TeacherError:
     """`exc` of a scoring request as a TeacherError of the same kind (timeout, unreachable,
-    HTTP status), so the failure counts and the retry policy read it as they read `exc`."""
+    HTTP status), so the failure counts and the retry policy read it as they read `exc`. A
+    pool that gave up is classified by its last failure ("gave up after HTTP 500")."""
     if isinstance(exc, TeacherError):
         return exc
+    kind, status = engine_failure_kind(exc), exc.status
+    last = str(getattr(exc, "last_kind", None) or "")
+    if last.startswith("HTTP ") and last[5:].isdigit():
+        status = int(last[5:])
     cls = TeacherError
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, TimeoutError) or last in ("timeout", "stalled"):
         cls = TeacherTimeoutError
-    elif isinstance(exc, EngineUnavailableError):
+    elif isinstance(exc, EngineUnavailableError) and status is None:
         cls = TeacherUnavailableError
-    err = cls(f"scoring the samples of {where} failed ({engine_failure_kind(exc)}): {exc}",
-              url=f"teacher {name}")  # fmt: skip
-    err.status = exc.status  # kept for the retry policy (a 4xx is not retried), not re-printed
+    err = cls(f"scoring the samples of {where} failed ({kind}): {exc}", url=f"teacher {name}")
+    err.status = status  # kept for the retry policy (a 4xx is not retried), not re-printed
     return err
 
 

@@ -186,28 +186,31 @@ async def _serve(model_dir, *, task_status=trio.TASK_STATUS_IGNORED):
 
 
 async def test_a_teacher_that_answers_500_fails_its_groups_as_an_engine_fault_naming_it(
-    tiny_model_dir,
+    tiny_model_dir, tmp_path
 ):
     tok = load_tokenizer(tiny_model_dir)
     async with trio.open_nursery() as nursery:
         proxy, url = await teacher_behind_proxy(nursery, tiny_model_dir,
                                                 FaultPlan(rates={"500": 1.0}))  # fmt: skip
+        section = TeacherSection(engine_url=url, timeout_s=4.0)  # the recipe's teacher
         async with (
             open_local_engine(tiny_model_dir, num_threads=1) as student,
-            SGLangEngine(url, max_retries=0) as teacher,
+            open_teacher(section, str(tiny_model_dir), tmp_path) as teacher,
         ):
             with pytest.raises(RolloutsError) as err, trio.fail_after(60):
-                await distill_batch(student.url, teacher, tok)
+                await distill_batch(student.url, teacher.pool, tok, name=teacher.url,
+                                    timeout_s=teacher.timeout_s)  # fmt: skip
         nursery.cancel_scope.cancel()
     message = str(err.value)
     print(message)
-    # every group: generated, refused by the teacher, generated again (sample_retries=1), dropped
+    # every group: generated, refused by the teacher (its pool retrying for 2 s), generated
+    # again (sample_retries=1), dropped: counted by the teacher's URL and the cause
     assert f"teacher {url}: HTTP 500" in message and "max_failed_group_rate" in message
     assert proxy.counts["500"] >= 2 * 2 * 2  # 2 groups x 2 samples x (first try + 1 retry)
 
 
 async def test_a_hung_teacher_is_given_up_after_its_timeout_and_the_group_generated_again(
-    tiny_model_dir,
+    tiny_model_dir, tmp_path
 ):
     tok = load_tokenizer(tiny_model_dir)
     async with trio.open_nursery() as nursery:
@@ -216,11 +219,13 @@ async def test_a_hung_teacher_is_given_up_after_its_timeout_and_the_group_genera
             nursery, tiny_model_dir, FaultPlan(script=("hang",), hang_s=60.0))  # fmt: skip
         async with (
             open_local_engine(tiny_model_dir, num_threads=1) as student,
-            SGLangEngine(url, max_retries=0) as teacher,
-        ):
+            open_teacher(TeacherSection(engine_url=url, timeout_s=2.0), str(tiny_model_dir),
+                         tmp_path) as teacher,
+        ):  # fmt: skip
             t0 = trio.current_time()
             with trio.fail_after(40):
-                batch = await distill_batch(student.url, teacher, tok, timeout_s=2.0)
+                batch = await distill_batch(student.url, teacher.pool, tok,
+                                            timeout_s=teacher.timeout_s)  # fmt: skip
             took = trio.current_time() - t0
         nursery.cancel_scope.cancel()
     print(f"hung teacher: batch in {took:.1f} s, metrics {dict(batch.metrics)}")

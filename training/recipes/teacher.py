@@ -101,8 +101,10 @@ async def open_teacher(section: TeacherSection | None, student_path: str,
             info = await client.model_info()
             path = section.tokenizer or info.raw.get("tokenizer_path") or info.model_path
             check_same_tokenizer(student_path, str(path))
+        # the pool waits for a relaunched teacher, within half the scoring deadline: its give-up
+        # (naming the last failure) comes before the deadline's plain "timeout"
         pool = await stack.enter_async_context(EnginePool(
-            [client], unavailable_timeout_s=section.timeout_s, stall_floor_s=None,
+            [client], unavailable_timeout_s=section.timeout_s / 2, stall_floor_s=None,
             stall_s_per_token=None,
         ))  # fmt: skip
         log.info("distillation teacher at %s (%s)", url, section.model or "running engine")
