@@ -156,7 +156,7 @@ def write_png(path: Path, arms: dict[str, list[tuple[int, float]]], start: float
     ax.axhline(100 * teacher, color="grey", ls="--", lw=0.8, label="teacher")
     target = start + SHARE * (teacher - start)
     ax.axhline(100 * target, color="grey", ls=":", lw=0.8, label="80 % of the teacher's gain")
-    ax.set(xlabel="training step (16 prompts x 8 samples each)",
+    ax.set(xlabel="training step (16 prompts x 8 samples trained on in each)",
            ylabel="held-out greedy accuracy (%)",
            title="On-policy distillation vs RL from the same start")  # fmt: skip
     ax.legend()
