@@ -85,6 +85,8 @@ class Sample:
         metadata: the prompt record's extra fields (e.g. {"answer": "46"}), for rewards.
         tool_calls: tool calls made during the trajectory, in order.
         finish_reason: the engine's finish reason ("stop", "length", "abort", ...).
+        teacher_logprobs: a distillation teacher's logprob of each response token given the
+            same prefix (rollouts/teacher.py), or empty when no teacher scored the sample.
     """
 
     prompt_ids: tuple[int, ...]
@@ -103,6 +105,7 @@ class Sample:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     tool_calls: tuple[ToolCallRecord, ...] = ()
     finish_reason: str | None = None
+    teacher_logprobs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -110,6 +113,7 @@ class Sample:
         set_(self, "response_ids", tuple(self.response_ids))
         set_(self, "loss_mask", tuple(self.loss_mask))
         set_(self, "rollout_logprobs", tuple(self.rollout_logprobs))
+        set_(self, "teacher_logprobs", tuple(self.teacher_logprobs))
         set_(self, "reward_components", dict(self.reward_components))
         set_(self, "metadata", dict(self.metadata))
         set_(self, "tool_calls", tuple(self.tool_calls))
@@ -124,6 +128,12 @@ class Sample:
                 f"Sample (group {self.group_id}, index {self.index_in_group}): "
                 f"rollout_logprobs has {len(self.rollout_logprobs)} entries for {n} response "
                 "tokens; give one per token (0.0 on tool tokens) or none"
+            )
+        if len(self.teacher_logprobs) not in (0, n):
+            raise ValueError(
+                f"Sample (group {self.group_id}, index {self.index_in_group}): "
+                f"teacher_logprobs has {len(self.teacher_logprobs)} entries for {n} response "
+                "tokens; give one per token or none"
             )
         if self.status not in STATUSES:
             raise ValueError(f"Sample status {self.status!r} is not one of {STATUSES}")
@@ -146,7 +156,8 @@ class Sample:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (if `metadata` is); `Sample.from_dict` inverts it."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for key in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs"):
+        for key in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs",
+                    "teacher_logprobs"):  # fmt: skip
             out[key] = list(out[key])
         out["reward_components"] = dict(self.reward_components)
         out["metadata"] = dict(self.metadata)

@@ -74,16 +74,19 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                    schedule=None, with_reference: bool = False,
                    rollout: RolloutConfig | None = None, max_empty_batches: int | None = None,
                    hooks: RLHooks = RLHooks(), loop: dict[str, Any] | None = None,
-                   colocate: bool = False, **objective: Any) -> SimpleNamespace:  # fmt: skip
+                   generate_fn=None, lr: float = 1e-3, colocate: bool = False,
+                   **objective: Any) -> SimpleNamespace:  # fmt: skip
     """Run `run_rl_training` for `max_steps` on the in-process engine (2 prompts x 2 samples of
     at most 4 tokens by default); return its history, the policy, reference and manager.
 
     `objective` holds more `RLObjective` fields (advantage_fn, policy_loss_fn, kl_fn,
-    reference_update, ...); `loop` more `RLLoopConfig` fields (resume, ema_decay, ...)."""
+    reference_update, ...); `loop` more `RLLoopConfig` fields (resume, ema_decay, ...);
+    `generate_fn` replaces the single-turn rollout (e.g. `with_teacher(...)`); `lr` the
+    policy's constant learning rate."""
     model, tok = load_model_and_tokenizer(model_dir)
     buffer = DataBuffer(prompts(tok), seed=0)
     backend = PyTorchTrainingBackend(
-        model, tok, optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=max_steps,
+        model, tok, optim=OptimConfig(lr=lr, schedule="constant"), max_steps=max_steps,
         checkpoint_dir=tmp_path / "checkpoints", pack_length=None,
         collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
     )  # fmt: skip
@@ -91,8 +94,10 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                                        sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
     reference = make_reference(backend) if with_reference else None
     with backend:
+        extra = {} if generate_fn is None else {"generate_fn": generate_fn}
         manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=reward_fn,
-                                      current_version=lambda: backend.weight_version)  # fmt: skip
+                                      current_version=lambda: backend.weight_version,
+                                      **extra)  # fmt: skip
         async with contextlib.AsyncExitStack() as stack:
             if rollout.mode != "sync":  # its background generation lives in the manager's nursery
                 await stack.enter_async_context(manager)

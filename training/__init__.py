@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # the exports, loaded on first use (plumbing/lazy.py)
     from training.rl.algorithms import compute_policy_loss as compute_policy_loss
     from training.rl.algorithms import constant_schedule as constant_schedule
     from training.rl.algorithms import dapo as dapo
+    from training.rl.algorithms import distill as distill
     from training.rl.algorithms import dr_grpo as dr_grpo
     from training.rl.algorithms import grpo as grpo
     from training.rl.algorithms import gspo as gspo

@@ -17,6 +17,7 @@ from training.config import (
 )
 from training.exact_logprobs_checks import exact_logprobs_conflicts
 from training.rl_engines_config import EnginesConfig as EnginesConfig
+from training.teacher_config import TeacherSection
 from training.trl_names import RL_TABLES
 
 
@@ -89,7 +90,16 @@ class AgentSection(Strict):
 
 
 Preset = Literal[
-    "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "online_dpo", "ppo"
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+    "cispo",
+    "rloo",
+    "reinforce_pp",
+    "online_dpo",
+    "ppo",
+    "distill",
 ]
 Overrides = dict[str, float | int | str | bool | None]
 
@@ -213,6 +223,29 @@ class RLRunConfig(Strict):
     backend: BackendConfig = BackendConfig()
     train: RLLoopConfig = RLLoopConfig()
     logging: LoggingConfig = LoggingConfig()
+    teacher: TeacherSection | None = Field(None, description="algorithm.preset distill's teacher")
+
+    @model_validator(mode="after")
+    def _distill_has_its_teacher(self) -> RLRunConfig:
+        presets = [self.algorithm.preset, *(s.preset for s in self.algorithm.all_switches())]
+        distills = "distill" in presets
+        if distills and self.teacher is None:
+            raise ValueError(
+                "algorithm.preset distill needs a teacher: set teacher.model=DIR (a local "
+                "engine is launched on it) or teacher.engine_url=URL (a running engine)"
+            )
+        if self.teacher is not None and not distills:
+            raise ValueError("teacher is set but no algorithm uses it: set algorithm.preset="
+                             "distill (or a switch to it), or remove the teacher section")  # fmt: skip
+        if distills and self.rollout.sampling.temperature != 1.0:
+            raise ValueError(
+                f"algorithm distill with rollout.sampling.temperature="
+                f"{self.rollout.sampling.temperature}: the teacher's logprobs are of its "
+                "untempered distribution (SGLang's input logprobs are not temperature-scaled), "
+                "so the student must sample at temperature 1.0 for the KL to compare the same "
+                "distributions"
+            )
+        return self
 
     @model_validator(mode="after")
     def _distributed_weights_are_full_weights(self) -> RLRunConfig:

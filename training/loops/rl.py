@@ -158,7 +158,9 @@ async def run_rl_training(
                 log.info(
                     "step %d sample: %s", step, _first_sample_line(batch, backend)
                 )  # watchable
-            metrics: dict[str, Any] = dict(batch.metrics) | signal.observe(step, batch)
+            metrics: dict[str, Any] = dict(batch.metrics)
+            if not algo.needs_teacher:  # distillation's signal is per token, not reward spread
+                metrics |= signal.observe(step, batch)
             metrics |= await train_on_batch(backend, batch, algo,
                                             temperature=objective.temperature,
                                             old_from_rollout=objective.old_from_rollout,

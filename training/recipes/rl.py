@@ -68,6 +68,7 @@ from training.recipes.rl_summary import EngineWatch, rl_console_keys
 from training.recipes.rl_summary import RLSummary as RLSummary
 from training.recipes.sft import check_input_file, sft_data_files
 from training.recipes.sft_preamble import run_sft_preamble, same_recipe
+from training.recipes.teacher import open_teacher
 from training.rl import algorithms
 from training.rl.advantages import AdvantageFn
 from training.rl.algorithms import PolicyLossFn
@@ -321,7 +322,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
         if weights != out / "weights":  # in memory: given back when the run ends
             closing.callback(shutil.rmtree, weights, True)
         copies = WeightsCopies(backend, weights)  # for engines back after a broadcast
-        async with open_engines(config, model_path, out, copies) as (engine, clients), \
+        async with open_teacher(config.teacher, model_path, out) as teacher, \
+                open_engines(config, model_path, out, copies) as (engine, clients), \
                 refit_group(config.engines) as refit, \
                 open_prometheus(config.train.prometheus) as prometheus:  # fmt: skip
             if config.engines.urls or config.engines.router_url:  # live: serve our start weights
@@ -344,7 +346,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             manager = AsyncRolloutManager(  # the loop gives it each step's algorithm
                 engine, buffer, config.rollout, reward_fn=reward_fn,
                 transforms=extensions.transforms, current_version=lambda: backend.weight_version,
-                tokenizer=tokenizer, generate_fn=episodes.generate_fn,
+                tokenizer=tokenizer,  # distill: each sample scored by the teacher too
+                generate_fn=teacher.wrap(episodes.generate_fn) if teacher else episodes.generate_fn,
             )  # fmt: skip
 
             watch = EngineWatch(engine)  # the engines lost, for the summary

@@ -20,7 +20,7 @@ def rl_console_keys(ema_metrics: list[str]) -> tuple[str, ...]:
     grad_norm, the clipped share of tokens and how far the update went (kl_to_old)."""
     return ("reward_mean", *(f"{k}_ema" for k in ema_metrics), "accuracy", "eval_accuracy",
             "eval_reward_mean", "loss", "grad_norm", "clip_fraction", "kl_to_old",
-            "time_step_s", "weight_version")  # fmt: skip
+            "teacher_kl", "time_step_s", "weight_version")  # fmt: skip
 
 
 @dataclass(frozen=True)

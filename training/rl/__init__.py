@@ -1,5 +1,5 @@
-"""The RL maths and the RL-only components: advantages, losses, KL, algorithms, batches,
-one training step, the reference policy and the critic.
+"""The RL maths and the RL-only components: advantages (distillation's per-token ones too),
+losses, KL, algorithms, batches, one training step, the reference policy and the critic.
 
 Layer: above `training.backend`; the loop that drives these is `training.loops.rl`.
 """

@@ -32,6 +32,7 @@ AdvantageEstimator = Literal[
     "reinforce_pp_baseline",
     "reinforce_baseline",
     "gae",
+    "distill",
 ]
 LossKind = Literal["pg", "ppo_clip", "gspo", "cispo", "pairwise"]
 
@@ -88,6 +89,20 @@ class AlgorithmConfig(Strict):
     gae_lambda: float = Field(0.95, ge=0, le=1, description="PPO (advantage=gae): GAE lambda")
     value_clip: float | None = Field(
         0.2, gt=0, description="PPO: clip the critic's new values to old ± value_clip"
+    )
+    distill_coef: float = Field(
+        1.0, ge=0, description="distill: weight of the per-token −(student − teacher logprob)"
+    )
+    distill_discount: float = Field(
+        0.0, ge=0, le=1,
+        description="distill: each token's advantage adds this discount of the next one's "
+        "(a discounted future sum; 0: each token alone, as tinker-cookbook's default)",
+    )  # fmt: skip
+    distill_reward_coef: float = Field(
+        0.0,
+        ge=0,
+        description="distill: weight of the task reward's GRPO advantage added to every token "
+        "(0: pure distillation, the reward is only logged)",
     )
     is_cap: float | None = Field(
         None,
@@ -164,6 +179,11 @@ class AlgorithmConfig(Strict):
     def needs_critic(self) -> bool:
         """Whether a value model is needed (GAE advantages: PPO)."""
         return self.advantage == "gae"
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether samples must carry a teacher's logprobs (on-policy distillation)."""
+        return self.advantage == "distill"
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -280,6 +300,17 @@ def ppo(**overrides: Any) -> AlgorithmConfig:
     pair it with train.mini_batches / train.epochs.
     """
     return _preset({"name": "ppo", "advantage": "gae", "aggregation": "token-mean"}, overrides)
+
+
+def distill(**overrides: Any) -> AlgorithmConfig:
+    """On-policy distillation (Agarwal et al. 2024; tinker-cookbook's on_policy_distillation):
+    the student samples, a teacher scores the same tokens, and each sampled token's advantage
+    is distill_coef × (teacher logprob − student logprob), the negated per-token reverse-KL
+    estimate, plus distill_reward_coef × the task reward's GRPO advantage. Token-mean loss,
+    no whitening, no discount by default (docs/rl.md, "On-policy distillation").
+    """
+    defaults = {"name": "distill", "advantage": "distill", "aggregation": "token-mean"}
+    return _preset(defaults, overrides)
 
 
 def online_dpo(**overrides: Any) -> AlgorithmConfig:

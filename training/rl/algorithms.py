@@ -54,6 +54,9 @@ from training.rl.algorithm_config import (
     dapo as dapo,
 )
 from training.rl.algorithm_config import (
+    distill as distill,
+)
+from training.rl.algorithm_config import (
     dr_grpo as dr_grpo,
 )
 from training.rl.algorithm_config import (
@@ -137,6 +140,12 @@ def compute_advantages(config: AlgorithmConfig, rewards_GN: torch.Tensor, *,
             )  # fmt: skip
         case "reinforce_baseline":
             return adv.reinforce_baseline_advantages(rewards_GN, mask_GN=mask_GN)
+        case "distill":  # the per-token teacher part is added per sample (training/rl/distill.py)
+            if config.distill_reward_coef == 0:
+                return torch.zeros_like(rewards_GN)
+            task_GN = adv.grpo_advantages(rewards_GN, scale_by_std=config.scale_by_std,
+                                          mask_GN=mask_GN)  # fmt: skip
+            return config.distill_reward_coef * task_GN
         case "gae":
             raise ConfigError(
                 f"{config.name}: GAE advantages are per token and come from a critic "

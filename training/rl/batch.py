@@ -34,6 +34,7 @@ from training.rl.algorithms import (
     apply_kl_reward_penalty,
     compute_advantages,
 )
+from training.rl.distill import sample_token_advantages
 from training.rl.kl import KLFn
 from training.rl.microbatch_loss import loss_weight_fn as loss_weight_fn
 from training.rl.microbatch_loss import n_sequences as n_sequences
@@ -234,9 +235,11 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
                 continue  # it still counted in its group's baseline, as in DAPO
             if sample.num_trained_tokens:
                 advantage = float(advantages_GN[g, n])
-                examples.append(
-                    sample_to_example(sample, advantage, share_prompt=share_prompts, group=g)
-                )
+                example = sample_to_example(sample, advantage, share_prompt=share_prompts, group=g)
+                if algorithm.needs_teacher:  # per token: the teacher's signal (distill.py)
+                    per_token = sample_token_advantages(sample, advantage, algorithm)
+                    example = replace(example, token_advantages=per_token)
+                examples.append(example)
     return examples
 
 

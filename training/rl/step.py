@@ -44,6 +44,7 @@ from training.rl.batch import (
     with_ref_logprobs,
 )
 from training.rl.critic import value_loss_fn
+from training.rl.distill import teacher_kl_metrics
 from training.rl.gae import explained_variance, gae, whiten
 from training.rl.kl import KLFn
 from training.rl.microbatch_loss import loss_weight_fn, rl_loss_fn, trained_tokens
@@ -88,6 +89,8 @@ async def train_on_batch(backend: PyTorchTrainingBackend, batch: RolloutBatch,
                                                        share_prompts, temperature)  # fmt: skip
     examples = build_examples(batch, algorithm, advantage_fn, share_prompts=share_prompts,
                               pair_selector=pair_selector)  # fmt: skip
+    if algorithm.needs_teacher:  # how far the student is from the teacher, on its own samples
+        metrics |= teacher_kl_metrics(batch.samples)
     if not examples:
         return {**metrics, "skipped_empty_batch": 1.0}
     if algorithm.needs_ref_in_loss:
