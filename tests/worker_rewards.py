@@ -1,0 +1,11 @@
+"""Rewards the rollout-worker tests name by `module:function` (a worker imports them itself):
+light on purpose, so a worker process starts without torch."""
+
+
+def index_reward(sample) -> float:
+    """0, 1, ... within each group: every group has a reward spread, whatever was sampled."""
+    return float(sample.index_in_group)
+
+
+def raising_reward(sample) -> float:
+    raise ValueError("this reward always fails")
