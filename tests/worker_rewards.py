@@ -9,3 +9,9 @@ def index_reward(sample) -> float:
 
 def raising_reward(sample) -> float:
     raise ValueError("this reward always fails")
+
+
+def answer_reward(sample) -> float:
+    """The prompt's answer / 10: groups differ, so a batch-mean baseline leaves a gradient even
+    when greedy sampling makes a group's samples equal."""
+    return float(sample.metadata["answer"]) / 10

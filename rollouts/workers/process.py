@@ -33,11 +33,13 @@ class WorkerProcess:
     """See the module docstring."""
 
     def __init__(self, index: int, engine_urls: list[str], rollout: RolloutConfig, reward: str,
-                 *, timeout_s: float, start_timeout_s: float = 120.0) -> None:  # fmt: skip
+                 *, timeout_s: float, start_timeout_s: float = 120.0,
+                 api_key: str | None = None) -> None:  # fmt: skip
         self.index = index
         self.engine_urls = list(engine_urls)
         self.start_frame = {"kind": "start", "worker": index, "engine_urls": self.engine_urls,
-                            "rollout": rollout.model_dump(mode="json"), "reward": reward}  # fmt: skip
+                            "rollout": rollout.model_dump(mode="json"), "reward": reward,
+                            "api_key": api_key}  # fmt: skip
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.process: trio.Process | None = None
@@ -47,8 +49,9 @@ class WorkerProcess:
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the process under `nursery` and wait for its "ready" frame."""
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+        # the worker imports what this process can (a reward next to the config included)
+        path = [str(ROOT), *(p for p in sys.path if p and os.path.isdir(p))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
         self.process = await nursery.start(partial(
             trio.run_process, [sys.executable, "-m", "rollouts.workers.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, check=False, env=env))  # fmt: skip

@@ -5,8 +5,9 @@ Started by `WorkerRolloutManager` as `python -m rollouts.workers.worker` with fr
 stderr (stdout is the frame stream). The protocol, one frame each:
 
 - trainer → worker, first: `{"kind": "start", "worker": k, "engine_urls": [...], "rollout":
-  RolloutConfig fields, "reward": "module:function"}`. The worker opens an `EnginePool` over its
-  engines and imports the reward itself; it answers `{"kind": "ready", "pid": ...}`.
+  RolloutConfig fields, "reward": "module:function", "api_key": the engines' or null}`. The
+  worker opens an `EnginePool` over its engines and imports the reward itself; it answers
+  `{"kind": "ready", "pid": ...}`.
 - trainer → worker: `{"kind": "collect", "request": id, "rid_prefix": str, "prompts":
   [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...}}`.
   The worker generates every prompt's group (`collect_groups`, no filter: the trainer filters)
@@ -141,7 +142,7 @@ async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> N
         raise RolloutsError(f"rollout worker: the first frame must be 'start', got {start!r}")
     import_reward(start["reward"])  # before the engines: a bad name ends the worker at once
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(SGLangEngine(url))
+        engines = [await stack.enter_async_context(SGLangEngine(url, api_key=start.get("api_key")))
                    for url in start["engine_urls"]]  # fmt: skip
         worker = Worker(start, await stack.enter_async_context(EnginePool(engines)))
         await stdout.send_all(encode_frame({"kind": "ready", "pid": os.getpid()}))
