@@ -13,8 +13,10 @@ import trio
 
 from engines import SGLangEngine
 from engines.local import open_local_engine
+from plumbing.errors import RolloutsError
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import PromptItem
 from rollouts.workers.manager import WorkerRolloutManager
 from tests.rl_helpers import prompts
 from tests.worker_rewards import answer_reward
@@ -134,3 +136,24 @@ async def test_a_worker_killed_mid_batch_is_restarted_and_its_groups_generated_a
     reference = in_process_run[0]
     _assert_same_updates(history, reference)
     assert history[-1]["workers/restarts"] == 1.0
+
+
+async def test_a_worker_lost_more_often_than_worker_restarts_ends_the_run_naming_the_setting(
+    tiny_model_dir,
+):
+    config = ROLLOUT.model_copy(update={"workers": 1, "worker_restarts": 0})
+    model_prompts = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(4)]
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        manager = WorkerRolloutManager([server.url], DataBuffer(model_prompts, seed=0), config,
+                                       reward=REWARD)  # fmt: skip
+        async with manager, trio.open_nursery() as nursery:
+
+            async def kill_once_generating():
+                while not server.state.scheduler.running:
+                    await trio.sleep(0.005)
+                os.kill(manager.workers[0].pid, signal.SIGKILL)
+
+            nursery.start_soon(kill_once_generating)
+            with pytest.raises(RolloutsError, match=r"rollout worker 0 .*(died|ended).*lost 1 times in "
+                               r"one batch, more than rollout.worker_restarts=0"):  # fmt: skip
+                await manager.generate_batch()

@@ -15,6 +15,7 @@ the engine logprobs (float32) go in three flat buffers, with each sample's lengt
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from collections.abc import Mapping, Sequence
@@ -171,7 +172,7 @@ def encode_groups(groups: Sequence[Sequence[Sample]]) -> tuple[list[list[dict]],
 
 def _cat(parts: Sequence[Sequence[Any]], dtype: type) -> np.ndarray:
     n = sum(len(p) for p in parts)
-    return np.fromiter((x for p in parts for x in p), dtype=dtype, count=n)
+    return np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=n)
 
 
 def decode_groups(records: Sequence[Sequence[Mapping[str, Any]]], buffers: Sequence[np.ndarray]

@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import RolloutsError
+from plumbing.errors import RolloutsError, leaf_errors
 from rollouts.config import RolloutConfig
 from rollouts.generation import CollectResult
 from rollouts.groups import (
@@ -213,9 +213,15 @@ class WorkerRolloutManager:
         async def ask(i: int) -> None:
             answers[i] = await self._ask(self.workers[i], draws[i::k], prefix)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(min(k, len(draws))):
-                nursery.start_soon(ask, i)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(min(k, len(draws))):
+                    nursery.start_soon(ask, i)
+        except BaseExceptionGroup as group:  # a worker's error, as itself: it names the cause
+            leaves = leaf_errors(group)
+            if all(isinstance(e, RolloutsError) for e in leaves):
+                raise leaves[0] from group
+            raise
         return [a for a in answers if a is not None]
 
     async def _ask(self, worker: WorkerProcess, draws: list[Draw], prefix: str
