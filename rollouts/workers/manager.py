@@ -52,7 +52,7 @@ from rollouts.prompts import PromptItem
 from rollouts.request_ids import RidPrefixes
 from rollouts.rewards import RolloutAlgorithm
 from rollouts.types import RolloutBatch, Sample
-from rollouts.unserved import UnservedGroups, held_record
+from rollouts.unserved import UnservedGroups, held_record, prompt_of
 from rollouts.workers.frames import decode_groups
 from rollouts.workers.process import WorkerLost, WorkerProcess
 from rollouts.workers.worker import stats_result
@@ -196,7 +196,7 @@ class WorkerRolloutManager:
         accepted.sort(key=lambda og: og[0])
         kept = [g for _, g in accepted[:n]]
         version = self.current_version()
-        surplus = [(_prompt_of(g), list(g)) for _, g in accepted[n:]]
+        surplus = [(prompt_of(g), list(g)) for _, g in accepted[n:]]
         for prompt, samples in total.partial + surplus:
             self.data_buffer.hold([held_record(prompt, samples)], version)
         total.accepted = kept
@@ -280,8 +280,3 @@ class WorkerRolloutManager:
         }
         return convert_to_batch(groups, self.data_buffer.epoch_id, self._n_calls, metrics,
                                 result.sample_errors)  # fmt: skip
-
-
-def _prompt_of(group: Group) -> PromptItem:
-    s = group[0]
-    return PromptItem(s.prompt_ids, (), s.metadata, "")
