@@ -29,7 +29,8 @@ async def test_a_worker_process_returns_every_group_scored_as_the_engine_generat
 ):
     async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
             SGLangEngine(server.url, max_retries=0) as engine, trio.open_nursery() as nursery:  # fmt: skip
-        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:index_reward",
+        # a reward that prints: its output goes to stderr, never into the frames on stdout
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:loud_index_reward",
                                timeout_s=120)  # fmt: skip
         await worker.start(nursery)
         header, buffers = await worker.ask(_request(PROMPTS))

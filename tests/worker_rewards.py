@@ -15,3 +15,10 @@ def answer_reward(sample) -> float:
     """The prompt's answer / 10: groups differ, so a batch-mean baseline leaves a gradient even
     when greedy sampling makes a group's samples equal."""
     return float(sample.metadata["answer"]) / 10
+
+
+def loud_index_reward(sample) -> float:
+    """`index_reward` that also prints: a worker's stdout carries frames, so this must reach
+    stderr and leave the frames intact."""
+    print(f"scoring sample {sample.index_in_group}")
+    return float(sample.index_in_group)
