@@ -11,7 +11,7 @@ from engines.local import open_local_engine
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.prompts import PromptItem
 from rollouts.workers.frames import decode_groups
-from rollouts.workers.process import WorkerProcess
+from rollouts.workers.process import WorkerLost, WorkerProcess
 from rollouts.workers.worker import stats_result
 
 ROLLOUT = RolloutConfig(n_samples_per_prompt=2, sample_retries=0, filter_groups="none",
@@ -70,4 +70,21 @@ async def test_a_worker_that_cannot_import_its_reward_says_so(tiny_model_dir):
                                timeout_s=60)  # fmt: skip
         with pytest.raises(Exception, match="ended .*before its start answer"):
             await worker.start(nursery)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_gives_no_answer_in_time_is_lost_and_a_restart_replaces_it(
+    tiny_model_dir,
+):
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:slow_reward",
+                               timeout_s=2)  # fmt: skip
+        await worker.start(nursery)
+        first = worker.pid
+        with pytest.raises(WorkerLost, match=r"gave no groups answer within 2 s "
+                                             r"\(rollout.worker_timeout_s\)"):  # fmt: skip
+            await worker.ask(_request(PROMPTS[:1]))
+        await worker.restart(nursery)  # the hung process is killed, a fresh one answers
+        assert worker.pid != first and worker.starts == 2
         nursery.cancel_scope.cancel()

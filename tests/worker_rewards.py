@@ -22,3 +22,11 @@ def loud_index_reward(sample) -> float:
     stderr and leave the frames intact."""
     print(f"scoring sample {sample.index_in_group}")
     return float(sample.index_in_group)
+
+
+def slow_reward(sample) -> float:
+    """Longer than the tests' worker_timeout_s: the worker gives no answer in time."""
+    import time
+
+    time.sleep(20)
+    return 0.0
