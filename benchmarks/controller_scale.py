@@ -19,7 +19,11 @@ Llama-3.1-8B-Instruct (bf16) on one H100 80GB, 1,000 ShareGPT prompts (16,215 to
 research.aimultiple.com/inference-engines, 2025).
 
     .venv/bin/python benchmarks/controller_scale.py [--engines 1,4,16,64] [--shapes 64x16x512]
-        [--steps 2] [--quick]
+        [--steps 2] [--workers 0,1,2] [--quick]
+
+`--workers K` (a list) measures `rollout.workers: K` too: generation and scoring in K rollout
+worker processes (rollouts/workers/), the trainer process keeping data, batch building and the
+weight sync; each worker's CPU is read from /proc like the fleet's.
 """
 
 from __future__ import annotations
@@ -32,27 +36,24 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
 import trio
+from sim_rewards import parity_reward
 
 from engines import EnginePool, SGLangEngine, sync_weights_to_engines
 from engines.testing.sim_fleet import SimEngineConfig, open_sim_fleet
 from rollouts.config import RolloutConfig
 from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import PromptItem
-from rollouts.types import Sample
+from rollouts.workers.manager import WorkerRolloutManager
 from training.data.buffer import DataBuffer
 from training.rl.algorithm_config import AlgorithmConfig
 from training.rl.batch import build_examples
 
 PROMPT_LEN = 256
 H100_TOKENS_PER_S = 16_000.0
-
-
-def parity_reward(sample: Sample) -> float:
-    """A reward that costs nothing and differs inside a group (the sim's variants differ)."""
-    return float(sample.response_ids[0] % 2) if sample.response_ids else 0.0
 
 
 def _rss_mb() -> float:
@@ -72,24 +73,32 @@ async def measure(cfg: dict) -> dict:
     sim = SimEngineConfig(tokens_per_s=cfg["rate"], latency_s=cfg["latency_s"])
     prompts = [PromptItem(tuple(range(3 + i % 7, PROMPT_LEN + 3 + i % 7)), (),
                           metadata={"i": i}) for i in range((cfg["steps"] + 1) * prompts_n)]  # fmt: skip
+    k = cfg.get("workers", 0)
     config = RolloutConfig(batch_size=prompts_n, n_samples_per_prompt=n, filter_groups="none",
                            max_concurrency=min(prompts_n * n, cfg["per_engine"] * n_engines),
-                           sampling={"max_new_tokens": tokens})  # fmt: skip
+                           sampling={"max_new_tokens": tokens}, workers=k)  # fmt: skip
     rows: list[dict] = []
     async with contextlib.AsyncExitStack() as stack:
         urls, fleet_pid = await stack.enter_async_context(open_sim_fleet(n_engines, sim))
         engines = [await stack.enter_async_context(SGLangEngine(u)) for u in urls]
-        pool = await stack.enter_async_context(EnginePool(engines))
-        manager = AsyncRolloutManager(pool, DataBuffer(prompts, shuffle=False), config,
-                                      reward_fn=parity_reward)  # fmt: skip
+        buffer = DataBuffer(prompts, shuffle=False)
+        if k:  # generation in K worker processes; this process keeps data, batches, the sync
+            manager: Any = WorkerRolloutManager(urls, buffer, config,
+                                                reward="sim_rewards:parity_reward")  # fmt: skip
+        else:
+            pool = await stack.enter_async_context(EnginePool(engines))
+            manager = AsyncRolloutManager(pool, buffer, config, reward_fn=parity_reward)
         await stack.enter_async_context(manager)
+        workers = getattr(manager, "workers", [])
         export = Path(tempfile.mkdtemp(prefix="controller-scale-"))
         for step in range(cfg["steps"]):
             rss0, cpu0, fleet0 = _rss_mb(), time.process_time(), _cpu_s(fleet_pid)
+            workers0 = [_cpu_s(w.pid) for w in workers]
             t0 = time.perf_counter()
             batch = await manager.generate_batch()
             t_gen = time.perf_counter() - t0
             cpu_gen, fleet_cpu = time.process_time() - cpu0, _cpu_s(fleet_pid) - fleet0
+            worker_cpu = [_cpu_s(w.pid) - c for w, c in zip(workers, workers0, strict=True)]
             rss_batch = _rss_mb() - rss0
             t1, cpu1 = time.perf_counter(), time.process_time()
             examples = build_examples(batch, AlgorithmConfig())
@@ -104,10 +113,12 @@ async def measure(cfg: dict) -> dict:
             rows.append({"t_gen": t_gen, "cpu_gen": cpu_gen, "cpu_build": cpu_build,
                          "t_build": t_build, "rss_batch_mb": rss_batch, "t_sync": t_sync,
                          "fleet_cpu": fleet_cpu, "ideal": ideal, "samples": samples,
-                         "tokens": samples * tokens})  # fmt: skip
+                         "tokens": samples * tokens, "worker_cpu_max": max(worker_cpu, default=0),
+                         "worker_cpu_sum": sum(worker_cpu)})  # fmt: skip
             print(f"  step {step}: gen {t_gen:.2f} s (engines need {ideal:.2f} s), controller "
                   f"CPU {cpu_gen:.2f} s, fleet CPU {fleet_cpu:.2f} s, build {t_build:.2f} s, "
-                  f"sync {t_sync * 1000:.0f} ms, +{rss_batch:.0f} MiB", flush=True)  # fmt: skip
+                  f"sync {t_sync * 1000:.0f} ms, +{rss_batch:.0f} MiB, workers' CPU "
+                  f"{', '.join(f'{c:.2f}' for c in worker_cpu) or '-'} s", flush=True)  # fmt: skip
     counted = rows[1:] or rows
     last = counted[-1]
     out = {k: harness.median(r[k] for r in counted) for k in last}
@@ -128,6 +139,9 @@ def main() -> int:
     p.add_argument("--latency-s", type=float, default=0.05, help="floor of every /generate")
     p.add_argument("--per-engine", type=int, default=256, help="samples in flight per engine")
     p.add_argument("--trainer-rows-per-s", type=float, default=1e9)
+    p.add_argument("--workers", default="0",
+                   help="rollout worker processes, comma separated (0: generation in the "
+                   "trainer's process; K: rollout.workers=K, at most one per engine)")  # fmt: skip
     p.add_argument("--steps", type=int, default=2, help="RL steps per point; the first warms up")
     p.add_argument("--quick", action="store_true", help="smoke run: 1,4 engines, 8x4x64, 2 steps")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -142,18 +156,22 @@ def main() -> int:
     for spec in args.shapes.split(","):
         shape, _, only = spec.partition("@")  # "PxNxT@16+64": this shape at these fleet sizes
         prompts_n, n, tokens = (int(v) for v in shape.split("x"))
-        for n_engines in (int(e) for e in (only.split("+") if only else args.engines.split(","))):
+        points = [(e, k) for e in (int(e) for e in (only.split("+") if only
+                                                    else args.engines.split(",")))
+                  for k in (int(k) for k in args.workers.split(",")) if k <= e]  # fmt: skip
+        for n_engines, k in points:
             cfg = {"engines": n_engines, "prompts": prompts_n, "n": n, "tokens": tokens,
                    "rate": args.tokens_per_s, "latency_s": args.latency_s, "steps": args.steps,
-                   "per_engine": args.per_engine,
+                   "per_engine": args.per_engine, "workers": k,
                    "trainer_rows_per_s": args.trainer_rows_per_s}  # fmt: skip
-            print(f"{n_engines} engines, {shape}", flush=True)
+            print(f"{n_engines} engines, {shape}, {k} workers", flush=True)
             script = str(Path(__file__).resolve())
             r = harness.run_child([script, "--child", json.dumps(cfg)], timeout_s=3600)
             results.append((cfg, r))
-            table_rows.append(_row(n_engines, shape, r))
-    headers = ["engines", "P x n x T", "samples/s", "tokens/s", "gen s", "engines need s",
-               "wall share", "CPU share", "ctl CPU s/1k", "build CPU s/1k", "fleet CPU s/1k",
+            table_rows.append(_row(n_engines, k, shape, r))
+    headers = ["engines", "workers", "P x n x T", "samples/s", "tokens/s", "gen s",
+               "engines need s", "wall share", "CPU share", "ctl CPU s/1k", "build CPU s/1k",
+               "trainer CPU ms/1k tok", "worker CPU ms/1k tok (max)", "fleet CPU s/1k",
                "RSS MiB/1k", "peak RSS MiB", "sync ms"]  # fmt: skip
     table = harness.md_table(headers, table_rows)
     head = (f"Simulated engines at {args.tokens_per_s:,.0f} tokens/s each (H100-like: SGLang "
@@ -169,13 +187,16 @@ def main() -> int:
     return 0
 
 
-def _row(n_engines: int, shape: str, r: dict) -> list:
+def _row(n_engines: int, workers: int, shape: str, r: dict) -> list:
     per_k = 1000 / r["samples"]
+    per_k_tokens = 1000 / r["tokens"] * 1000  # ms per 1,000 response tokens
     share = max(0.0, r["t_gen"] - r["ideal"]) / r["t_gen"]
     cpu_share = (r["cpu_gen"] + r["cpu_build"]) / r["ideal"]
-    return [n_engines, shape, r["samples"] / r["t_gen"], r["tokens"] / r["t_gen"], r["t_gen"],
-            r["ideal"], f"{share:.0%}", f"{cpu_share:.0%}", r["cpu_gen"] * per_k, r["cpu_build"] * per_k,
-            r["fleet_cpu"] * per_k, r["rss_batch_mb"] * per_k, r["peak_rss_mb"],
+    worker = f"{r['worker_cpu_max'] * per_k_tokens:.3f}" if workers else "-"
+    return [n_engines, workers, shape, r["samples"] / r["t_gen"], r["tokens"] / r["t_gen"],
+            r["t_gen"], r["ideal"], f"{share:.0%}", f"{cpu_share:.0%}", r["cpu_gen"] * per_k,
+            r["cpu_build"] * per_k, f"{(r['cpu_gen'] + r['cpu_build']) * per_k_tokens:.3f}",
+            worker, r["fleet_cpu"] * per_k, r["rss_batch_mb"] * per_k, r["peak_rss_mb"],
             r["t_sync"] * 1000]  # fmt: skip
 
 

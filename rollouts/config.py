@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
@@ -81,3 +81,25 @@ class RolloutConfig(Strict):
         0.25, ge=0, le=1,
         description="end the run when more than this share of a batch's groups failed",
     )  # fmt: skip
+    workers: int = Field(
+        0, ge=0,
+        description="rollout worker processes generating and scoring (rollouts/workers/; "
+        "docs/scale.md); 0: in the trainer's process. Sync mode only for now",
+    )  # fmt: skip
+    worker_timeout_s: float = Field(
+        600.0, gt=0, description="a worker's answer to one request; past it the worker is "
+        "killed, restarted and its groups generated again",
+    )  # fmt: skip
+    worker_restarts: int = Field(
+        3, ge=0, description="restarts of one worker within one batch before the run ends"
+    )
+
+    @model_validator(mode="after")
+    def _workers_run_sync_mode(self) -> RolloutConfig:
+        if self.workers and self.mode != "sync":
+            raise ValueError(
+                f"rollout.workers={self.workers} runs rollout.mode=sync only for now (not "
+                f"{self.mode!r}: overlap and async modes across worker processes are not built "
+                "yet, docs/scale.md); set rollout.mode=sync, or rollout.workers=0"
+            )
+        return self

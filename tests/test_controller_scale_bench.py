@@ -12,11 +12,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_controller_scale_quick_run_prints_the_curve_and_writes_its_section():
     proc = subprocess.run(
-        [sys.executable, "benchmarks/controller_scale.py", "--quick", "--engines", "2"],
+        [sys.executable, "benchmarks/controller_scale.py", "--quick", "--engines", "2",
+         "--workers", "0,1"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 2 ")]
-    assert len(rows) == 1 and "8x4x64" in rows[0]
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in proc.stdout.splitlines()
+            if ln.startswith("| 2 ")]  # fmt: skip
+    assert [r[:3] for r in rows] == [["2", "0", "8x4x64"], ["2", "1", "8x4x64"]]
+    # with a worker, its CPU per 1,000 response tokens is measured (from /proc), and positive
+    assert rows[0][12] == "-" and float(rows[1][12]) > 0
     section = (REPO / "benchmarks/results/quick/RESULTS.md").read_text()
     assert "<!-- begin controller_scale -->" in section and "CPU share" in section

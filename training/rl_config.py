@@ -344,3 +344,20 @@ class RLRunConfig(Strict):
                 "async (engine logprobs as the behaviour policy, staleness counted)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _workers_run_single_turn_episodes(self) -> RLRunConfig:
+        ec = self.engines
+        refused = [
+            (self.env.kind != "single_turn", f"env.kind={self.env.kind}: a worker runs single-"
+             "turn episodes only for now; use env.kind=single_turn"),
+            (ec.router_url is not None, "engines.router_url: each worker drives a slice of the "
+             "engines, listed in engines.urls (or launched: engines.n_local)"),
+            (ec.kind == "vllm", "engines.kind=vllm: workers speak SGLang's protocol"),
+            (ec.colocate, "engines.colocate=true: not tried with workers yet"),
+        ]  # fmt: skip
+        reasons = [why for bad, why in refused if bad]
+        if self.rollout.workers and reasons:
+            raise ValueError(f"rollout.workers={self.rollout.workers} cannot run with "
+                             + "; ".join(reasons))  # fmt: skip
+        return self

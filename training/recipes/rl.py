@@ -26,7 +26,6 @@ from plumbing.errors import ConfigError
 from plumbing.model_paths import resolve_model_dir
 from rollouts.agent.harness import OpenAIAgent
 from rollouts.generation import SampleTransform
-from rollouts.manager import AsyncRolloutManager
 from rollouts.openenv.server import serve_env_app
 from rollouts.openenv.wire import check_server
 from rollouts.prompts import load_prompt_jsonl
@@ -63,6 +62,7 @@ from training.recipes.callables import resolve_callable as resolve_callable
 from training.recipes.engine_model import model_served_by
 from training.recipes.rl_engines import open_engines, probe_vllm_engines, refit_group
 from training.recipes.rl_env import build_episode_setup, openenv_task_files, with_env_url
+from training.recipes.rl_manager import build_rollout_manager, check_worker_extensions
 from training.recipes.rl_models import build_rl_models
 from training.recipes.rl_summary import EngineWatch, rl_console_keys
 from training.recipes.rl_summary import RLSummary as RLSummary
@@ -277,6 +277,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             return await run_rl_recipe(with_env_url(config, app.url), on_step=on_step,
                                        extensions=extensions, config_dir=config_dir)  # fmt: skip
     t0 = time.perf_counter()
+    check_worker_extensions(config, extensions)  # before anything starts
     await check_rl_inputs(config)
     check_logger_extras(config.logging)
     out = Path(config.output_dir)
@@ -343,11 +344,11 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             else:  # an empty dict printed here read as a failed evaluation
                 log.info("no held-out prompts: accuracy and reward are not measured before and "
                          "after RL (set data.eval_path=FILE, a prompts JSONL, to measure them)")  # fmt: skip
-            manager = AsyncRolloutManager(  # the loop gives it each step's algorithm
-                engine, buffer, config.rollout, reward_fn=reward_fn,
-                transforms=extensions.transforms, current_version=lambda: backend.weight_version,
-                tokenizer=tokenizer,  # distill: each sample scored by the teacher too
-                generate_fn=teacher.wrap(episodes.generate_fn) if teacher else episodes.generate_fn,
+            manager = build_rollout_manager(  # in this process, or rollout.workers processes
+                config, engine, clients, buffer, reward_fn=reward_fn, extensions=extensions,
+                episodes=episodes, backend=backend, tokenizer=tokenizer,
+                # distill: each sample scored by the teacher too
+                generate_fn=teacher.wrap(episodes.generate_fn) if teacher else None,
             )  # fmt: skip
 
             watch = EngineWatch(engine)  # the engines lost, for the summary

@@ -1,0 +1,199 @@
+"""The frames between the trainer and its rollout workers: a JSON header and flat buffers.
+
+One frame on the pipe: an 16-byte prefix (magic `RWF1`, header length, buffer length, both
+little-endian uint32, and 4 reserved zero bytes), the header (UTF-8 JSON object) and the
+buffers, back to back. The header names the buffers it carries (`"buffers": [[dtype, count],
+...]`, dtype `int32` or `float32`), so a reader slices them without copying. Never pickle: a
+frame is data only, and a worker that dies mid-write leaves a truncated frame, which the reader
+refuses naming how many bytes were missing (`FrameError`), as it refuses a frame past
+`max_bytes` before reading it.
+
+Groups of samples travel as one frame (`encode_groups` / `decode_groups`): each sample's fields
+other than its tokens go in the header; prompt and response token ids, the loss mask (int32) and
+the engine logprobs (float32) go in three flat buffers, with each sample's lengths in the header.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from plumbing.errors import RolloutsError
+from rollouts.types import Sample
+
+MAGIC = b"RWF1"
+PREFIX = struct.Struct("<4sII4x")
+MAX_FRAME_BYTES = 1 << 30  # 1 GiB: a batch of 1,024 x 16 x 2,048 tokens is ~400 MiB
+DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs")
+
+
+class FrameError(RolloutsError):
+    """A frame that cannot be read: truncated, too large, or not a frame."""
+
+
+def encode_frame(header: Mapping[str, Any], buffers: Sequence[np.ndarray] = ()) -> bytes:
+    """One frame: `header` (JSON-serialisable; its "buffers" key is set here) and `buffers`."""
+    arrays = [_flat(b) for b in buffers]
+    head = dict(header)
+    head["buffers"] = [[a.dtype.name, int(a.size)] for a in arrays]
+    text = json.dumps(head, separators=(",", ":")).encode()
+    payload = b"".join(a.tobytes() for a in arrays)
+    return PREFIX.pack(MAGIC, len(text), len(payload)) + text + payload
+
+
+def _flat(array: np.ndarray) -> np.ndarray:
+    array = np.asarray(array)
+    for name, dtype in DTYPES.items():
+        if array.dtype == dtype or array.dtype.name == name:
+            return np.ascontiguousarray(array, dtype=dtype).reshape(-1)
+    raise TypeError(f"frame buffers are int32 or float32, got {array.dtype}; convert it first")
+
+
+class FrameReader:
+    """Reads whole frames from a trio receive stream (a worker's stdout, the worker's stdin)."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream, *, max_bytes: int = MAX_FRAME_BYTES,
+                 what: str = "the pipe"):  # fmt: skip
+        self._stream = stream
+        self._pending = bytearray()
+        self.max_bytes = max_bytes
+        self.what = what
+
+    async def receive(self) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+        """The next frame's (header, buffers); None when the stream ended between frames.
+
+        Raises:
+            FrameError: the stream ended inside a frame, the frame is larger than `max_bytes`,
+                or the bytes are not a frame (no magic, a header that is not JSON).
+        """
+        prefix = await self._exactly(PREFIX.size, None)
+        if prefix is None:
+            return None
+        magic, n_header, n_payload = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise FrameError(f"not a rollout-worker frame on {self.what} (starts {magic!r}, "
+                             f"not {MAGIC!r}): something else wrote to it (print to stderr "
+                             "in a worker, never to stdout)")  # fmt: skip
+        size = PREFIX.size + n_header + n_payload
+        if size > self.max_bytes:
+            raise FrameError(f"oversized frame on {self.what}: {size} bytes, more than the "
+                             f"limit of {self.max_bytes}; send fewer groups per request (a "
+                             "smaller rollout.batch_size per worker: more rollout.workers)")  # fmt: skip
+        body = await self._exactly(n_header + n_payload, size)
+        assert body is not None
+        return decode_body(body, n_header)
+
+    async def _exactly(self, n: int, frame_size: int | None) -> bytes | None:
+        while len(self._pending) < n:
+            chunk = await self._stream.receive_some(max(65536, n - len(self._pending)))
+            if not chunk:
+                if frame_size is None and not self._pending:
+                    return None
+                got = len(self._pending) + (PREFIX.size if frame_size is not None else 0)
+                raise FrameError(
+                    f"truncated frame on {self.what}: the stream ended after {got} of "
+                    f"{frame_size if frame_size is not None else PREFIX.size} bytes (the "
+                    "writer died mid-frame)"
+                )
+            self._pending += chunk
+        out = bytes(self._pending[:n])
+        del self._pending[:n]
+        return out
+
+
+def decode_frame(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES
+                 ) -> tuple[dict[str, Any], list[np.ndarray]]:  # fmt: skip
+    """Inverse of `encode_frame` for one frame held in memory (exactly one, nothing after)."""
+    if len(data) < PREFIX.size:
+        raise FrameError(f"truncated frame: {len(data)} bytes, less than the "
+                         f"{PREFIX.size}-byte prefix")  # fmt: skip
+    magic, n_header, n_payload = PREFIX.unpack(data[: PREFIX.size])
+    if magic != MAGIC:
+        raise FrameError(f"not a rollout-worker frame (starts {magic!r}, not {MAGIC!r})")
+    size = PREFIX.size + n_header + n_payload
+    if size > max_bytes:
+        raise FrameError(f"oversized frame: {size} bytes, more than the limit of {max_bytes}")
+    if len(data) != size:
+        what = "truncated" if len(data) < size else "trailing bytes after"
+        raise FrameError(f"{what} frame: {len(data)} bytes for a frame of {size}")
+    return decode_body(data[PREFIX.size :], n_header)
+
+
+def decode_body(body: bytes, n_header: int) -> tuple[dict[str, Any], list[np.ndarray]]:
+    try:
+        header = json.loads(body[:n_header])
+    except ValueError as err:
+        raise FrameError(f"frame header is not JSON: {err}") from err
+    buffers, offset = [], n_header
+    for name, count in header.get("buffers", []):
+        dtype = DTYPES.get(name)
+        if dtype is None:
+            raise FrameError(f"frame buffer dtype {name!r} is not one of {sorted(DTYPES)}")
+        end = offset + dtype.itemsize * count
+        if end > len(body):
+            raise FrameError(f"frame buffers overrun the frame: {end} > {len(body)} bytes")
+        buffers.append(np.frombuffer(body, dtype, count, offset))
+        offset = end
+    if offset != len(body):
+        raise FrameError(f"frame has {len(body) - offset} bytes its header does not name")
+    return header, buffers
+
+
+# -- groups of samples ------------------------------------------------------------------------
+
+
+def encode_groups(groups: Sequence[Sequence[Sample]]) -> tuple[list[list[dict]], list[np.ndarray]]:
+    """(per-sample header records, [ids int32, loss_mask int32, logprobs float32]) of `groups`."""
+    records: list[list[dict]] = []
+    ids: list[Sequence[int]] = []
+    masks: list[Sequence[int]] = []
+    logprobs: list[Sequence[float]] = []
+    for group in groups:
+        rows = []
+        for s in group:
+            row = s.to_dict()
+            for key in TOKEN_FIELDS:
+                del row[key]
+            row["n"] = [len(s.prompt_ids), len(s.response_ids), len(s.rollout_logprobs)]
+            rows.append(row)
+            ids += (s.prompt_ids, s.response_ids)
+            masks.append(s.loss_mask)
+            logprobs.append(s.rollout_logprobs)
+        records.append(rows)
+    return records, [_cat(ids, np.int32), _cat(masks, np.int32), _cat(logprobs, np.float32)]
+
+
+def _cat(parts: Sequence[Sequence[Any]], dtype: type) -> np.ndarray:
+    n = sum(len(p) for p in parts)
+    return np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=n)
+
+
+def decode_groups(records: Sequence[Sequence[Mapping[str, Any]]], buffers: Sequence[np.ndarray]
+                  ) -> list[tuple[Sample, ...]]:  # fmt: skip
+    """Inverse of `encode_groups`: the groups, as Samples (what a training batch is made of)."""
+    ids, masks, logprobs = buffers
+    i = m = lp = 0
+    groups = []
+    for rows in records:
+        group = []
+        for row in rows:
+            n_prompt, n_response, n_logprobs = row["n"]
+            fields = {k: v for k, v in row.items() if k != "n"}
+            fields["prompt_ids"] = ids[i : i + n_prompt].tolist()
+            fields["response_ids"] = ids[i + n_prompt : i + n_prompt + n_response].tolist()
+            fields["loss_mask"] = masks[m : m + n_response].tolist()
+            fields["rollout_logprobs"] = logprobs[lp : lp + n_logprobs].tolist()
+            i, m, lp = i + n_prompt + n_response, m + n_response, lp + n_logprobs
+            group.append(Sample.from_dict(fields))
+        groups.append(tuple(group))
+    if (i, m, lp) != (len(ids), len(masks), len(logprobs)):
+        raise FrameError(f"group buffers hold more tokens than their samples name: ids {i}/"
+                         f"{len(ids)}, mask {m}/{len(masks)}, logprobs {lp}/{len(logprobs)}")  # fmt: skip
+    return groups

@@ -1,0 +1,159 @@
+"""WorkerRolloutManager: an RL run over K rollout worker processes trains every prompt once, as
+the in-process manager does (equal losses when sampling is greedy), and a worker SIGKILLed
+mid-batch is restarted with its groups generated again: 0 lost, 0 trained twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from engines import SGLangEngine
+from engines.local import open_local_engine
+from plumbing.errors import RolloutsError
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.manager import AsyncRolloutManager
+from rollouts.prompts import PromptItem
+from rollouts.workers.manager import WorkerRolloutManager
+from tests.rl_helpers import prompts
+from tests.worker_rewards import answer_reward
+from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
+from training.config import OptimConfig
+from training.data.buffer import DataBuffer
+from training.loops.hooks import RLHooks
+from training.loops.rl import run_rl_training
+from training.rl.algorithms import reinforce
+from training.rl.batch import collate_rl
+from training.rl.dump_audit import audit_rollout_dump
+from training.rl.objective import RLObjective
+from training.rl.rollout_dump import RolloutDumpWriter
+from training.rl_config import RLLoopConfig
+
+STEPS = 3
+ROLLOUT = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                        sampling=SamplingConfig(temperature=0.0, max_new_tokens=6))  # fmt: skip
+REWARD = "tests.worker_rewards:answer_reward"
+
+
+async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None) -> tuple:
+    """`run_rl_training` for STEPS steps over the engine at `url`, generation in this process
+    (workers=0) or in `workers` processes; (history, the dump's path, the prompts drawn)."""
+    model, tok = load_model_and_tokenizer(model_dir)
+    buffer = DataBuffer(prompts(tok), seed=0)
+    drawn = [p.prompt_ids for p in DataBuffer(prompts(tok), seed=0).get_prompts(2 * STEPS)]
+    backend = PyTorchTrainingBackend(
+        model, tok, optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=STEPS,
+        checkpoint_dir=out / "checkpoints", pack_length=None,
+        collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
+    )  # fmt: skip
+    dump = RolloutDumpWriter(out / "rollouts.jsonl")
+    config = ROLLOUT.model_copy(update={"workers": workers})
+    async with SGLangEngine(url, max_retries=0) as engine:
+        if workers:
+            manager = WorkerRolloutManager([url] * workers, buffer, config, reward=REWARD,
+                                           current_version=lambda: backend.weight_version)  # fmt: skip
+        else:
+            manager = AsyncRolloutManager(engine, buffer, config, reward_fn=answer_reward,
+                                          current_version=lambda: backend.weight_version)  # fmt: skip
+        with backend:
+            async with manager, trio.open_nursery() as nursery:
+                if during is not None:
+                    nursery.start_soon(during, manager)
+                history = await run_rl_training(
+                    backend, buffer, manager, [engine],
+                    RLLoopConfig(max_steps=STEPS, checkpoint_every=10),
+                    objective=RLObjective(reinforce()), export_dir=out / "weights",
+                    hooks=RLHooks(on_batch=dump),
+                )  # fmt: skip
+                nursery.cancel_scope.cancel()
+    dump.close()
+    return history, out / "rollouts.jsonl", drawn, manager
+
+
+def _assert_same_updates(history: list[dict], reference: list[dict]) -> None:
+    """Equal losses and gradient norms, up to float32 noise: the engine batches the requests
+    of one process differently from two (its logprobs differ by <= 2e-6, its tokens not at
+    all), and the loss sums terms of magnitude ~1 to ~1e-2 (so ~1e-6 absolute)."""
+    assert len(history) == len(reference) == STEPS
+    assert max(abs(h["loss"]) for h in reference) > 1e-3  # a real update to compare
+    for key in ("loss", "grad_norm", "reward_mean", "response_len_mean"):
+        assert [h[key] for h in history] == pytest.approx([h[key] for h in reference], rel=1e-4,
+                                                          abs=2e-6), key  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def in_process_run(tiny_model_dir, tmp_path_factory):
+    """The reference: the same 3 steps with generation in the trainer's process."""
+
+    async def main():
+        async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+            return await _run(tiny_model_dir, tmp_path_factory.mktemp("k0"), server.url, 0)
+
+    return trio.run(main)
+
+
+async def test_two_workers_train_every_prompt_once_with_the_in_process_losses(
+    tiny_model_dir, tmp_path, in_process_run
+):
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        history, dump, drawn, manager = await _run(tiny_model_dir, tmp_path, server.url, 2)
+    audit = audit_rollout_dump(dump, max_lag=0, drawn=drawn, held=[])
+    assert (audit.steps, audit.lost, audit.twice, audit.stale) == (STEPS, 0, 0, 0)
+    assert audit.trained == STEPS * 2 * 2
+    reference = in_process_run[0]
+    _assert_same_updates(history, reference)
+    assert manager.restarts == 0
+
+
+async def test_a_worker_killed_mid_batch_is_restarted_and_its_groups_generated_again(
+    tiny_model_dir, tmp_path, in_process_run
+):
+    killed: list[int] = []
+
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+
+        async def kill_mid_batch(manager):
+            # at the second step, once the engine runs worker 0's requests: SIGKILL it
+            scheduler = server.state.scheduler
+            while True:
+                running = [s.rid for s in scheduler.running if "-w0-" in s.rid]
+                if manager.statistics().batches_served >= 2 and running:
+                    break
+                await trio.sleep(0.005)
+            killed.append(manager.workers[0].pid)
+            os.kill(manager.workers[0].pid, signal.SIGKILL)
+
+        history, dump, drawn, manager = await _run(tiny_model_dir, tmp_path, server.url, 2,
+                                                   during=kill_mid_batch)  # fmt: skip
+    assert killed and manager.workers[0].pid != killed[0] and manager.restarts == 1
+    audit = audit_rollout_dump(dump, max_lag=0, drawn=drawn, held=[])
+    assert (audit.steps, audit.lost, audit.twice, audit.stale) == (STEPS, 0, 0, 0)
+    assert audit.trained == STEPS * 2 * 2
+    # greedy: the groups generated again are the ones the dead worker would have returned
+    reference = in_process_run[0]
+    _assert_same_updates(history, reference)
+    assert history[-1]["workers/restarts"] == 1.0
+
+
+async def test_a_worker_lost_more_often_than_worker_restarts_ends_the_run_naming_the_setting(
+    tiny_model_dir,
+):
+    config = ROLLOUT.model_copy(update={"workers": 1, "worker_restarts": 0})
+    model_prompts = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(4)]
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        manager = WorkerRolloutManager([server.url], DataBuffer(model_prompts, seed=0), config,
+                                       reward=REWARD)  # fmt: skip
+        async with manager, trio.open_nursery() as nursery:
+
+            async def kill_once_generating():
+                while not server.state.scheduler.running:
+                    await trio.sleep(0.005)
+                os.kill(manager.workers[0].pid, signal.SIGKILL)
+
+            nursery.start_soon(kill_once_generating)
+            with pytest.raises(RolloutsError, match=r"rollout worker 0 .*(died|ended).*lost 1 times in "
+                               r"one batch, more than rollout.worker_restarts=0"):  # fmt: skip
+                await manager.generate_batch()

@@ -1,0 +1,90 @@
+"""A rollout worker as a real subprocess over the local engine (loopback): it generates and
+scores the groups it is sent and returns them whole; its failures are named."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from engines import SGLangEngine
+from engines.local import open_local_engine
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.prompts import PromptItem
+from rollouts.workers.frames import decode_groups
+from rollouts.workers.process import WorkerLost, WorkerProcess
+from rollouts.workers.worker import stats_result
+
+ROLLOUT = RolloutConfig(n_samples_per_prompt=2, sample_retries=0, filter_groups="none",
+                        sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))  # fmt: skip
+PROMPTS = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(3)]
+
+
+def _request(prompts, request=1):
+    return {"kind": "collect", "request": request, "rid_prefix": f"t{request}", "overlong": None,
+            "prompts": [{"prompt": p.to_dict(), "samples": []} for p in prompts]}  # fmt: skip
+
+
+async def test_a_worker_process_returns_every_group_scored_as_the_engine_generated_it(
+    tiny_model_dir,
+):
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            SGLangEngine(server.url, max_retries=0) as engine, trio.open_nursery() as nursery:  # fmt: skip
+        # a reward that prints: its output goes to stderr, never into the frames on stdout
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:loud_index_reward",
+                               timeout_s=120)  # fmt: skip
+        await worker.start(nursery)
+        header, buffers = await worker.ask(_request(PROMPTS))
+        groups = decode_groups(header["groups"], buffers)
+        # the same prompts generated here, greedy: the worker's tokens are the engine's
+        expected = [await engine.generate(list(p.prompt_ids), ROLLOUT.sampling.params())
+                    for p in PROMPTS]  # fmt: skip
+        nursery.cancel_scope.cancel()
+    assert header["slots"] == [0, 1, 2] and header["partial"] == []
+    assert stats_result(header["stats"]).n_launched == 3
+    for prompt, group, want in zip(PROMPTS, groups, expected, strict=True):
+        assert [s.index_in_group for s in group] == [0, 1]
+        assert [s.reward for s in group] == [0.0, 1.0]  # scored in the worker
+        for s in group:
+            assert s.prompt_ids == prompt.prompt_ids and s.metadata == {
+                "answer": prompt.metadata["answer"]
+            }
+            assert list(s.response_ids) == list(want.output_ids)
+            assert s.rollout_logprobs == pytest.approx(want.output_logprobs, abs=1e-6)
+
+
+async def test_a_worker_whose_reward_fails_fast_names_the_reward_and_the_worker(tiny_model_dir):
+    config = ROLLOUT.model_copy(update={"reward_fail_fast": True})
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        worker = WorkerProcess(3, [server.url], config, "tests.worker_rewards:raising_reward",
+                               timeout_s=120)  # fmt: skip
+        await worker.start(nursery)
+        with pytest.raises(Exception, match=r"rollout worker 3 .*this reward always fails"):
+            await worker.ask(_request(PROMPTS[:1]))
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_cannot_import_its_reward_says_so(tiny_model_dir):
+    async with trio.open_nursery() as nursery:
+        worker = WorkerProcess(0, ["http://127.0.0.1:9"], ROLLOUT, "no_such_module:f",
+                               timeout_s=60)  # fmt: skip
+        with pytest.raises(Exception, match="ended .*before its start answer"):
+            await worker.start(nursery)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_gives_no_answer_in_time_is_lost_and_a_restart_replaces_it(
+    tiny_model_dir,
+):
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:slow_reward",
+                               timeout_s=2)  # fmt: skip
+        await worker.start(nursery)
+        first = worker.pid
+        with pytest.raises(WorkerLost, match=r"gave no groups answer within 2 s "
+                                             r"\(rollout.worker_timeout_s\)"):  # fmt: skip
+            await worker.ask(_request(PROMPTS[:1]))
+        await worker.restart(nursery)  # the hung process is killed, a fresh one answers
+        assert worker.pid != first and worker.starts == 2
+        nursery.cancel_scope.cancel()
