@@ -17,6 +17,7 @@ from rollouts.types import RolloutBatch, Sample
 from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
 from training.data.buffer import DataBuffer
+from training.loops.colocate import ColocatedRollouts
 from training.loops.hooks import RLHooks
 from training.loops.rl import run_rl_training
 from training.rl.algorithms import grpo
@@ -98,6 +99,8 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
         manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=reward_fn,
                                       current_version=lambda: backend.weight_version,
                                       **extra)  # fmt: skip
+        if colocate:  # engines.colocate: the engine rests while the trainer trains
+            manager = ColocatedRollouts(manager, [engine])
         async with contextlib.AsyncExitStack() as stack:
             if rollout.mode != "sync":  # its background generation lives in the manager's nursery
                 await stack.enter_async_context(manager)
@@ -108,7 +111,7 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                                 {"max_empty_batches": max_empty_batches}), **(loop or {})),
                 objective=RLObjective(schedule or algorithm or grpo(), reference=reference,
                                       **objective),
-                export_dir=tmp_path / "weights", hooks=hooks, colocate=colocate,
+                export_dir=tmp_path / "weights", hooks=hooks,
             )  # fmt: skip
         if reference is not None:
             reference.close()

@@ -4,9 +4,11 @@ memory (issue 47 item 3).
 The cycle of each step, in sync mode: the batch is generated → every engine releases its
 weights' and KV cache's memory (`/release_memory_occupation`) → the trainer trains → every
 engine takes its memory back (`/resume_memory_occupation`) → the step's weights are pushed
-into it (pause → load → verify → continue, as in every mode) → the next batch. A resumed
-engine holds no weights until that push (the local engine refuses requests until then, with
-a message naming the cause), so a run also pushes at its start. With
+into it (pause → load → verify → continue, as in every mode) → the next batch. The loop is
+unchanged: `ColocatedRollouts` wraps the rollout manager, releasing once `generate_batch`
+returns and resuming in `settle()`, which the loop awaits before each push. A resumed engine
+holds no weights until that push (the local engine refuses requests until then, with a
+message naming the cause), so the recipe resumes and pushes at the start of a run. With
 `engines.weight_transport: disk`, the push goes through memory when the node has a tmpfs
 (`/dev/shm`): `colocated_weights_dir`.
 
@@ -84,3 +86,32 @@ def colocated_weights_dir(out: Path, shm: Path = Path("/dev/shm")) -> Path:
     log.warning("engines.colocate: no writable %s on this node; weight pushes go through %s",
                 shm, out / "weights")  # fmt: skip
     return out / "weights"
+
+
+class ColocatedRollouts:
+    """A rollout manager whose engines rest while the trainer trains (the module docstring);
+    everything else is the wrapped manager's."""
+
+    def __init__(self, manager: Any, engines: Sequence[Any]) -> None:
+        self._manager, self._engines = manager, list(engines)
+
+    async def generate_batch(self) -> Any:
+        batch = await self._manager.generate_batch()
+        await release_engines(self._engines)  # nothing generates while the trainer trains
+        return batch
+
+    async def settle(self) -> None:  # before each weight push: the engines take memory back
+        settle = getattr(self._manager, "settle", None)
+        if settle is not None:
+            await settle()
+        await resume_engines(self._engines)
+
+    async def __aenter__(self) -> ColocatedRollouts:
+        await self._manager.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self._manager.__aexit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:  # data_state, use_algorithm, statistics, ...
+        return getattr(self._manager, name)

@@ -37,7 +37,6 @@ from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend
 from training.data.buffer import DataBuffer
-from training.loops.colocate import release_engines, resume_engines
 from training.loops.ema import ema_metrics, resumed_metrics
 from training.loops.hooks import RLHooks
 from training.loops.sft import maybe_resume
@@ -70,7 +69,6 @@ async def run_rl_training(
     resolved_config: dict[str, Any] | None = None,
     refit: RefitGroup | None = None,
     unavailable_timeout_s: float = 60.0,
-    colocate: bool = False,
 ) -> list[dict[str, Any]]:
     """Train with RL until `config.max_steps` optimizer steps are done (or a stop hook says stop).
 
@@ -104,8 +102,6 @@ async def run_rl_training(
         unavailable_timeout_s: how long a weight push whose engines are all down waits for one
             to come back before the run fails (`engines.unavailable_timeout_s`, the bound a
             request waits too).
-        colocate: the engines release their memory while the trainer trains and take it back
-            before each push (`engines.colocate`, sync mode: training/loops/colocate.py).
 
     Returns:
         The metrics of each step this call ran.
@@ -121,9 +117,7 @@ async def run_rl_training(
         await _restore_reference(backend, stateful_reference, objective.reference_update)
     if start > 0 and critic is not None:
         await critic.load_checkpoint(critic.checkpoint_dir / checkpoint_name(start))
-    if colocate:  # an engine a killed run left released holds no weights: resume and push
-        await resume_engines(engines)
-    if start > 0 or colocate:  # the engines must serve the resumed weights, not the initial ones
+    if start > 0:  # the engines must serve the resumed weights, not the initial ones
         await push_weights(backend, engines, export_root, pause_mode=pause_mode, refit=refit,
                            unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip
     history: list[dict[str, Any]] = []
@@ -149,8 +143,6 @@ async def run_rl_training(
             batch, skipped = await _generate_nonempty(rollout_manager, step,
                                                       config.max_empty_batches)  # fmt: skip
             empty_total += skipped
-            if colocate:  # nothing generates while the trainer trains (sync mode)
-                await release_engines(engines)
             t_generated = time.perf_counter()
             if hooks.on_batch is not None:
                 hooks.on_batch(step, batch)
@@ -186,8 +178,6 @@ async def run_rl_training(
                     await settle()
                     metrics["time_wait_generation_s"] = time.perf_counter() - t_trained
                 t_push = time.perf_counter()
-                if colocate:
-                    await resume_engines(engines)
                 pending = await start_push(backend, engines, export_root, pushes,
                                            pause_mode=pause_mode, refit=refit,
                                            unavailable_timeout_s=unavailable_timeout_s)  # fmt: skip

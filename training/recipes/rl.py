@@ -38,7 +38,7 @@ from training.backend.model_io import check_model_path
 from training.backend.pytorch import load_tokenizer
 from training.config import SFTRunConfig, config_to_yaml, load_config
 from training.data.buffer import DataBuffer
-from training.loops.colocate import colocated_weights_dir
+from training.loops.colocate import ColocatedRollouts, colocated_weights_dir, resume_engines
 from training.loops.ema import resumed_metrics
 from training.loops.hooks import CheckpointHook, RLHooks, StopFn
 from training.loops.loggers import (
@@ -327,8 +327,10 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 open_engines(config, model_path, out, copies) as (engine, clients), \
                 refit_group(config.engines) as refit, \
                 open_prometheus(config.train.prometheus) as prometheus:  # fmt: skip
-            if config.engines.urls or config.engines.router_url:  # live: serve our start weights
-                await push_weights(
+            if config.engines.colocate:  # an engine a killed run left released: no weights
+                await resume_engines(clients)
+            if config.engines.urls or config.engines.router_url or config.engines.colocate:
+                await push_weights(  # live (or colocated) engines: serve our start weights
                     backend, clients, weights, pause_mode=config.engines.pause_mode,
                     refit=refit, unavailable_timeout_s=config.engines.unavailable_timeout_s)  # fmt: skip
 
@@ -350,6 +352,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 # distill: each sample scored by the teacher too
                 generate_fn=teacher.wrap(episodes.generate_fn) if teacher else None,
             )  # fmt: skip
+            if config.engines.colocate:  # the engines rest while the trainer trains
+                manager = ColocatedRollouts(manager, clients)
 
             watch = EngineWatch(engine)  # the engines lost, for the summary
             extra = [x for x in (prometheus, on_step) if x is not None]
@@ -365,7 +369,6 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                     pause_mode=config.engines.pause_mode,
                     resolved_config=config.model_dump(mode="json"), refit=refit,
                     unavailable_timeout_s=config.engines.unavailable_timeout_s,
-                    colocate=config.engines.colocate,
                 )  # fmt: skip
             version = backend.weight_version  # every engine that answers ends on it
 
