@@ -116,7 +116,10 @@ async def sync_weights_to_engines(
     gb = await trio.to_thread.run_sync(weights_gb, path)
 
     async def sync_one(engine: InferenceEngine, is_paused: bool = paused) -> None:
-        if hasattr(engine, "expected_weights"):
+        # A push records what the engine should serve; a rejoin (skip_known_down=False) gives
+        # what was recorded and must not overwrite a push recorded while it ran (the pool's
+        # rejoin then gives that one too: engines/pool_membership.py)
+        if skip_known_down and hasattr(engine, "expected_weights"):
             engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
         if skip_known_down and getattr(engine, "known_down", False):  # given them on rejoin
             leave_known_down(engine, down)
@@ -303,9 +306,10 @@ async def sync_lora_to_engines(
 
     async def sync_one(engine: Any, is_paused: bool = paused) -> None:
         loaded = False
-        previous = getattr(engine, "expected_weights", None)
-        engine.expected_weights = (previous[0] if previous else None, weight_version)
-        engine.expected_lora = (lora_name, path)
+        if skip_known_down:  # a push records; a rejoin never overwrites (sync_weights_to_engines)
+            previous = getattr(engine, "expected_weights", None)
+            engine.expected_weights = (previous[0] if previous else None, weight_version)
+            engine.expected_lora = (lora_name, path)
         if skip_known_down and getattr(engine, "known_down", False):
             leave_known_down(engine, down)
             engine.active_lora = lora_name  # it is given the adapter on rejoin

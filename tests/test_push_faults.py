@@ -237,6 +237,28 @@ async def test_a_broadcast_push_goes_on_when_the_engine_left_out_of_its_group_is
             nursery.cancel_scope.cancel()
 
 
+async def test_a_rejoin_never_overwrites_the_weights_a_push_recorded_while_it_ran(
+    tiny_model_dir, tmp_path
+):
+    # The fault matrix's sync-disk-e2-a (stale 8): an engine marked down after a reset was
+    # given weights 2 by the pool's rejoin while the push of weights 3 skipped it as down and
+    # recorded 3 for it; the rejoin's own sync then wrote 2 over that record, so the rejoin saw
+    # no newer push, let the engine serve 2, and step 4 trained 2 groups of version-2 samples.
+    backend = rl_backend(tiny_model_dir, tmp_path)
+    with backend:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+            async with client(server.url) as a:
+                await train_step(backend)
+                older = await backend.export_weights(tmp_path / "w" / "v2")
+                version = await train_step(backend)
+                newer = str(await backend.export_weights(tmp_path / "w" / "v3"))
+                a.expected_weights = (newer, version)  # what the push recorded meanwhile
+                await sync_weights_to_engines([a], older, "2", skip_known_down=False)
+                assert a.expected_weights == (newer, version)  # the rejoin gives it next
+            nursery.cancel_scope.cancel()
+
+
 # ----- D3: a weight load that hangs -----------------------------------------------------------
 
 
