@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -236,3 +237,21 @@ def test_rollouts_launch_writes_the_files_and_a_relative_run_dir_is_refused(tmp_
     assert rollouts_main(argv) == 2
     err = capsys.readouterr().err
     assert f"{cluster}:2: run_dir: 'runs/x' is relative" in err
+
+
+def test_docs_show_the_script_and_manifests_rollouts_launch_writes(tmp_path):
+    from training.launch.k8s import dump_manifests, render_manifests
+    from training.launch.slurm import render_sbatch
+    from training.launch.spec import load_cluster
+
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(next(body for lang, body in blocks if lang == "yml"))
+    spec = load_cluster(cluster)
+    rl_config, model = "/shared/rollouts/configs/rl_qwen_gsm8k.yaml", spec.inference.model
+    script = render_sbatch(spec, rl_config=rl_config, model=model, workdir=spec.workdir)
+    manifests = render_manifests(spec, rl_config=rl_config, model=model)
+    assert ("sh", script) in blocks  # rerun the page's generation when the launcher changes
+    assert ("yml", dump_manifests(manifests)) in blocks
+    assert validate_manifests(manifests) == []

@@ -16,8 +16,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
 from plumbing.errors import ConfigError, RolloutsError
 
 EXIT_ERROR = 2
@@ -33,7 +31,7 @@ def write_launch_files(rl_config: str, cluster: str, out: str | None,
             generated file that fails its check (a launcher bug; the message shows it).
     """
     from training.config import load_config
-    from training.launch.k8s import render_manifests
+    from training.launch.k8s import dump_manifests, render_manifests
     from training.launch.k8s_schema import validate_manifests
     from training.launch.slurm import render_sbatch
     from training.launch.spec import load_cluster
@@ -66,7 +64,7 @@ def write_launch_files(rl_config: str, cluster: str, out: str | None,
     job, k8s = folder / "job.sbatch", folder / "k8s.yaml"
     job.write_text(script)
     job.chmod(0o755)
-    k8s.write_text(yaml.safe_dump_all(manifests, sort_keys=False))
+    k8s.write_text(dump_manifests(manifests))
     return job, k8s
 
 

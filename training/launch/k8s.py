@@ -19,6 +19,8 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
+import yaml
+
 from training.launch.slurm import engine_command
 from training.launch.spec import ClusterSpec
 
@@ -173,3 +175,20 @@ def render_manifests(spec: ClusterSpec, *, rl_config: str, model: str,
         ),
     ]
     return objects
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the containers' bash scripts) as literal blocks, readable as written."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump_manifests(objects: Sequence[dict[str, Any]]) -> str:
+    """The manifests as one multi-document YAML file (`kubectl apply -f`)."""
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=100)
