@@ -116,7 +116,8 @@ def test_slurm_script_starts_each_servers_on_the_inference_node_then_torchrun_gi
         flags = dict(zip(argv[3::2], argv[4::2], strict=True))
         assert flags == {"--model-path": "/models/qwen", "--host": "0.0.0.0",
                          "--port": str(30000 + i), "--tp-size": "2", "--dp-size": "1",
-                         "--base-gpu-id": str(2 * i), "--weight-version": "0"}  # fmt: skip
+                         "--base-gpu-id": str(2 * i), "--weight-version": "0",
+                         "--max-running-requests": "128"}  # fmt: skip
     trainer = trainers[0]
     assert "--nodes=2" in trainer and "--nodelist=n1,n2" in trainer
     torchrun = trainer[trainer.index("/venv/bin/python") :]
@@ -143,6 +144,33 @@ def test_a_failed_trainer_requeues_the_job_until_max_attempts_and_logs_per_attem
     assert rc == trainer_rc
     assert (["scontrol", "requeue", "7"] in calls) is requeued  # max_attempts 3: attempts 0..2
     assert (tmp_path / f"run/logs/job-7/attempt-{attempt}").is_dir()
+
+
+@pytest.mark.parametrize(("overrides", "flags"), [
+    (["model.lora.rank=8", "engines.admin_api_key=sekret"],
+     ["--admin-api-key", "sekret", "--enable-lora", "--max-lora-rank", "8",
+      "--lora-target-modules", "all", "--max-loras-per-batch", "3"]),
+    (["engines.colocate=true", "engines.max_running_requests=32"],
+     ["--enable-memory-saver"]),
+])  # fmt: skip
+def test_engines_get_the_server_flags_the_rl_config_implies(tmp_path, overrides, flags):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER.format(run_dir=tmp_path / "run"))
+    job, k8s = write_launch_files(RL_CONFIG, str(cluster), None, overrides)
+    _, calls = run_script(job, tmp_path)
+    slots = "32" if "engines.max_running_requests=32" in overrides else "128"
+    server = engine_argv(next(c for c in calls if "sglang.launch_server" in c))
+    assert server[server.index("--weight-version") + 2 :] == [
+        "--max-running-requests",
+        slots,
+        *flags,
+    ]
+    trainer = next(c for c in calls if "torch.distributed.run" in c)
+    assert trainer[-2:] == overrides  # the trainer reads the same config
+    engine_set = list(yaml.safe_load_all(k8s.read_text()))[1]
+    assert (
+        shlex.join(flags) in engine_set["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    )
 
 
 def test_the_gateway_fronts_every_engine_and_the_trainer_generates_through_it(tmp_path):
@@ -240,9 +268,11 @@ def test_rollouts_launch_writes_the_files_and_a_relative_run_dir_is_refused(tmp_
 
 
 def test_docs_show_the_script_and_manifests_rollouts_launch_writes(tmp_path):
+    from training.config import load_config
     from training.launch.k8s import dump_manifests, render_manifests
-    from training.launch.slurm import render_sbatch
+    from training.launch.slurm import config_engine_args, render_sbatch
     from training.launch.spec import load_cluster
+    from training.rl_config import RLRunConfig
 
     text = (ROOT / "docs" / "cluster.md").read_text()
     blocks = re.findall(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)
@@ -250,8 +280,12 @@ def test_docs_show_the_script_and_manifests_rollouts_launch_writes(tmp_path):
     cluster.write_text(next(body for lang, body in blocks if lang == "yml"))
     spec = load_cluster(cluster)
     rl_config, model = "/shared/rollouts/configs/rl_qwen_gsm8k.yaml", spec.inference.model
-    script = render_sbatch(spec, rl_config=rl_config, model=model, workdir=spec.workdir)
-    manifests = render_manifests(spec, rl_config=rl_config, model=model)
+    args = config_engine_args(
+        load_config(RLRunConfig, ROOT / "configs/rl_qwen_gsm8k.yaml"), "sglang"
+    )
+    script = render_sbatch(spec, rl_config=rl_config, model=model, workdir=spec.workdir,
+                           config_args=args)  # fmt: skip
+    manifests = render_manifests(spec, rl_config=rl_config, model=model, config_args=args)
     assert ("sh", script) in blocks  # rerun the page's generation when the launcher changes
     assert ("yml", dump_manifests(manifests)) in blocks
     assert validate_manifests(manifests) == []

@@ -33,7 +33,7 @@ def write_launch_files(rl_config: str, cluster: str, out: str | None,
     from training.config import load_config
     from training.launch.k8s import dump_manifests, render_manifests
     from training.launch.k8s_schema import validate_manifests
-    from training.launch.slurm import render_sbatch
+    from training.launch.slurm import config_engine_args, render_sbatch
     from training.launch.spec import load_cluster
     from training.rl_config import RLRunConfig
 
@@ -48,12 +48,14 @@ def write_launch_files(rl_config: str, cluster: str, out: str | None,
         model = os.path.abspath(model)
     config_path = os.path.abspath(rl_config)
     workdir = spec.workdir or os.getcwd()
+    engine_args = config_engine_args(config, spec.inference.engine)
     script = render_sbatch(spec, rl_config=config_path, model=model, workdir=workdir,
-                           overrides=overrides)  # fmt: skip
+                           overrides=overrides, config_args=engine_args)  # fmt: skip
     checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     if checked.returncode != 0:
         raise ConfigError(f"the generated batch script is not valid bash: {checked.stderr}")
-    manifests = render_manifests(spec, rl_config=config_path, model=model, overrides=overrides)
+    manifests = render_manifests(spec, rl_config=config_path, model=model, overrides=overrides,
+                                 config_args=engine_args)  # fmt: skip
     problems = validate_manifests(manifests)
     if problems:
         raise ConfigError("the generated manifests fail the schema check:\n  "

@@ -106,12 +106,13 @@ def _stateful_set(spec: ClusterSpec, role: str, replicas: int,
 
 
 def render_manifests(spec: ClusterSpec, *, rl_config: str, model: str,
-                     overrides: Sequence[str] = ()) -> list[dict[str, Any]]:  # fmt: skip
+                     overrides: Sequence[str] = (),
+                     config_args: Sequence[str] = ()) -> list[dict[str, Any]]:  # fmt: skip
     """Services and StatefulSets (in apply order) for `spec` running the RL config `rl_config`."""
     inf = spec.inference
     ports = [inf.port + i for i in range(spec.servers_per_node)]
     server = " ".join(w if w.startswith("$") else shlex.quote(w)
-                      for w in engine_command(spec, model))  # fmt: skip
+                      for w in engine_command(spec, model, config_args))  # fmt: skip
     engine_script = (
         f'for ((i = 0; i < {spec.servers_per_node}; i++)); do\n'
         f'  port=$(({inf.port} + i))\n'

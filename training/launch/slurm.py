@@ -16,8 +16,13 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 from string import Template
+from typing import TYPE_CHECKING
 
+from engines.lora import LoraLaunch
 from training.launch.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from training.rl_config import RLRunConfig
 
 
 class _Script(Template):
@@ -130,8 +135,29 @@ def _q(args: Sequence[str]) -> str:
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
-def engine_command(spec: ClusterSpec, model: str) -> list[str]:
-    """The server's argv, with `$port` and `$i` (the server's index on its node) left to bash."""
+def config_engine_args(config: RLRunConfig, engine: str) -> list[str]:
+    """The server flags the RL config implies, as the recipe gives the engines it launches:
+    request slots, keys, LoRA serving (`model.lora`), SGLang's memory saver (`colocate`)."""
+    ec = config.engines
+    args = ["--max-running-requests", str(ec.max_running_requests)]
+    if engine == "local":
+        args += ["--dtype", ec.local_dtype]
+    elif ec.colocate:
+        args.append("--enable-memory-saver")  # /release_memory_occupation needs it
+    if ec.api_key:
+        args += ["--api-key", ec.api_key]
+    if ec.admin_api_key:
+        args += ["--admin-api-key", ec.admin_api_key]
+    lora = config.model.lora
+    if lora is not None:  # as training/recipes/rl_engines.py:lora_launch
+        args += LoraLaunch(max_lora_rank=lora.rank, target_modules=lora.target_modules,
+                           max_loras_per_batch=lora.keep + 1).args()  # fmt: skip
+    return args
+
+
+def engine_command(spec: ClusterSpec, model: str, config_args: Sequence[str] = ()) -> list[str]:
+    """The server's argv, with `$port` and `$i` (the server's index on its node) left to bash;
+    `config_args`: those of `config_engine_args`."""
     inf = spec.inference
     if inf.engine == "sglang":
         args = ["-m", "sglang.launch_server", "--model-path", model, "--host", "0.0.0.0",
@@ -142,20 +168,21 @@ def engine_command(spec: ClusterSpec, model: str) -> list[str]:
                 "--port", "$port", "--num-threads", str(inf.threads), "--weight-version", "0"]  # fmt: skip
         if inf.gpus_per_node:
             args += ["--device", "cuda"]
-    return [*args, *inf.extra_args]
+    return [*args, *config_args, *inf.extra_args]
 
 
-def _engine_line(spec: ClusterSpec, model: str) -> str:
+def _engine_line(spec: ClusterSpec, model: str, config_args: Sequence[str]) -> str:
     """The engine argv for the template: `$port` and `$((...))` stay unquoted for bash."""
     words = []
-    for word in engine_command(spec, model):
+    for word in engine_command(spec, model, config_args):
         words.append(f'"{word}"' if word.startswith("$") else shlex.quote(word))
     return '"$PYTHON" ' + " ".join(words)
 
 
 def render_sbatch(spec: ClusterSpec, *, rl_config: str, model: str, workdir: str,
-                  overrides: Sequence[str] = ()) -> str:  # fmt: skip
-    """The batch script for `spec` training with the RL config at `rl_config` (absolute)."""
+                  overrides: Sequence[str] = (), config_args: Sequence[str] = ()) -> str:  # fmt: skip
+    """The batch script for `spec` training with the RL config at `rl_config` (absolute);
+    `config_args`: the server flags the config implies (`config_engine_args`)."""
     s = spec.slurm
     gpus = max(spec.inference.gpus_per_node, spec.trainer.gpus_per_node)
     sbatch = [f"--gpus-per-node={gpus}"] if gpus else []
@@ -188,7 +215,7 @@ def render_sbatch(spec: ClusterSpec, *, rl_config: str, model: str, workdir: str
         port=spec.inference.port,
         max_restarts=spec.inference.max_restarts,
         container=container,
-        engine_command=_engine_line(spec, model),
+        engine_command=_engine_line(spec, model, config_args),
         startup_timeout_s=int(spec.inference.startup_timeout_s),
         gateway=gateway or "ROUTER_ARGS=()\n",
         nproc_per_node=spec.nproc_per_node,
