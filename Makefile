@@ -17,7 +17,7 @@ BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/g
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint format test test-cpu test-vllm stress demo sft rl bench wheels gpu-check clean
+.PHONY: help setup lint format test test-cpu test-vllm test-slurm stress demo sft rl bench wheels gpu-check clean
 
 help:  ## list targets
 	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -81,6 +81,11 @@ $(VLLM_STAMP):
 
 test-vllm: setup $(VLLM_STAMP)  ## VLLMEngine and a short RL run against a real vLLM server (CPU)
 	ROLLOUTS_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -s tests/vllm
+
+# A real Slurm controller and node on this machine (root; apt-get install -y slurm-wlm munge),
+# then a 3-step RL run on the tiny model submitted by `rollouts launch --submit` (docs/cluster.md).
+test-slurm: setup  ## a 3-step RL run through `rollouts launch --submit` on a local one-node Slurm
+	PY=$(PY) tests/slurm/run_launch.sh
 
 # The same run, recording each test's CPU (its worker's and its child processes'), then the
 # table by file: on 2 cores the suite is CPU-bound, so this is where its wall time goes.

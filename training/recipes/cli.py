@@ -237,6 +237,13 @@ def plot_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> 
     return main(argv, prog)
 
 
+def launch_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """`rollouts launch`: a Slurm script and Kubernetes manifests for a cluster (docs/cluster.md)."""
+    from training.launch.cli import launch_main as main
+
+    return main(argv, prog=prog)
+
+
 def view_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """`rollouts view RUN_DIR`: a static site of a run's rollouts and curves (training/viewer)."""
     from training.viewer.cli import main
@@ -253,6 +260,7 @@ COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "plot": (plot_main, "plot a run directory's metrics.jsonl"),
     "generate": (generate_main, "print a model's answers to a prompts or chat JSONL file"),
     "view": (view_main, "a browsable site of a run's rollouts, rewards and curves"),
+    "launch": (launch_main, "write (and submit) a Slurm script and K8s manifests for a cluster"),
 }
 
 
