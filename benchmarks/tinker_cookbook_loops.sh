@@ -106,7 +106,7 @@ echo "== rl_loop, loss_fn=importance_sampling, on that model"
 rm -rf "$WORK/rl_is"
 recipe rl_loop "$WORK/rl_is" batch_size=8 group_size=8 max_tokens=16 \
   loss_fn=importance_sampling
-summary "$WORK/rl_is" reward/total
+summary "$WORK/rl_is" reward/total grad_norm
 echo "== rl_loop, default loss (stable_reinforce), on that model: the server refuses it"
 rm -rf "$WORK/rl_sr"
 if recipe rl_loop "$WORK/rl_sr" batch_size=8 group_size=8 max_tokens=16 max_steps=1; then
