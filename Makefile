@@ -17,7 +17,7 @@ BENCHES := benchmarks/sft_throughput.py benchmarks/grpo_learning.py benchmarks/g
 BENCH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint format test test-cpu test-vllm test-slurm stress demo sft rl bench wheels gpu-check clean
+.PHONY: help setup lint format test test-cpu test-vllm test-slurm stress demo sft rl bench test-cookbook wheels gpu-check clean
 
 help:  ## list targets
 	@grep -E '^[a-z_-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -123,6 +123,10 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 
 bench: $(BENCH_STAMP)  ## run every benchmark (installs TRL etc.); writes benchmarks/RESULTS.md
 	@for f in $(BENCHES); do echo "== $$f"; $(PY) $$f $(BENCH_ARGS) || exit 1; done
+
+# Not part of `make test`: installs tinker-cookbook 0.6.1 into a venv of its own (runs/cookbook).
+test-cookbook: $(STAMP)  ## tinker-cookbook's own sl_loop/rl_loop against `rollouts tinker-serve`
+	PY=$(abspath $(PY)) bash benchmarks/tinker_cookbook_loops.sh
 
 # A GPU machine without network (DEVELOPERS.md): its image has torch (CUDA), transformers, peft,
 # safetensors, httpx and h11; these wheels are the rest, plus the project's own. For another

@@ -368,3 +368,72 @@ def test_a_zstd_body_that_inflates_past_the_bound_is_refused_not_decompressed():
     with pytest.raises(TinkerRequestError, match="inflates past 1000 bytes") as refused:
         decode_body(body, {"content-encoding": "zstd"}, limit=1000)
     assert refused.value.status == 413
+
+
+def gspo_token_elementwise(lp, q, adv, mask, low, high):
+    """Tinker's GSPO (GSPO-token, tinker-docs losses/gspo), written out here: every token takes
+    the sequence ratio exp(mean over the masked tokens of lp - q) as its value, with the
+    gradient of its own logprob; loss -min(r * A, clip(r, low, high) * A) per token."""
+    seq_log_ratio = (lp.detach() - q)[mask != 0].mean()
+    ratio = torch.exp(seq_log_ratio + lp - lp.detach())
+    return -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+
+
+def dro_elementwise(lp, q, adv, beta):
+    """Tinker's DRO (tinker-docs losses): -(lp * A - beta / 2 * (lp - q)^2) per token."""
+    return -(lp * adv - 0.5 * beta * (lp - q) ** 2)
+
+
+def test_gspo_and_dro_are_tinkers_formulas_in_value_and_gradient(service_client, tiny_hf_model):
+    gen = torch.Generator().manual_seed(0)
+    data, parts = [], []
+    # the second datum's sequence ratio is about e^0.2 = 1.22, past the 1.1 threshold: its
+    # tokens with A > 0 are clipped (no gradient), those with A < 0 are not
+    for tokens, shift in zip(DATA, (0.0, -0.2), strict=True):
+        lp = hf_target_logprobs(tiny_hf_model, tokens)  # the policy at step 0 (LoRA B = 0)
+        n, ob = len(lp), 3
+        q = lp + shift + 0.1 * torch.randn(n, generator=gen)
+        adv = torch.cat([torch.zeros(ob), torch.randn(n - ob, generator=gen)])
+        mask = torch.cat([torch.zeros(ob), torch.ones(n - ob)])
+        parts.append((lp, q, adv, mask))
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:],
+                                                "logprobs": q.tolist(),
+                                                "advantages": adv.tolist(),
+                                                "sequence_ratio_mask": mask.tolist()}))  # fmt: skip
+    gspo_config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    cases = {
+        "gspo": (gspo_config, lambda lp, q, a, m: gspo_token_elementwise(lp, q, a, m, 0.9, 1.1)),
+        "dro": ({"beta": 0.5}, lambda lp, q, a, m: dro_elementwise(lp, q, a, 0.5)),
+    }
+    adam = types.AdamParams(learning_rate=1e-2, eps=1e-8)
+    for loss_fn, (config, formula) in cases.items():
+        out = lora_client(service_client).forward(data, loss_fn, config).result()
+        for o, (lp, q, adv, mask) in zip(out.loss_fn_outputs, parts, strict=True):
+            want = formula(lp, q, adv, mask)
+            assert torch.allclose(o["elementwise_loss"].to_torch(), want, atol=1e-5), loss_fn
+        want_sum = sum(float(formula(*p).sum()) for p in parts)
+        assert out.metrics["loss:sum"] == pytest.approx(want_sum, rel=1e-4, abs=1e-5)
+
+        # the gradient: one step of the served loss = one step of the formula run client-side
+        def custom(batch, logprobs_list, formula=formula):
+            loss = sum(formula(lp, *(d.loss_fn_inputs[k].to_torch() for k in
+                                     ("logprobs", "advantages", "sequence_ratio_mask"))).sum()
+                       for d, lp in zip(batch, logprobs_list, strict=True))  # fmt: skip
+            return loss, {}
+
+        after = []
+        for served in (True, False):
+            tc = lora_client(service_client, seed=11)
+            if served:
+                tc.forward_backward(data, loss_fn, config).result()
+            else:
+                tc.forward_backward_custom(data, custom).result()
+            tc.optim_step(adam).result()
+            after.append(tc.forward(data, loss_fn, config).result().metrics["loss:sum"])
+        assert after[0] == pytest.approx(after[1], rel=1e-4), loss_fn
+    # without the settings Tinker's docs give no default for, each is refused, naming them
+    tc = lora_client(service_client)
+    for loss_fn, key in (("gspo", "clip_low_threshold"), ("dro", "beta")):
+        with pytest.raises(tinker.RequestFailedError, match=key):
+            tc.forward(data, loss_fn).result()

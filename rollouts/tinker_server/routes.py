@@ -203,7 +203,7 @@ def build_app(service: TinkerService) -> App:
         model = service.model(req.model_id)
         try:
             check_request(req.loss_fn, req.data, vocab_size=model.vocab_size,
-                          max_length=model.max_length)  # fmt: skip
+                          max_length=model.max_length, config=req.config)  # fmt: skip
         except TinkerRequestError as exc:
             # refused in its turn: the seq_id is used up, so the requests behind it still run
             error = exc
