@@ -80,7 +80,10 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service_client(server):
-    return tinker.ServiceClient(base_url=server.url, api_key="tml-local")
+    # closed (POST /sessions/{id}/finish) while the server is up: its heartbeat thread would
+    # outlive the module's server and log connection failures into the rest of the suite
+    with tinker.ServiceClient(base_url=server.url, api_key="tml-local") as client:
+        yield client
 
 
 def lora_client(service_client, seed: int = 0):

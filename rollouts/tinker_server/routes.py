@@ -164,6 +164,15 @@ def build_app(service: TinkerService) -> App:
     async def heartbeat(request: Request) -> Response:
         return json_response({"type": "session_heartbeat"})
 
+    @route(app, "/api/v1/sessions/{id}")  # the router matches a trailing {id}: "<id>/finish"
+    async def finish_session(request: Request) -> Response:
+        # ServiceClient.close(): the session ends (its heartbeats stop); the models it made stay
+        session_id, _, action = request.path_params["id"].partition("/")
+        if action != "finish":
+            raise TinkerRequestError(f"no route {request.path}", 404)
+        service.sessions.discard(session_id)
+        return json_response(None)
+
     @route(app, "/api/v1/telemetry")
     async def telemetry(request: Request) -> Response:
         return json_response({"status": "accepted"})  # accepted and dropped
