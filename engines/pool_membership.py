@@ -231,10 +231,10 @@ class PoolMembershipMixin:
                         engine.expected_weights = expected = copy  # type: ignore[attr-defined]
                     if expected is not None and expected[0] is not None:
                         await sync_weights_to_engines([engine], expected[0], expected[1],
-                                                      skip_known_down=False)  # fmt: skip
+                                                      rejoin=True)  # fmt: skip
                     if expected is not None and lora is not None:
                         await sync_lora_to_engines([engine], lora[1], lora[0], expected[1],
-                                                   skip_known_down=False)  # fmt: skip
+                                                   rejoin=True)  # fmt: skip
                     now = (getattr(engine, "expected_weights", None),
                            getattr(engine, "expected_lora", None))  # fmt: skip
                     if now == (expected, lora):

@@ -84,7 +84,7 @@ async def sync_weights_to_engines(
     flush_retry_s: float = 0.2,
     wait_s: float = 0.0,
     required: bool = True,
-    skip_known_down: bool = True,
+    rejoin: bool = False,
 ) -> float:
     """Update every engine's weights from `checkpoint_dir` and label them `weight_version`.
 
@@ -101,7 +101,8 @@ async def sync_weights_to_engines(
             weights before failing (`engines.unavailable_timeout_s`; engines/sync_steps.py).
         required: False where other engines already have these weights (the engines left out
             of a broadcast): every engine down is then no error.
-        skip_known_down: False for the pool's rejoin, which syncs an engine it counts as down.
+        rejoin: the pool's rejoin: it syncs an engine it counts as down, and gives the weights
+            a push recorded for it without recording them again (a push meanwhile wins).
 
     Returns:
         Seconds the sync took.
@@ -116,12 +117,12 @@ async def sync_weights_to_engines(
     gb = await trio.to_thread.run_sync(weights_gb, path)
 
     async def sync_one(engine: InferenceEngine, is_paused: bool = paused) -> None:
-        # A push records what the engine should serve; a rejoin (skip_known_down=False) gives
-        # what was recorded and must not overwrite a push recorded while it ran (the pool's
-        # rejoin then gives that one too: engines/pool_membership.py)
-        if skip_known_down and hasattr(engine, "expected_weights"):
+        # A push records what the engine should serve; a rejoin gives what was recorded and
+        # must not overwrite a push recorded while it ran (the pool's rejoin then gives that
+        # one too: engines/pool_membership.py)
+        if not rejoin and hasattr(engine, "expected_weights"):
             engine.expected_weights = (path, weight_version)  # type: ignore[attr-defined]
-        if skip_known_down and getattr(engine, "known_down", False):  # given them on rejoin
+        if not rejoin and getattr(engine, "known_down", False):  # given them on rejoin
             leave_known_down(engine, down)
             return
         try:
@@ -246,7 +247,7 @@ async def sync_lora_to_engines(
     paused: bool = False,
     resume_timeout_s: float = 30.0,
     wait_s: float = 0.0,
-    skip_known_down: bool = True,
+    rejoin: bool = False,
 ) -> float:
     """Load the adapter in `adapter_dir` (peft layout) on every engine as `lora_name`, make it
     the adapter generation uses, and label the weights `weight_version`.
@@ -306,11 +307,11 @@ async def sync_lora_to_engines(
 
     async def sync_one(engine: Any, is_paused: bool = paused) -> None:
         loaded = False
-        if skip_known_down:  # a push records; a rejoin never overwrites (sync_weights_to_engines)
+        if not rejoin:  # a push records; a rejoin never overwrites (sync_weights_to_engines)
             previous = getattr(engine, "expected_weights", None)
             engine.expected_weights = (previous[0] if previous else None, weight_version)
             engine.expected_lora = (lora_name, path)
-        if skip_known_down and getattr(engine, "known_down", False):
+        if not rejoin and getattr(engine, "known_down", False):
             leave_known_down(engine, down)
             engine.active_lora = lora_name  # it is given the adapter on rejoin
             return

@@ -254,7 +254,7 @@ async def test_a_rejoin_never_overwrites_the_weights_a_push_recorded_while_it_ra
                 version = await train_step(backend)
                 newer = str(await backend.export_weights(tmp_path / "w" / "v3"))
                 a.expected_weights = (newer, version)  # what the push recorded meanwhile
-                await sync_weights_to_engines([a], older, "2", skip_known_down=False)
+                await sync_weights_to_engines([a], older, "2", rejoin=True)
                 assert a.expected_weights == (newer, version)  # the rejoin gives it next
             nursery.cancel_scope.cancel()
 
