@@ -157,3 +157,33 @@ async def test_a_worker_lost_more_often_than_worker_restarts_ends_the_run_naming
             with pytest.raises(RolloutsError, match=r"rollout worker 0 .*(died|ended).*lost 1 times in "
                                r"one batch, more than rollout.worker_restarts=0"):  # fmt: skip
                 await manager.generate_batch()
+
+
+async def test_a_worker_uses_no_engine_serving_older_weights_than_the_trainers_last_push(
+    tiny_model_dir,
+):
+    """An engine back from a relaunch serves its initial weights ("0") until the trainer's pool
+    gives it those of the last push ("1"): the worker's samples must all come from "1"."""
+    config = ROLLOUT.model_copy(update={"workers": 1})
+    items = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(4)]
+    async with open_local_engine(tiny_model_dir, num_threads=1, weight_version="0") as server:
+        scheduler = server.state.scheduler
+        manager = WorkerRolloutManager([server.url], DataBuffer(items, seed=0), config,
+                                       reward=REWARD, current_version=lambda: 1,
+                                       engine_weights=lambda: "1")  # fmt: skip
+        given: list[int] = []
+        async with manager, trio.open_nursery() as nursery:
+
+            async def rejoin_after_a_while():
+                # the trainer's pool gives it the weights once the worker has asked it (its
+                # 4 answers of 6 tokens take a fraction of a second; this waits 1 s more)
+                while scheduler.generated_tokens == 0:
+                    await trio.sleep(0.01)
+                await trio.sleep(1.0)
+                scheduler.weight_version = "1"
+                given.append(scheduler.generated_tokens)
+
+            nursery.start_soon(rejoin_after_a_while)
+            batch = await manager.generate_batch()
+    assert given, "the batch came back before the engine served the trainer's weights"
+    assert [s.weight_version for s in batch.samples] == [1] * 4

@@ -18,7 +18,10 @@ Contract (sync mode; `rollout.workers: K` > 0):
   trained twice and nothing lost (`workers/restarts` in the batch metrics counts them).
 - `data_state()`, `use_algorithm()`, `settle()` and `statistics()` as in `AsyncRolloutManager`.
   The weight push goes from the trainer to every engine as before: the workers' pools see the
-  engines paused, and sync mode has nothing in flight then.
+  engines paused, and sync mode has nothing in flight then. The trainer's pool alone gives an
+  engine back from a relaunch its weights; each request names the version of the trainer's
+  last push (`engine_weights()`), and a worker's pool (`follows_weights`) uses no engine that
+  serves older ones (engines/pool_membership.py), so no sample comes from initial weights.
 
 Not covered yet: overlap and async modes (refused by `RolloutConfig`), a `generate_fn` other
 than the single turn, a reward given as a Python object (a worker imports it by name), aborting
@@ -75,6 +78,7 @@ class WorkerRolloutManager:
         group_filter: GroupFilter | None = None,
         transforms: Sequence[SampleTransform] = (),
         current_version: Callable[[], int] = lambda: 0,
+        engine_weights: Callable[[], str | None] = lambda: None,
         api_key: str | None = None,
     ):
         k = config.workers
@@ -93,6 +97,7 @@ class WorkerRolloutManager:
         )
         self.transforms = tuple(transforms)
         self.current_version = current_version
+        self.engine_weights = engine_weights  # the version of the trainer's last push, or None
         per_worker = config.model_copy(
             update={"max_concurrency": math.ceil(config.max_concurrency / k), "workers": 0}
         )
@@ -232,7 +237,7 @@ class WorkerRolloutManager:
         for attempt in range(self.config.worker_restarts + 1):
             request = {"kind": "collect", "request": self._n_calls, "prompts": prompts,
                        "rid_prefix": f"{prefix}-w{worker.index}-t{worker.starts}",
-                       "overlong": self._overlong}  # fmt: skip
+                       "overlong": self._overlong, "engine_weights": self.engine_weights()}  # fmt: skip
             try:
                 if attempt:
                     await worker.restart(self._nursery)

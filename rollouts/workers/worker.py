@@ -9,7 +9,9 @@ stderr (stdout is the frame stream). The protocol, one frame each:
   worker opens an `EnginePool` over its engines and imports the reward itself; it answers
   `{"kind": "ready", "pid": ...}`.
 - trainer → worker: `{"kind": "collect", "request": id, "rid_prefix": str, "prompts":
-  [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...}}`.
+  [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...},
+  "engine_weights": the version of the trainer's last push, or null}`: the worker's pool uses
+  no engine serving older weights (`EnginePool(follows_weights=True)`).
   The worker generates every prompt's group (`collect_groups`, no filter: the trainer filters)
   and answers `{"kind": "groups", "request": id, "groups": [...], "slots": [...], "partial":
   [...], "stats": {...}}` with the groups' tokens in flat buffers; `slots[i]` is the index of
@@ -93,6 +95,7 @@ class Worker:
         prompts = [(PromptItem.from_dict(p["prompt"]), [Sample.from_dict(s) for s in p["samples"]])
                    for p in request["prompts"]]  # fmt: skip
         queue = iter(prompts)
+        self.engine.expect_weights(request.get("engine_weights"))
         reward = self.task_reward
         if (overlong := request.get("overlong")) is not None:
             reward = add_overlong_shaping(reward, **overlong)
@@ -144,7 +147,8 @@ async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> N
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SGLangEngine(url, api_key=start.get("api_key")))
                    for url in start["engine_urls"]]  # fmt: skip
-        worker = Worker(start, await stack.enter_async_context(EnginePool(engines)))
+        pool = EnginePool(engines, follows_weights=True)  # the trainer gives the weights
+        worker = Worker(start, await stack.enter_async_context(pool))
         await stdout.send_all(encode_frame({"kind": "ready", "pid": os.getpid()}))
         while (frame := await reader.receive()) is not None:
             request = frame[0]
