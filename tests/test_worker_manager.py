@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import trio
 
 from engines import SGLangEngine
 from engines.local import open_local_engine
+from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from plumbing.errors import RolloutsError
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
@@ -187,3 +189,57 @@ async def test_a_worker_uses_no_engine_serving_older_weights_than_the_trainers_l
             batch = await manager.generate_batch()
     assert given, "the batch came back before the engine served the trainer's weights"
     assert [s.weight_version for s in batch.samples] == [1] * 4
+
+
+async def test_a_replaced_worker_first_aborts_the_requests_the_lost_one_left_on_its_engines(
+    tiny_model_dir,
+):
+    """Behind a proxy the engine never sees a killed worker's connections close: its requests
+    would run to the end unread. The model thread is held from the kill until the new worker's
+    requests arrive, so the old ones can only have ended by an abort."""
+    config = ROLLOUT.model_copy(update={"workers": 1, "sampling": SamplingConfig(
+        temperature=0.0, max_new_tokens=64)})  # fmt: skip
+    items = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(4)]
+    holding, release = threading.Event(), threading.Event()
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        scheduler = server.state.scheduler
+        url = await nursery.start(FaultProxy(server.url, FaultPlan()).serve)
+        manager = WorkerRolloutManager([url], DataBuffer(items, seed=0), config, reward=REWARD)
+        seen: dict[str, list] = {}
+        async with manager, trio.open_nursery() as inner:
+
+            async def kill_then_watch():
+                live = lambda: [s for s in (*scheduler.waiting, *scheduler.running)  # noqa: E731
+                                if not s.finished]  # fmt: skip
+                with trio.fail_after(60):  # the first worker's requests generate
+                    while not [s for s in scheduler.running if s.prefilled]:
+                        await trio.sleep(0.005)
+                    inner.start_soon(scheduler.run_on_model_thread, _hold, holding, release)
+                    while not holding.is_set():
+                        await trio.sleep(0.005)
+                    seen["old"] = live()
+                    os.kill(manager.workers[0].pid, signal.SIGKILL)
+                    while not (new := [s for s in live() if s not in seen["old"]]):
+                        await trio.sleep(0.005)  # until the new worker's requests arrive
+                seen["new"] = new
+                seen["old_ended"] = [s.finish_reason for s in seen["old"]]
+                release.set()
+
+            inner.start_soon(kill_then_watch)
+            try:
+                batch = await manager.generate_batch()
+            finally:
+                release.set()
+        nursery.cancel_scope.cancel()
+    assert seen["old"] and manager.restarts == 1
+    assert [r and r["type"] for r in seen["old_ended"]] == ["abort"] * len(seen["old"])
+    # the new worker's requests have rids of their own: no abort of the old ones reaches them
+    assert not {s.rid for s in seen["new"]} & {s.rid for s in seen["old"]}
+    assert len(batch.samples) == 4
+
+
+def _hold(holding: threading.Event, release: threading.Event) -> None:
+    """On the engine's model thread: no step runs until `release` (bounded: 60 s)."""
+    holding.set()
+    release.wait(60)
