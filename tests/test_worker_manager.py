@@ -31,7 +31,7 @@ from training.rl.algorithms import reinforce
 from training.rl.batch import collate_rl
 from training.rl.dump_audit import audit_rollout_dump
 from training.rl.objective import RLObjective
-from training.rl.rollout_dump import RolloutDumpWriter
+from training.rl.rollout_dump import RolloutDumpWriter, read_rollout_dump
 from training.rl_config import RLLoopConfig
 
 STEPS = 3
@@ -40,7 +40,8 @@ ROLLOUT = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="non
 REWARD = "tests.worker_rewards:answer_reward"
 
 
-async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None) -> tuple:
+async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None, *,
+               checkpoint_every: int = 10, resume: bool = False) -> tuple:  # fmt: skip
     """`run_rl_training` for STEPS steps over the engine at `url`, generation in this process
     (workers=0) or in `workers` processes; (history, the dump's path, the prompts drawn)."""
     model, tok = load_model_and_tokenizer(model_dir)
@@ -66,7 +67,8 @@ async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None) 
                     nursery.start_soon(during, manager)
                 history = await run_rl_training(
                     backend, buffer, manager, [engine],
-                    RLLoopConfig(max_steps=STEPS, checkpoint_every=10),
+                    RLLoopConfig(max_steps=STEPS, checkpoint_every=checkpoint_every,
+                                 resume="auto" if resume else "never"),
                     objective=RLObjective(reinforce()), export_dir=out / "weights",
                     hooks=RLHooks(on_batch=dump),
                 )  # fmt: skip
@@ -243,3 +245,36 @@ def _hold(holding: threading.Event, release: threading.Event) -> None:
     """On the engine's model thread: no step runs until `release` (bounded: 60 s)."""
     holding.set()
     release.wait(60)
+
+
+class _TrainerKilled(Exception):
+    """Raised into the run: it ends there, as a killed trainer's would (no checkpoint after)."""
+
+
+async def test_a_two_worker_run_killed_mid_step_resumes_to_train_the_uninterrupted_runs_prompts(
+    tiny_model_dir, tmp_path, in_process_run
+):
+    async def kill_while_step_3_generates(manager):
+        while manager.statistics().batches_served < STEPS:
+            await trio.sleep(0.005)
+        raise _TrainerKilled
+
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        with pytest.RaisesGroup(_TrainerKilled, flatten_subgroups=True):
+            await _run(tiny_model_dir, tmp_path, server.url, 2, checkpoint_every=1,
+                       during=kill_while_step_3_generates)  # fmt: skip
+        assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
+            "step_000001", "step_000002"]  # fmt: skip
+        history, dump, drawn, _ = await _run(tiny_model_dir, tmp_path, server.url, 2,
+                                             checkpoint_every=1, resume=True)  # fmt: skip
+    audit = audit_rollout_dump(dump, max_lag=0, drawn=drawn, held=[])
+    assert (audit.steps, audit.lost, audit.twice, audit.stale) == (STEPS, 0, 0, 0)
+    # step by step the prompts (and, greedy, the responses) of the uninterrupted run, in
+    # whatever order its groups finished
+    resumed, reference = read_rollout_dump(dump), read_rollout_dump(in_process_run[1])
+    assert sorted(resumed) == sorted(reference) == list(range(1, STEPS + 1))
+    for step in reference:
+        assert sorted((s.prompt_ids, s.response_ids) for s in resumed[step].samples) == sorted(
+            (s.prompt_ids, s.response_ids) for s in reference[step].samples), step  # fmt: skip
+    assert [h["step"] for h in history][-1] == STEPS
+    assert history[-1]["loss"] == pytest.approx(in_process_run[0][-1]["loss"], rel=1e-4, abs=2e-6)
