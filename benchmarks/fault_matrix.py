@@ -221,7 +221,8 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
                dropped=audit.dropped if audit else None)  # fmt: skip
     row["versions_ok"] = len(set(versions)) == 1 and versions[0] == str(row["steps"])
     row["ok"] = (exits[-1] == "0" and row["steps"] == args.steps and row["lost"] == 0
-                 and row["twice"] == 0 and row["stale"] == 0 and row["versions_ok"])  # fmt: skip
+                 and row["twice"] == 0 and row["stale"] == 0 and row["versions_ok"]
+                 and (cell.fault != "w" or bool(killed_workers)))  # w: it struck  # fmt: skip
     return row
 
 
