@@ -6,7 +6,9 @@
 
 Paths: `{sync,overlap,async}-{disk,distributed}` (rollout.mode, engines.weight_transport) on
 configs/rl_tiny.yaml, and `agent` (configs/agent_tiny.yaml: env.kind=agent, the calculator agent
-of examples/agent_rl.py speaking the OpenAI API through the proxy; sync, disk). Engines: 1 or 2
+of examples/agent_rl.py speaking the OpenAI API through the proxy; sync, disk), and
+`{mode}-workers` (`sync-workers`): generation in `rollout.workers` = engines processes (one
+engine each; docs/scale.md), disk weights. Engines: 1 or 2
 supervised local engines (relaunched on their port when they die), each behind an
 `engines.testing.fault_proxy` (engines/testing/fault_fleet.py). Faults:
 
@@ -21,6 +23,9 @@ supervised local engines (relaunched on their port when they die), each behind a
   /init_weights_update_group, /update_weights_from_distributed) reaches a proxy after step 2 is
   dumped, the trainer gets SIGKILL; the same command with --resume then finishes the run
   (train.checkpoint_every=1).
+- w: a rollout worker SIGKILL (`-workers` paths only): when a /generate reaches a proxy after
+  step 2 is dumped (mid-batch), the newest of the trainer's rollout worker processes gets
+  SIGKILL; the trainer restarts it and sends its prompts again (rollouts/workers/manager.py).
 
 Each run is a subprocess of examples/run_rl.py (examples/agent_rl.py for `agent`), on a fresh
 tiny model (seed 0, shared by all runs), 4 prompts x 4 samples per step, `--steps` steps, with a
@@ -47,7 +52,8 @@ per-attempt deadline (`--timeout-s`; past it the trainer gets SIGKILL and its ex
 
 The stress tests (tests/test_fault_matrix.py, `make stress`) run cells of this matrix and assert
 0 lost, 0 twice, 0 stale, exit 0 and one true version; `--write-results` replaces the
-`fault_matrix` section of benchmarks/RESULTS.md.
+`fault_matrix` section of benchmarks/RESULTS.md (`fault_matrix_workers` when only `-workers`
+paths ran).
 """
 
 from __future__ import annotations
@@ -72,9 +78,10 @@ from engines.testing.fault_proxy import FaultPlan
 from training.rl.dump_audit import ROLLOUT_MODE_LAG, audit_rollout_dump
 
 PATHS = tuple(f"{m}-{t}" for m in ("sync", "overlap", "async") for t in ("disk", "distributed"))
-ALL_PATHS = (*PATHS, "agent")
+WORKER_PATHS = ("sync-workers",)  # `{mode}-workers`: rollout.workers (the modes workers run)
+ALL_PATHS = (*PATHS, "agent", *WORKER_PATHS)
 FAULTS = {"0": "none (the baseline)", "a": "one reset", "b": "10 % fault mix", "c": "engine kill", "d": "hung weight update",
-          "e": "trainer SIGKILL mid-push"}  # fmt: skip
+          "e": "trainer SIGKILL mid-push", "w": "rollout worker SIGKILL"}  # fmt: skip
 MIX = {"reset": 0.02, "500": 0.02, "truncate": 0.02, "nonjson": 0.02, "hang": 0.02}
 PUSHES = ("/update_weights_from_disk", "/init_weights_update_group",
           "/update_weights_from_distributed")  # fmt: skip
@@ -109,6 +116,9 @@ def trainer_command(cell: Cell, urls: list[str], model: Path, out: Path, args, r
                 *common, "rollout.sampling.max_new_tokens=16", "env.max_response_tokens=48",
                 "agent.timeout_s=30"]  # fmt: skip
     mode, transport = cell.path.split("-")
+    if transport == "workers":  # K = the engines (one each), disk weights
+        common.append(f"rollout.workers={cell.engines}")
+        transport = "disk"
     return [sys.executable, "examples/run_rl.py", "--config", "configs/rl_tiny.yaml", *common,
             f"rollout.mode={mode}", f"engines.weight_transport={transport}",
             f"rollout.max_staleness={MAX_STALENESS}",
@@ -135,6 +145,7 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
     dump.unlink(missing_ok=True)
     started = time.perf_counter()
     exits: list[str] = []
+    killed_workers: list[int] = []  # w: the worker pids the harness SIGKILLed
     ticks: list[float] = []  # each trainer start, each dumped step, each trainer exit
     seen = 0
     async with open_faulty_fleet(model, plans(cell), out) as fleet:
@@ -153,10 +164,18 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
                     killed["done"] = True
                     trainer.send_signal(signal.SIGKILL)
 
+            def kill_worker(path: str, trainer=trainer, killed=killed) -> None:
+                due = path == "/generate" and _count_lines(dump) >= KILL_AFTER_STEP
+                if due and not killed["done"]:
+                    pids = worker_pids(trainer.pid)
+                    if pids:  # mid-batch: the workers generate; the newest one gets it
+                        killed["done"] = True
+                        killed_workers.append(pids[-1])
+                        os.kill(pids[-1], signal.SIGKILL)
+
+            hooks = {"e": kill_trainer, "w": kill_worker} if not attempt else {}
             for member in fleet:
-                member.proxy.on_request = (
-                    kill_trainer if cell.fault == "e" and not attempt else None
-                )
+                member.proxy.on_request = hooks.get(cell.fault)
             engine_killed = False
             with trio.move_on_after(args.timeout_s) as deadline:
                 while trainer.returncode is None:
@@ -184,7 +203,7 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
     row = {"run": cell.name, "path": cell.path, "engines": cell.engines, "fault": cell.fault,
            "exit": exits, "wait_s": round(wait, 1),
            "gap_s": round(max((b - a for a, b in itertools.pairwise(ticks)), default=0.0), 1),
-           "versions": versions, "proxy": counts,
+           "versions": versions, "proxy": counts, "killed_workers": killed_workers,
            "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     try:
         lag = MAX_STALENESS if cell.path.startswith("async") else ROLLOUT_MODE_LAG.get(
@@ -202,7 +221,8 @@ async def run_cell(cell: Cell, model: Path, args) -> dict:
                dropped=audit.dropped if audit else None)  # fmt: skip
     row["versions_ok"] = len(set(versions)) == 1 and versions[0] == str(row["steps"])
     row["ok"] = (exits[-1] == "0" and row["steps"] == args.steps and row["lost"] == 0
-                 and row["twice"] == 0 and row["stale"] == 0 and row["versions_ok"])  # fmt: skip
+                 and row["twice"] == 0 and row["stale"] == 0 and row["versions_ok"]
+                 and (cell.fault != "w" or bool(killed_workers)))  # w: it struck  # fmt: skip
     return row
 
 
@@ -234,6 +254,21 @@ def prompts_drawn(out: Path, settle_steps: int = SETTLE_STEPS) -> tuple[list, li
     buffer = DataBuffer(_STREAMS[key], seed=state["seed"], shuffle=state["shuffle"])
     drawn = buffer.get_prompts(state["epoch_id"] * state["n_records"] + state["sample_offset"])
     return drawn, [h["item"]["prompt"]["prompt_ids"] for h in held]
+
+
+def worker_pids(trainer_pid: int) -> list[int]:
+    """The trainer's rollout worker processes (`python -m rollouts.workers.worker`, its
+    children), oldest first, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+        if int(fields[1]) == trainer_pid and b"rollouts.workers.worker" in cmdline:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
 
 
 def _count_lines(path: Path) -> int:
@@ -289,14 +324,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     split = partial(str.split, sep=",")
     p.add_argument("--paths", type=split, default=list(ALL_PATHS), help=",".join(ALL_PATHS))
     p.add_argument("--engines", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
-    p.add_argument("--faults", type=split, default=list("abcde"), help="0,a,b,c,d,e (0: none)")
+    p.add_argument("--faults", type=split, default=list("abcde"),
+                   help="0,a,b,c,d,e,w (0: none; w: -workers paths only)")  # fmt: skip
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per trainer attempt")
     p.add_argument("--out", type=Path, default=Path("runs/fault_matrix"))
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--write-results", action="store_true",
-                   help="replace the fault_matrix section of RESULTS.md (--results)")  # fmt: skip
+                   help="replace the fault_matrix section of RESULTS.md (--results); "
+                        "fault_matrix_workers when every path is a -workers one")  # fmt: skip
     p.add_argument("--results", type=Path, default=harness.BENCH_DIR / "RESULTS.md",
                    help="the RESULTS.md --write-results writes")  # fmt: skip
     args = p.parse_args(argv)
@@ -324,11 +361,14 @@ def main() -> int:
              f"- {sum(r['ok'] for r in rows)} of {len(rows)} runs ok; runs took "
              f"{sum(r['wall_s'] for r in rows) / 60:.1f} min in all ({args.jobs} at once)."]  # fmt: skip
     title = "Fault matrix: RL runs under engine and trainer faults (issue 49)"
+    key = "fault_matrix"
+    if all(p in WORKER_PATHS for p in args.paths):  # its own section: the 70 cells stay
+        key, title = "fault_matrix_workers", "Fault matrix with rollout workers (issue 47)"
     print(f"\n{title}\n{table}\n" + "\n".join(notes))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     if args.write_results:
-        harness.write_section("fault_matrix", title, table + "\n\n" + "\n".join(notes),
+        harness.write_section(key, title, table + "\n\n" + "\n".join(notes),
                               quick=False, started=started, path=args.results)  # fmt: skip
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -54,6 +54,7 @@ SECTIONS = (
     "gpu_check",
     "controller_scale",
     "fault_matrix",
+    "fault_matrix_workers",
 )
 
 

@@ -41,7 +41,7 @@ from plumbing.errors import EngineError, engine_failure_kind
 from .lora import lost_adapter
 from .pool_membership import EngineStats as EngineStats
 from .pool_membership import NoEngineAvailableError as NoEngineAvailableError
-from .pool_membership import PoolMembershipMixin, _Slot
+from .pool_membership import PoolMembershipMixin, _Slot, older_weights
 from .pool_membership import PoolStatistics as PoolStatistics
 from .pool_membership import StaleWeightsError as StaleWeightsError
 from .stall import call_unless_stalled, stall_bound_s
@@ -83,6 +83,7 @@ class EnginePool(PoolMembershipMixin):
         stall_s_per_token: float | None = 0.2,
         engine_events: trio.MemoryReceiveChannel[tuple[str, str]] | None = None,
         weights_copy: Callable[[str], Awaitable[tuple[str, str]]] | None = None,
+        follows_weights: bool = False,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
@@ -99,6 +100,7 @@ class EnginePool(PoolMembershipMixin):
         self._nursery: trio.Nursery | None = None
         self._engine_events = engine_events
         self.weights_copy = weights_copy  # pool_membership.py: rejoin after a broadcast push
+        self.follows_weights = follows_weights  # pool_membership.py: another process syncs
 
     @property
     def engines(self) -> list[InferenceEngine]:
@@ -259,7 +261,10 @@ class EnginePool(PoolMembershipMixin):
         expected = getattr(engine, "expected_weights", None)
         if expected is None or getattr(engine, "paused", False):
             return
-        wrong = [v for v in _versions(result) if v is not None and v != expected[1]]
+        if self.follows_weights:  # another process syncs: older weights only (a push may land)
+            wrong = [v for v in _versions(result) if older_weights(v, expected[1])]
+        else:
+            wrong = [v for v in _versions(result) if v is not None and v != expected[1]]
         if wrong:
             raise StaleWeightsError(
                 f"answered from weight_version {wrong[0]!r}, the last sync gave it "

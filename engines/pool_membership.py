@@ -28,6 +28,15 @@ Contract (the membership half of `EnginePool`'s):
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
   that finds it answering would), without waiting for the next probe.
+- `follows_weights=True` (a rollout worker's pool, rollouts/workers/worker.py): another process
+  (the trainer) pushes the weights; this pool only generates with them. `expect_weights(v)`
+  names the version the trainer's last push gave the engines (None: no push yet); an answer
+  from older weights fails over as above (`StaleWeightsError`), and a down engine rejoins,
+  without a sync, only once its `/model_info` reports that version or a newer one (the
+  trainer's pool gave it the weights): an engine back from a relaunch on its initial weights
+  gets no request here meanwhile. Versions are compared as integers ("12"; other labels must
+  be equal), so a push that lands mid-batch (overlap, async) rejects nothing. Healthy engines
+  are not probed for their version (a push moves it between two of the trainer's batches).
 """
 
 from __future__ import annotations
@@ -125,6 +134,14 @@ class PoolMembershipMixin:
     # version -> (path, version) of a disk copy of the trainer's weights, for an engine that
     # comes back after a broadcast push (module docstring); None: it waits for the next push
     weights_copy: Callable[[str], Awaitable[tuple[str, str]]] | None
+    follows_weights: bool  # another process gives the engines their weights (docstring)
+
+    def expect_weights(self, version: str | None) -> None:
+        """`follows_weights`: the version of the trainer's last push (module docstring)."""
+        for slot in self._slots:
+            slot.engine.expected_weights = (  # type: ignore[attr-defined]
+                None if version is None else (None, version)
+            )
 
     def _notify(self) -> None:
         self._changed.set()
@@ -163,7 +180,7 @@ class PoolMembershipMixin:
                 self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
             return
         expected = getattr(engine, "expected_weights", None)
-        if expected is None:
+        if expected is None or self.follows_weights:
             return
         try:  # a probe still unanswered when its round ends is cancelled, not counted
             version = (await engine.model_info()).weight_version
@@ -204,6 +221,9 @@ class PoolMembershipMixin:
         """A down engine answers again: give it the current weights, then let it serve."""
         if slot.rejoining:
             return
+        if self.follows_weights:
+            await self._rejoin_follower(slot)
+            return
         slot.rejoining = True
         engine = slot.engine
         expected = getattr(engine, "expected_weights", None)
@@ -240,14 +260,7 @@ class PoolMembershipMixin:
                     if now == (expected, lora):
                         break
                     expected, lora = now
-            _set_known_down(engine, False)  # weight syncs reach it again
-            slot.healthy = True  # the one WARNING of its return (the pair of the mark-down's)
-            logger.warning("engine %s is back%s (%d of %d engines serve)", engine.url,
-                           f" and serves weights {expected[1]}" if expected else "",
-                           sum(s.healthy for s in self._slots), len(self._slots))  # fmt: skip
-            slot.rejoined += 1
-            slot.down_reason, slot.rejoin_failed = None, False
-            self._notify()
+            self._mark_up(slot, expected)
         except (EngineError, trio.TooSlowError) as exc:
             level = logging.DEBUG if slot.rejoin_failed else logging.WARNING  # once per outage
             slot.rejoin_failed = True
@@ -255,6 +268,44 @@ class PoolMembershipMixin:
                        engine.url, exc)  # fmt: skip
         finally:
             slot.rejoining = False
+
+    async def _rejoin_follower(self, slot: _Slot) -> None:
+        """`follows_weights`: up once the engine serves the expected version (no sync here)."""
+        slot.rejoining = True
+        try:
+            expected = getattr(slot.engine, "expected_weights", None)
+            with trio.move_on_after(max(self.probe_interval_s, 1.0)):
+                version = (await slot.engine.model_info()).weight_version
+                if expected is None or not older_weights(version, expected[1]):
+                    self._mark_up(slot, expected)
+                else:  # the trainer's pool has not given it the weights yet: the next probe
+                    logger.debug("engine %s answers with weights %r, not the trainer's %r: "
+                                 "not used yet", slot.engine.url, version, expected[1])  # fmt: skip
+        except EngineError as exc:
+            logger.debug("engine %s: its rejoin's /model_info failed: %s", slot.engine.url, exc)
+        finally:
+            slot.rejoining = False
+
+    def _mark_up(self, slot: _Slot, expected: tuple[str | None, str] | None) -> None:
+        engine = slot.engine
+        _set_known_down(engine, False)  # weight syncs reach it again
+        slot.healthy = True  # the one WARNING of its return (the pair of the mark-down's)
+        logger.warning("engine %s is back%s (%d of %d engines serve)", engine.url,
+                       f" and serves weights {expected[1]}" if expected else "",
+                       sum(s.healthy for s in self._slots), len(self._slots))  # fmt: skip
+        slot.rejoined += 1
+        slot.down_reason, slot.rejoin_failed = None, False
+        self._notify()
+
+
+def older_weights(version: str | None, expected: str) -> bool:
+    """`version` is older than `expected`: integers ("12") compare as such; other labels
+    ("default") are older unless equal; None (not reported) is not older."""
+    if version is None:
+        return False
+    if version.isdigit() and expected.isdigit():
+        return int(version) < int(expected)
+    return version != expected
 
 
 def _set_known_down(engine: InferenceEngine, down: bool) -> None:

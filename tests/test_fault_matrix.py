@@ -3,7 +3,8 @@
 `make test` checks the audit on a hand-made dump (it must find exactly the lost, twice-trained and
 stale samples put in it). `make stress` runs cells of the matrix for real: RL through the CLI on
 two supervised local engines behind fault proxies, async with disk weights and sync with
-distributed weights, under a 10 % fault mix and under an engine SIGKILL; each must finish with
+distributed weights, under a 10 % fault mix and under an engine SIGKILL, and sync with two rollout
+worker processes (issue 47) under an engine SIGKILL and a worker SIGKILL; each must finish with
 no sample lost, trained twice or stale, and every engine on the trainer's weight version.
 """
 
@@ -96,3 +97,15 @@ def test_refit_under_faults_loses_repeats_and_stales_no_sample(tmp_path, path, f
     assert row["exit"][-1] == "0" and row["steps"] == 6, summary
     assert (row["lost"], row["twice"], row["stale"]) == (0, 0, 0), summary
     assert row["versions"] == ["6", "6"], summary
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("fault", ["c", "w"], ids=["engine_kill", "worker_kill"])
+def test_rollout_workers_under_faults_lose_repeat_and_stale_no_sample(tmp_path, fault):
+    row = run_cell(tmp_path, "sync-workers", fault)
+    summary = {k: row.get(k) for k in ("exit", "steps", "lost", "twice", "stale", "versions",
+                                       "killed_workers")}  # fmt: skip
+    assert row["exit"][-1] == "0" and row["steps"] == 6, summary
+    assert (row["lost"], row["twice"], row["stale"]) == (0, 0, 0), summary
+    assert row["versions"] == ["6", "6"], summary
+    assert len(row["killed_workers"]) == (fault == "w"), summary  # the fault did strike

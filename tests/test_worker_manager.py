@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import trio
 
 from engines import SGLangEngine
 from engines.local import open_local_engine
+from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from plumbing.errors import RolloutsError
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
@@ -29,7 +31,7 @@ from training.rl.algorithms import reinforce
 from training.rl.batch import collate_rl
 from training.rl.dump_audit import audit_rollout_dump
 from training.rl.objective import RLObjective
-from training.rl.rollout_dump import RolloutDumpWriter
+from training.rl.rollout_dump import RolloutDumpWriter, read_rollout_dump
 from training.rl_config import RLLoopConfig
 
 STEPS = 3
@@ -38,7 +40,8 @@ ROLLOUT = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="non
 REWARD = "tests.worker_rewards:answer_reward"
 
 
-async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None) -> tuple:
+async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None, *,
+               checkpoint_every: int = 10, resume: bool = False) -> tuple:  # fmt: skip
     """`run_rl_training` for STEPS steps over the engine at `url`, generation in this process
     (workers=0) or in `workers` processes; (history, the dump's path, the prompts drawn)."""
     model, tok = load_model_and_tokenizer(model_dir)
@@ -64,7 +67,8 @@ async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None) 
                     nursery.start_soon(during, manager)
                 history = await run_rl_training(
                     backend, buffer, manager, [engine],
-                    RLLoopConfig(max_steps=STEPS, checkpoint_every=10),
+                    RLLoopConfig(max_steps=STEPS, checkpoint_every=checkpoint_every,
+                                 resume="auto" if resume else "never"),
                     objective=RLObjective(reinforce()), export_dir=out / "weights",
                     hooks=RLHooks(on_batch=dump),
                 )  # fmt: skip
@@ -157,3 +161,120 @@ async def test_a_worker_lost_more_often_than_worker_restarts_ends_the_run_naming
             with pytest.raises(RolloutsError, match=r"rollout worker 0 .*(died|ended).*lost 1 times in "
                                r"one batch, more than rollout.worker_restarts=0"):  # fmt: skip
                 await manager.generate_batch()
+
+
+async def test_a_worker_uses_no_engine_serving_older_weights_than_the_trainers_last_push(
+    tiny_model_dir,
+):
+    """An engine back from a relaunch serves its initial weights ("0") until the trainer's pool
+    gives it those of the last push ("1"): the worker's samples must all come from "1"."""
+    config = ROLLOUT.model_copy(update={"workers": 1})
+    items = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(4)]
+    async with open_local_engine(tiny_model_dir, num_threads=1, weight_version="0") as server:
+        scheduler = server.state.scheduler
+        manager = WorkerRolloutManager([server.url], DataBuffer(items, seed=0), config,
+                                       reward=REWARD, current_version=lambda: 1,
+                                       engine_weights=lambda: "1")  # fmt: skip
+        given: list[int] = []
+        async with manager, trio.open_nursery() as nursery:
+
+            async def rejoin_after_a_while():
+                # the trainer's pool gives it the weights once the worker has asked it (its
+                # 4 answers of 6 tokens take a fraction of a second; this waits 1 s more)
+                while scheduler.generated_tokens == 0:
+                    await trio.sleep(0.01)
+                await trio.sleep(1.0)
+                scheduler.weight_version = "1"
+                given.append(scheduler.generated_tokens)
+
+            nursery.start_soon(rejoin_after_a_while)
+            batch = await manager.generate_batch()
+    assert given, "the batch came back before the engine served the trainer's weights"
+    assert [s.weight_version for s in batch.samples] == [1] * 4
+
+
+async def test_a_replaced_worker_first_aborts_the_requests_the_lost_one_left_on_its_engines(
+    tiny_model_dir,
+):
+    """Behind a proxy the engine never sees a killed worker's connections close: its requests
+    would run to the end unread. The model thread is held from the kill until the new worker's
+    requests arrive, so the old ones can only have ended by an abort."""
+    config = ROLLOUT.model_copy(update={"workers": 1, "sampling": SamplingConfig(
+        temperature=0.0, max_new_tokens=64)})  # fmt: skip
+    items = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(4)]
+    holding, release = threading.Event(), threading.Event()
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        scheduler = server.state.scheduler
+        url = await nursery.start(FaultProxy(server.url, FaultPlan()).serve)
+        manager = WorkerRolloutManager([url], DataBuffer(items, seed=0), config, reward=REWARD)
+        seen: dict[str, list] = {}
+        async with manager, trio.open_nursery() as inner:
+
+            async def kill_then_watch():
+                live = lambda: [s for s in (*scheduler.waiting, *scheduler.running)  # noqa: E731
+                                if not s.finished]  # fmt: skip
+                with trio.fail_after(60):  # the first worker's requests generate
+                    while not [s for s in scheduler.running if s.prefilled]:
+                        await trio.sleep(0.005)
+                    inner.start_soon(scheduler.run_on_model_thread, _hold, holding, release)
+                    while not holding.is_set():
+                        await trio.sleep(0.005)
+                    seen["old"] = live()
+                    os.kill(manager.workers[0].pid, signal.SIGKILL)
+                    while not (new := [s for s in live() if s not in seen["old"]]):
+                        await trio.sleep(0.005)  # until the new worker's requests arrive
+                seen["new"] = new
+                seen["old_ended"] = [s.finish_reason for s in seen["old"]]
+                release.set()
+
+            inner.start_soon(kill_then_watch)
+            try:
+                batch = await manager.generate_batch()
+            finally:
+                release.set()
+        nursery.cancel_scope.cancel()
+    assert seen["old"] and manager.restarts == 1
+    assert [r and r["type"] for r in seen["old_ended"]] == ["abort"] * len(seen["old"])
+    # the new worker's requests have rids of their own: no abort of the old ones reaches them
+    assert not {s.rid for s in seen["new"]} & {s.rid for s in seen["old"]}
+    assert len(batch.samples) == 4
+
+
+def _hold(holding: threading.Event, release: threading.Event) -> None:
+    """On the engine's model thread: no step runs until `release` (bounded: 60 s)."""
+    holding.set()
+    release.wait(60)
+
+
+class _TrainerKilled(Exception):
+    """Raised into the run: it ends there, as a killed trainer's would (no checkpoint after)."""
+
+
+async def test_a_two_worker_run_killed_mid_step_resumes_to_train_the_uninterrupted_runs_prompts(
+    tiny_model_dir, tmp_path, in_process_run
+):
+    async def kill_while_step_3_generates(manager):
+        while manager.statistics().batches_served < STEPS:
+            await trio.sleep(0.005)
+        raise _TrainerKilled
+
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        with pytest.RaisesGroup(_TrainerKilled, flatten_subgroups=True):
+            await _run(tiny_model_dir, tmp_path, server.url, 2, checkpoint_every=1,
+                       during=kill_while_step_3_generates)  # fmt: skip
+        assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
+            "step_000001", "step_000002"]  # fmt: skip
+        history, dump, drawn, _ = await _run(tiny_model_dir, tmp_path, server.url, 2,
+                                             checkpoint_every=1, resume=True)  # fmt: skip
+    audit = audit_rollout_dump(dump, max_lag=0, drawn=drawn, held=[])
+    assert (audit.steps, audit.lost, audit.twice, audit.stale) == (STEPS, 0, 0, 0)
+    # step by step the prompts (and, greedy, the responses) of the uninterrupted run, in
+    # whatever order its groups finished
+    resumed, reference = read_rollout_dump(dump), read_rollout_dump(in_process_run[1])
+    assert sorted(resumed) == sorted(reference) == list(range(1, STEPS + 1))
+    for step in reference:
+        assert sorted((s.prompt_ids, s.response_ids) for s in resumed[step].samples) == sorted(
+            (s.prompt_ids, s.response_ids) for s in reference[step].samples), step  # fmt: skip
+    assert [h["step"] for h in history][-1] == STEPS
+    assert history[-1]["loss"] == pytest.approx(in_process_run[0][-1]["loss"], rel=1e-4, abs=2e-6)

@@ -15,14 +15,18 @@ Contract (sync mode; `rollout.workers: K` > 0):
   (killed, crashed, a truncated frame) or gives no answer within `rollout.worker_timeout_s` is
   killed, restarted, and sent the same prompts again (new request ids), up to
   `rollout.worker_restarts` times per batch; its lost answer is never read, so nothing is
-  trained twice and nothing lost (`workers/restarts` in the batch metrics counts them).
+  trained twice and nothing lost (`workers/restarts` in the batch metrics counts them). The
+  new worker first aborts the requests the lost one left on its engines (by rid prefix): an
+  engine behind a proxy or router never sees the dead worker's connections close.
 - `data_state()`, `use_algorithm()`, `settle()` and `statistics()` as in `AsyncRolloutManager`.
   The weight push goes from the trainer to every engine as before: the workers' pools see the
-  engines paused, and sync mode has nothing in flight then.
+  engines paused, and sync mode has nothing in flight then. The trainer's pool alone gives an
+  engine back from a relaunch its weights; each request names the version of the trainer's
+  last push (`engine_weights()`), and a worker's pool (`follows_weights`) uses no engine that
+  serves older ones (engines/pool_membership.py), so no sample comes from initial weights.
 
 Not covered yet: overlap and async modes (refused by `RolloutConfig`), a `generate_fn` other
-than the single turn, a reward given as a Python object (a worker imports it by name), aborting
-the requests a killed worker left running on its engines (they finish unread).
+than the single turn, a reward given as a Python object (a worker imports it by name).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class WorkerRolloutManager:
         group_filter: GroupFilter | None = None,
         transforms: Sequence[SampleTransform] = (),
         current_version: Callable[[], int] = lambda: 0,
+        engine_weights: Callable[[], str | None] = lambda: None,
         api_key: str | None = None,
     ):
         k = config.workers
@@ -93,6 +98,7 @@ class WorkerRolloutManager:
         )
         self.transforms = tuple(transforms)
         self.current_version = current_version
+        self.engine_weights = engine_weights  # the version of the trainer's last push, or None
         per_worker = config.model_copy(
             update={"max_concurrency": math.ceil(config.max_concurrency / k), "workers": 0}
         )
@@ -229,16 +235,21 @@ class WorkerRolloutManager:
         assert self._nursery is not None
         prompts = [{"prompt": p.to_dict(), "samples": [s.to_dict() for s in done]}
                    for _, p, done in draws]  # fmt: skip
+        left_running: list[str] = []  # rid prefixes of the lost workers' requests
         for attempt in range(self.config.worker_restarts + 1):
-            request = {"kind": "collect", "request": self._n_calls, "prompts": prompts,
-                       "rid_prefix": f"{prefix}-w{worker.index}-t{worker.starts}",
-                       "overlong": self._overlong}  # fmt: skip
             try:
                 if attempt:
                     await worker.restart(self._nursery)
-                header, buffers = await worker.ask(request)
+                rid_prefix = f"{prefix}-w{worker.index}-t{worker.starts}"  # new rids per start
+                header, buffers = await worker.ask({
+                    "kind": "collect", "request": self._n_calls, "prompts": prompts,
+                    "rid_prefix": rid_prefix, "overlong": self._overlong,
+                    "engine_weights": self.engine_weights(), "abort": left_running})  # fmt: skip
                 break
             except WorkerLost as err:
+                # its requests may still run: an engine behind a proxy or router does not see
+                # the worker's connections close; the next worker aborts them first
+                left_running.append(f"{rid_prefix}-")
                 if attempt == self.config.worker_restarts:
                     raise RolloutsError(
                         f"{err}; it was lost {attempt + 1} times in one batch, more than "

@@ -9,7 +9,11 @@ stderr (stdout is the frame stream). The protocol, one frame each:
   worker opens an `EnginePool` over its engines and imports the reward itself; it answers
   `{"kind": "ready", "pid": ...}`.
 - trainer → worker: `{"kind": "collect", "request": id, "rid_prefix": str, "prompts":
-  [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...}}`.
+  [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...},
+  "engine_weights": the version of the trainer's last push, or null, "abort": [rid prefixes]}`:
+  the worker's pool uses no engine serving older weights (`EnginePool(follows_weights=True)`);
+  it first aborts, on its engines, the requests of the `abort` prefixes (those a lost worker
+  before it left running).
   The worker generates every prompt's group (`collect_groups`, no filter: the trainer filters)
   and answers `{"kind": "groups", "request": id, "groups": [...], "slots": [...], "partial":
   [...], "stats": {...}}` with the groups' tokens in flat buffers; `slots[i]` is the index of
@@ -27,7 +31,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import trio
@@ -93,6 +97,8 @@ class Worker:
         prompts = [(PromptItem.from_dict(p["prompt"]), [Sample.from_dict(s) for s in p["samples"]])
                    for p in request["prompts"]]  # fmt: skip
         queue = iter(prompts)
+        self.engine.expect_weights(request.get("engine_weights"))
+        await abort_left_running(self.engine, request.get("abort", ()))
         reward = self.task_reward
         if (overlong := request.get("overlong")) is not None:
             reward = add_overlong_shaping(reward, **overlong)
@@ -116,6 +122,19 @@ class Worker:
                   "slots": [slots[i] for i in order], "partial": partial,
                   "stats": result_stats(result)}  # fmt: skip
         return encode_frame(header, buffers)
+
+
+async def abort_left_running(engine: Any, prefixes: Sequence[str], timeout_s: float = 10.0
+                             ) -> None:  # fmt: skip
+    """Abort every request whose rid starts with one of `prefixes` on the pool's engines (best
+    effort, bounded by `timeout_s`: an engine that is down has nothing running)."""
+    with trio.move_on_after(timeout_s):
+        for prefix in prefixes:
+            try:
+                await engine.abort(prefix)
+            except* EngineError as group:
+                log.warning("could not abort the requests %s* a lost worker left: %s", prefix,
+                            "; ".join(str(e) for e in leaf_errors(group)))  # fmt: skip
 
 
 def _slot(group: tuple[Sample, ...], n_prompts: int) -> int:
@@ -144,7 +163,8 @@ async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> N
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SGLangEngine(url, api_key=start.get("api_key")))
                    for url in start["engine_urls"]]  # fmt: skip
-        worker = Worker(start, await stack.enter_async_context(EnginePool(engines)))
+        pool = EnginePool(engines, follows_weights=True)  # the trainer gives the weights
+        worker = Worker(start, await stack.enter_async_context(pool))
         await stdout.send_all(encode_frame({"kind": "ready", "pid": os.getpid()}))
         while (frame := await reader.receive()) is not None:
             request = frame[0]

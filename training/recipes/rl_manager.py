@@ -46,5 +46,12 @@ def build_rollout_manager(config: Any, engine: Any, clients: list[Any], buffer: 
     return WorkerRolloutManager(
         [c.url for c in clients], buffer, config.rollout, reward=config.reward.fn,
         transforms=extensions.transforms, current_version=version,
-        api_key=config.engines.api_key,
+        engine_weights=lambda: pushed_version(clients), api_key=config.engines.api_key,
     )  # fmt: skip
+
+
+def pushed_version(clients: list[Any]) -> str | None:
+    """The weight version the trainer's last push gave its engines (`expected_weights`, set
+    first by each push, also for an engine that is down); None before the first push."""
+    return next((c.expected_weights[1] for c in clients
+                 if getattr(c, "expected_weights", None) is not None), None)  # fmt: skip
