@@ -4,9 +4,12 @@ mid-batch is restarted with its groups generated again: 0 lost, 0 trained twice.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -27,7 +30,7 @@ from training.loops.hooks import RLHooks
 from training.loops.rl import run_rl_training
 from training.rl.algorithms import reinforce
 from training.rl.batch import collate_rl
-from training.rl.dump_audit import audit_rollout_dump
+from training.rl.dump_audit import ROLLOUT_MODE_LAG, audit_rollout_dump, read_dump_lines
 from training.rl.objective import RLObjective
 from training.rl.rollout_dump import RolloutDumpWriter
 from training.rl_config import RLLoopConfig
@@ -36,21 +39,34 @@ STEPS = 3
 ROLLOUT = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
                         sampling=SamplingConfig(temperature=0.0, max_new_tokens=6))  # fmt: skip
 REWARD = "tests.worker_rewards:answer_reward"
+N_PROMPTS = 16  # more than an async run draws: no prompt comes round twice
 
 
-async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None) -> tuple:
-    """`run_rl_training` for STEPS steps over the engine at `url`, generation in this process
-    (workers=0) or in `workers` processes; (history, the dump's path, the prompts drawn)."""
+async def _run(
+    model_dir: Path, out: Path, url: str, workers: int, during=None, mode: str = "sync"
+) -> SimpleNamespace:
+    """`run_rl_training` for STEPS steps over the engine at `url` in `mode`, generation in this
+    process (workers=0) or in `workers` processes, a checkpoint each step: its history, the
+    dump's path, the prompts drawn (the first 2 x STEPS), the manager, and each checkpoint's
+    DataBuffer state."""
     model, tok = load_model_and_tokenizer(model_dir)
-    buffer = DataBuffer(prompts(tok), seed=0)
-    drawn = [p.prompt_ids for p in DataBuffer(prompts(tok), seed=0).get_prompts(2 * STEPS)]
+    buffer = DataBuffer(prompts(tok, N_PROMPTS), seed=0)
+    drawn = [
+        p.prompt_ids for p in DataBuffer(prompts(tok, N_PROMPTS), seed=0).get_prompts(2 * STEPS)
+    ]
     backend = PyTorchTrainingBackend(
         model, tok, optim=OptimConfig(lr=1e-3, schedule="constant"), max_steps=STEPS,
         checkpoint_dir=out / "checkpoints", pack_length=None,
         collate_fn=lambda ex: collate_rl(ex, pad_id=tok.pad_token_id),
     )  # fmt: skip
     dump = RolloutDumpWriter(out / "rollouts.jsonl")
-    config = ROLLOUT.model_copy(update={"workers": workers})
+    states: dict[int, dict] = {}
+
+    def saved(step: int, path: Path, metrics: dict) -> None:
+        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        states[step] = state["extra"]["data_buffer"]
+
+    config = ROLLOUT.model_copy(update={"workers": workers, "mode": mode})
     async with SGLangEngine(url, max_retries=0) as engine:
         if workers:
             manager = WorkerRolloutManager([url] * workers, buffer, config, reward=REWARD,
@@ -64,13 +80,14 @@ async def _run(model_dir: Path, out: Path, url: str, workers: int, during=None) 
                     nursery.start_soon(during, manager)
                 history = await run_rl_training(
                     backend, buffer, manager, [engine],
-                    RLLoopConfig(max_steps=STEPS, checkpoint_every=10),
+                    RLLoopConfig(max_steps=STEPS, checkpoint_every=1),
                     objective=RLObjective(reinforce()), export_dir=out / "weights",
-                    hooks=RLHooks(on_batch=dump),
+                    hooks=RLHooks(on_batch=dump, checkpoint_hook=saved),
                 )  # fmt: skip
                 nursery.cancel_scope.cancel()
     dump.close()
-    return history, out / "rollouts.jsonl", drawn, manager
+    return SimpleNamespace(history=history, dump=out / "rollouts.jsonl", drawn=drawn,
+                           manager=manager, states=states)  # fmt: skip
 
 
 def _assert_same_updates(history: list[dict], reference: list[dict]) -> None:
@@ -84,58 +101,165 @@ def _assert_same_updates(history: list[dict], reference: list[dict]) -> None:
                                                           abs=2e-6), key  # fmt: skip
 
 
+def _in_process(model_dir: Path, out: Path, mode: str) -> SimpleNamespace:
+    async def main():
+        async with open_local_engine(model_dir, num_threads=1) as server:
+            return await _run(model_dir, out, server.url, 0, mode=mode)
+
+    return trio.run(main)
+
+
 @pytest.fixture(scope="module")
 def in_process_run(tiny_model_dir, tmp_path_factory):
     """The reference: the same 3 steps with generation in the trainer's process."""
+    return _in_process(tiny_model_dir, tmp_path_factory.mktemp("k0"), "sync")
 
-    async def main():
-        async with open_local_engine(tiny_model_dir, num_threads=1) as server:
-            return await _run(tiny_model_dir, tmp_path_factory.mktemp("k0"), server.url, 0)
 
-    return trio.run(main)
+@pytest.fixture(scope="module")
+def in_process_overlap_run(tiny_model_dir, tmp_path_factory):
+    """The reference in overlap mode (greedy, so as deterministic as sync: batch k+1 is
+    generated by the weights before step k, the push waiting for it)."""
+    return _in_process(tiny_model_dir, tmp_path_factory.mktemp("k0-overlap"), "overlap")
+
+
+def _kill_worker_0_at_step(server, step: int, killed: list[int]):
+    """SIGKILL worker 0 once `step - 1` batches were served and the engine runs its requests."""
+
+    async def kill(manager):
+        scheduler = server.state.scheduler
+        while True:
+            running = [s.rid for s in scheduler.running if "-w0-" in s.rid]
+            if manager.statistics().batches_served >= step - 1 and running:
+                break
+            await trio.sleep(0.005)
+        killed.append(manager.workers[0].pid)
+        os.kill(manager.workers[0].pid, signal.SIGKILL)
+
+    return kill
+
+
+def _assert_each_prompt_trained_once(run: SimpleNamespace, max_lag: int) -> None:
+    audit = audit_rollout_dump(run.dump, max_lag=max_lag, drawn=run.drawn, held=[])
+    assert (audit.steps, audit.lost, audit.twice, audit.stale) == (STEPS, 0, 0, 0)
+    assert audit.trained == STEPS * 2 * 2
 
 
 async def test_two_workers_train_every_prompt_once_with_the_in_process_losses(
     tiny_model_dir, tmp_path, in_process_run
 ):
     async with open_local_engine(tiny_model_dir, num_threads=1) as server:
-        history, dump, drawn, manager = await _run(tiny_model_dir, tmp_path, server.url, 2)
-    audit = audit_rollout_dump(dump, max_lag=0, drawn=drawn, held=[])
-    assert (audit.steps, audit.lost, audit.twice, audit.stale) == (STEPS, 0, 0, 0)
-    assert audit.trained == STEPS * 2 * 2
-    reference = in_process_run[0]
-    _assert_same_updates(history, reference)
-    assert manager.restarts == 0
+        run = await _run(tiny_model_dir, tmp_path, server.url, 2)
+    _assert_each_prompt_trained_once(run, max_lag=0)
+    _assert_same_updates(run.history, in_process_run.history)
+    assert run.manager.restarts == 0
 
 
 async def test_a_worker_killed_mid_batch_is_restarted_and_its_groups_generated_again(
     tiny_model_dir, tmp_path, in_process_run
 ):
     killed: list[int] = []
-
     async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        run = await _run(tiny_model_dir, tmp_path, server.url, 2,
+                         during=_kill_worker_0_at_step(server, 2, killed))  # fmt: skip
+    assert killed and run.manager.workers[0].pid != killed[0] and run.manager.restarts == 1
+    _assert_each_prompt_trained_once(run, max_lag=0)
+    # greedy: the groups generated again are the ones the dead worker would have returned
+    _assert_same_updates(run.history, in_process_run.history)
+    assert run.history[-1]["workers/restarts"] == 1.0
 
-        async def kill_mid_batch(manager):
-            # at the second step, once the engine runs worker 0's requests: SIGKILL it
-            scheduler = server.state.scheduler
-            while True:
-                running = [s.rid for s in scheduler.running if "-w0-" in s.rid]
-                if manager.statistics().batches_served >= 2 and running:
-                    break
-                await trio.sleep(0.005)
-            killed.append(manager.workers[0].pid)
-            os.kill(manager.workers[0].pid, signal.SIGKILL)
 
-        history, dump, drawn, manager = await _run(tiny_model_dir, tmp_path, server.url, 2,
-                                                   during=kill_mid_batch)  # fmt: skip
-    assert killed and manager.workers[0].pid != killed[0] and manager.restarts == 1
-    audit = audit_rollout_dump(dump, max_lag=0, drawn=drawn, held=[])
+async def test_two_workers_in_overlap_mode_train_every_prompt_once_with_the_in_process_losses(
+    tiny_model_dir, tmp_path, in_process_overlap_run
+):
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        run = await _run(tiny_model_dir, tmp_path, server.url, 2, mode="overlap")
+    _assert_each_prompt_trained_once(run, max_lag=ROLLOUT_MODE_LAG["overlap"])
+    _assert_same_updates(run.history, in_process_overlap_run.history)
+    # batch k+1 was generated while step k trained: one version behind, as in the trainer
+    assert [h["staleness_max"] for h in run.history] == [0.0, 1.0, 1.0]
+
+
+async def test_a_worker_killed_while_overlap_mode_prefetches_is_restarted_with_nothing_lost(
+    tiny_model_dir, tmp_path, in_process_overlap_run
+):
+    killed: list[int] = []
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        # at step 2, worker 0 generates batch 3 while the trainer trains on batch 2
+        run = await _run(tiny_model_dir, tmp_path, server.url, 2, mode="overlap",
+                         during=_kill_worker_0_at_step(server, 3, killed))  # fmt: skip
+    assert killed and run.manager.workers[0].pid != killed[0] and run.manager.restarts == 1
+    _assert_each_prompt_trained_once(run, max_lag=ROLLOUT_MODE_LAG["overlap"])
+    _assert_same_updates(run.history, in_process_overlap_run.history)
+    assert run.history[-1]["workers/restarts"] == 1.0
+
+
+async def test_two_workers_in_async_mode_train_each_drawn_prompt_once_within_max_staleness(
+    tiny_model_dir, tiny_tokenizer, tmp_path
+):
+    """Async timing decides which weights generate which group, so the losses are not K=0's;
+    what holds is the accounting: at every checkpoint the prompts drawn are those trained plus
+    those held (a resume trains each once), and no trained sample lags past max_staleness."""
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        run = await _run(tiny_model_dir, tmp_path, server.url, 2, mode="async")
+    records = [p.prompt_ids for p in prompts(tiny_tokenizer, N_PROMPTS)]
+    trained = [[s.prompt_ids for s in b.samples if s.index_in_group == 0]
+               for _, b in read_dump_lines(run.dump)]  # fmt: skip
+    assert [len(t) for t in trained] == [2] * STEPS
+    ahead = 0
+    for step, state in run.states.items():
+        cursor = state["epoch_id"] * len(records) + state["sample_offset"]
+        drawn = Counter(DataBuffer(records, seed=0).get_prompts(cursor))
+        held = Counter(tuple(h["item"]["prompt"]["prompt_ids"]) for h in state["held"])
+        done = Counter(p for t in trained[:step] for p in t)
+        assert drawn == done + held, step
+        ahead += cursor > sum(done.values())
+    assert ahead  # the producer drew ahead of the trainer: the async case was tested
+    final = run.states[STEPS]
+    cursor = final["epoch_id"] * len(records) + final["sample_offset"]
+    audit = audit_rollout_dump(run.dump, max_lag=ROLLOUT.max_staleness,
+                               drawn=DataBuffer(records, seed=0).get_prompts(cursor),
+                               held=[h["item"]["prompt"]["prompt_ids"] for h in final["held"]])  # fmt: skip
     assert (audit.steps, audit.lost, audit.twice, audit.stale) == (STEPS, 0, 0, 0)
     assert audit.trained == STEPS * 2 * 2
-    # greedy: the groups generated again are the ones the dead worker would have returned
-    reference = in_process_run[0]
-    _assert_same_updates(history, reference)
-    assert history[-1]["workers/restarts"] == 1.0
+
+
+async def test_groups_a_pause_cuts_short_in_a_worker_are_held_in_the_checkpoint_not_trained(
+    tiny_model_dir, tiny_tokenizer
+):
+    """A weight push pauses the engines with "abort" while a worker generates (async mode): its
+    groups come back cut short, are held (in `data_state()`, what a checkpoint stores) and not
+    trained; leaving the manager mid-collection leaves no request of its workers running."""
+    items = prompts(tiny_tokenizer, N_PROMPTS)
+    config = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                           mode="async", workers=1, sampling=SamplingConfig(max_new_tokens=800))  # fmt: skip
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        scheduler = server.state.scheduler
+        async with SGLangEngine(server.url, max_retries=0) as engine:
+            manager = WorkerRolloutManager([server.url], DataBuffer(items, shuffle=False), config,
+                                           reward=REWARD)  # fmt: skip
+            async with manager:
+                with trio.fail_after(60):  # the worker's first requests run at the engine
+                    while not any("-w0-" in s.rid for s in scheduler.running):
+                        await trio.sleep(0.005)
+                await engine.pause("abort")
+                await engine.resume()
+                with trio.fail_after(120):
+                    batch = await manager.generate_batch()
+                state = manager.data_state()
+                with trio.fail_after(60):  # the producer's next collection runs at the engine
+                    while not any("-w0-" in s.rid for s in scheduler.running):
+                        await trio.sleep(0.005)
+            with trio.fail_after(5):  # ended, not left to run 800 tokens unread
+                while scheduler.running or scheduler.waiting:
+                    await trio.sleep(0.005)
+    assert batch.metrics["groups_interrupted"] == 2  # both went out in the first request
+    assert all(s.status in ("completed", "truncated") for s in batch.samples)
+    index = {p.prompt_ids: i for i, p in enumerate(items)}
+    assert sorted(index[g[0].prompt_ids] for g in batch.groups) == [2, 3]
+    held = [index[tuple(h["item"]["prompt"]["prompt_ids"])] for h in state["held"]]
+    assert sorted(held[:2]) == [0, 1]  # cut short: held first, trained later
+    drawn = Counter(range(state["sample_offset"]))
+    assert drawn == Counter(index[g[0].prompt_ids] for g in batch.groups) + Counter(held)
 
 
 async def test_a_worker_lost_more_often_than_worker_restarts_ends_the_run_naming_the_setting(
