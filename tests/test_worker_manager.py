@@ -122,14 +122,16 @@ def in_process_overlap_run(tiny_model_dir, tmp_path_factory):
     return _in_process(tiny_model_dir, tmp_path_factory.mktemp("k0-overlap"), "overlap")
 
 
-def _kill_worker_0_at_step(server, step: int, killed: list[int]):
-    """SIGKILL worker 0 once `step - 1` batches were served and the engine runs its requests."""
+def _kill_worker_0_in_step_2(server, killed: list[int]):
+    """SIGKILL worker 0 once the loop asked for its second batch and the engine runs worker 0's
+    requests: sync mode, for that batch; overlap mode, for the third, prefetched meanwhile (the
+    second was generated during step 1, and the push after it waited for it)."""
 
     async def kill(manager):
         scheduler = server.state.scheduler
         while True:
             running = [s.rid for s in scheduler.running if "-w0-" in s.rid]
-            if manager.statistics().batches_served >= step - 1 and running:
+            if manager.statistics().batches_served >= 2 and running:
                 break
             await trio.sleep(0.005)
         killed.append(manager.workers[0].pid)
@@ -160,7 +162,7 @@ async def test_a_worker_killed_mid_batch_is_restarted_and_its_groups_generated_a
     killed: list[int] = []
     async with open_local_engine(tiny_model_dir, num_threads=1) as server:
         run = await _run(tiny_model_dir, tmp_path, server.url, 2,
-                         during=_kill_worker_0_at_step(server, 2, killed))  # fmt: skip
+                         during=_kill_worker_0_in_step_2(server, killed))  # fmt: skip
     assert killed and run.manager.workers[0].pid != killed[0] and run.manager.restarts == 1
     _assert_each_prompt_trained_once(run, max_lag=0)
     # greedy: the groups generated again are the ones the dead worker would have returned
@@ -186,7 +188,7 @@ async def test_a_worker_killed_while_overlap_mode_prefetches_is_restarted_with_n
     async with open_local_engine(tiny_model_dir, num_threads=1) as server:
         # at step 2, worker 0 generates batch 3 while the trainer trains on batch 2
         run = await _run(tiny_model_dir, tmp_path, server.url, 2, mode="overlap",
-                         during=_kill_worker_0_at_step(server, 3, killed))  # fmt: skip
+                         during=_kill_worker_0_in_step_2(server, killed))  # fmt: skip
     assert killed and run.manager.workers[0].pid != killed[0] and run.manager.restarts == 1
     _assert_each_prompt_trained_once(run, max_lag=ROLLOUT_MODE_LAG["overlap"])
     _assert_same_updates(run.history, in_process_overlap_run.history)
