@@ -257,11 +257,12 @@ async def test_two_workers_in_async_mode_train_each_drawn_prompt_once_within_max
 
 
 async def test_groups_a_pause_cuts_short_in_a_worker_are_held_in_the_checkpoint_not_trained(
-    tiny_model_dir, tiny_tokenizer
+    tiny_model_dir, tiny_tokenizer, capfd
 ):
     """A weight push pauses the engines with "abort" while a worker generates (async mode): its
     groups come back cut short, are held (in `data_state()`, what a checkpoint stores) and not
-    trained; leaving the manager mid-collection leaves no request of its workers running."""
+    trained, and the trainer draws replacements (the worker does not warn of a smaller batch);
+    leaving the manager mid-collection leaves no request of its workers running."""
     items = prompts(tiny_tokenizer, N_PROMPTS)
     config = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
                            mode="async", workers=1, sampling=SamplingConfig(max_new_tokens=800))  # fmt: skip
@@ -293,3 +294,4 @@ async def test_groups_a_pause_cuts_short_in_a_worker_are_held_in_the_checkpoint_
     assert sorted(held[:2]) == [0, 1]  # cut short: held first, trained later
     drawn = Counter(range(state["sample_offset"]))
     assert drawn == Counter(index[g[0].prompt_ids] for g in batch.groups) + Counter(held)
+    assert "over-sampling cap" not in capfd.readouterr().err  # the workers' stderr is ours
