@@ -28,8 +28,10 @@ Contract (`rollout.workers: K` > 0):
 
 Not covered yet: a `generate_fn` other than the single turn, a reward given as a Python object
 (a worker imports it by name), `engines.pause_mode: in_place` (a worker's prefix-cache namespace
-does not follow the trainer's pauses; refused by `RLRunConfig`), the time an engine is paused
-counting towards a worker's stall bound (engines/stall.py; its client did not pause it).
+does not follow the trainer's pauses; refused by `RLRunConfig`), the engines' stall settings
+(a worker's pool keeps engines/stall.py's defaults, and counts the time an engine is paused for
+a push, which its client did not do, as waiting: a load longer than the bound stalls the
+requests waiting behind it in overlap and async modes).
 """
 
 from __future__ import annotations
