@@ -7,7 +7,7 @@
 Paths: `{sync,overlap,async}-{disk,distributed}` (rollout.mode, engines.weight_transport) on
 configs/rl_tiny.yaml, and `agent` (configs/agent_tiny.yaml: env.kind=agent, the calculator agent
 of examples/agent_rl.py speaking the OpenAI API through the proxy; sync, disk), and
-`{mode}-workers` (`sync-workers`): generation in `rollout.workers` = engines processes (one
+`{sync,overlap,async}-workers`: generation in `rollout.workers` = engines processes (one
 engine each; docs/scale.md), disk weights. Engines: 1 or 2
 supervised local engines (relaunched on their port when they die), each behind an
 `engines.testing.fault_proxy` (engines/testing/fault_fleet.py). Faults:
@@ -78,7 +78,7 @@ from engines.testing.fault_proxy import FaultPlan
 from training.rl.dump_audit import ROLLOUT_MODE_LAG, audit_rollout_dump
 
 PATHS = tuple(f"{m}-{t}" for m in ("sync", "overlap", "async") for t in ("disk", "distributed"))
-WORKER_PATHS = ("sync-workers",)  # `{mode}-workers`: rollout.workers (the modes workers run)
+WORKER_PATHS = tuple(f"{m}-workers" for m in ("sync", "overlap", "async"))  # rollout.workers
 ALL_PATHS = (*PATHS, "agent", *WORKER_PATHS)
 FAULTS = {"0": "none (the baseline)", "a": "one reset", "b": "10 % fault mix", "c": "engine kill", "d": "hung weight update",
           "e": "trainer SIGKILL mid-push", "w": "rollout worker SIGKILL"}  # fmt: skip

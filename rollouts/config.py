@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Strict(BaseModel):
@@ -84,7 +84,7 @@ class RolloutConfig(Strict):
     workers: int = Field(
         0, ge=0,
         description="rollout worker processes generating and scoring (rollouts/workers/; "
-        "docs/scale.md); 0: in the trainer's process. Sync mode only for now",
+        "docs/scale.md); 0: in the trainer's process. Every rollout.mode",
     )  # fmt: skip
     worker_timeout_s: float = Field(
         600.0, gt=0, description="a worker's answer to one request; past it the worker is "
@@ -93,13 +93,3 @@ class RolloutConfig(Strict):
     worker_restarts: int = Field(
         3, ge=0, description="restarts of one worker within one batch before the run ends"
     )
-
-    @model_validator(mode="after")
-    def _workers_run_sync_mode(self) -> RolloutConfig:
-        if self.workers and self.mode != "sync":
-            raise ValueError(
-                f"rollout.workers={self.workers} runs rollout.mode=sync only for now (not "
-                f"{self.mode!r}: overlap and async modes across worker processes are not built "
-                "yet, docs/scale.md); set rollout.mode=sync, or rollout.workers=0"
-            )
-        return self

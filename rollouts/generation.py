@@ -123,6 +123,7 @@ async def collect_groups(
     reward_failure_value: float | None = None,
     rid_prefix: str = "r",
     tokenizer: Any = None,
+    warn_at_cap: bool = True,
 ) -> CollectResult:
     """Generate and score groups until `n_groups` pass `group_filter`; abort the surplus.
 
@@ -139,6 +140,9 @@ async def collect_groups(
         reward_failure_value: the reward of a sample whose reward raised or timed out (error kept
             on the sample); None: the sample fails like the others. Counted in `reward_failed`
             either way.
+        warn_at_cap: log (a WARNING once a process) when `max_launches` ends the call short of
+            `n_groups`; False where the caller replaces the missing groups itself (a rollout
+            worker: the trainer draws more prompts), so the batch is not smaller.
 
     Raises:
         EngineError: an engine request failed and `engine_fail_fast` is set.
@@ -242,7 +246,8 @@ async def collect_groups(
         n_received = 0  # groups whose outcome came back (`running` misses unstarted tasks)
         while len(result.accepted) < n_groups:
             if n_received == result.n_launched and result.n_launched >= cap:
-                _log_cap_reached(cap, len(result.accepted), n_groups)
+                if warn_at_cap:
+                    _log_cap_reached(cap, len(result.accepted), n_groups)
                 break
             kind, prompt, samples = await recv.receive()
             n_received += 1

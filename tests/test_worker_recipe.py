@@ -63,7 +63,7 @@ async def test_a_python_reward_object_is_refused_with_workers(tiny_model_dir, tm
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("rollout.mode=overlap", "rollout.workers=2 runs rollout.mode=sync only"),
+    ("engines.pause_mode=in_place", "engines.pause_mode=in_place: a worker's requests keep"),
     ("env.kind=tools", "env.kind=tools: a worker runs single-turn episodes only"),
     ("engines.router_url=http://127.0.0.1:9", "engines.router_url: each worker drives a slice"),
     ("rollout.worker_timeout=3", "unknown key 'rollout.worker_timeout'"),

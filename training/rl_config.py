@@ -355,6 +355,9 @@ class RLRunConfig(Strict):
              "engines, listed in engines.urls (or launched: engines.n_local)"),
             (ec.kind == "vllm", "engines.kind=vllm: workers speak SGLang's protocol"),
             (ec.colocate, "engines.colocate=true: not tried with workers yet"),
+            (ec.pause_mode == "in_place", "engines.pause_mode=in_place: a worker's requests "
+             "keep their prefix-cache namespace across the trainer's pauses, so they would "
+             "reuse KV of the old weights; use engines.pause_mode=abort or retract"),
         ]  # fmt: skip
         reasons = [why for bad, why in refused if bad]
         if self.rollout.workers and reasons:

@@ -110,6 +110,7 @@ class Worker:
             reward_fail_fast=cfg.reward_fail_fast, reward_threads=self.threads,
             engine_fail_fast=cfg.engine_fail_fast, sample_retries=cfg.sample_retries,
             reward_failure_value=cfg.reward_failure_value, rid_prefix=request["rid_prefix"],
+            warn_at_cap=False,  # the trainer draws replacements: a short answer is no short batch
         )  # fmt: skip
         slot_of = {id(p): i for i, (p, _) in enumerate(prompts)}
         slots = [_slot(g, len(prompts)) for g in result.accepted]
