@@ -83,6 +83,10 @@ async def run_arm(name: str, out: Path, start: Path, steps: int, extra: list[str
 
 async def get_teacher_and_rl_arm(args: argparse.Namespace, start: Path) -> tuple[Path, Path]:
     """(teacher model dir, RL arm's run dir)."""
+    if args.rl_arm is not None:  # an earlier RL arm (the teacher's own run when it is demo/rl)
+        teacher = args.teacher or latest_model(args.demo / "rl")
+        print(f"teacher: {teacher}; RL arm: {args.rl_arm} (not run again)", flush=True)
+        return Path(teacher), args.rl_arm
     if args.teacher is not None or latest_model(args.demo / "rl") is not None:
         teacher = args.teacher or latest_model(args.demo / "rl")
         print(f"teacher: {teacher}", flush=True)
@@ -222,6 +226,9 @@ def main() -> int:
                         help="override for both arms (e.g. engines.local_threads=2)")  # fmt: skip
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: the table and PNG of the arms already in --out")  # fmt: skip
+    parser.add_argument("--rl-arm", type=Path, default=None,
+                        help="an earlier run's RL arm to compare with (e.g. DEMO/rl, the "
+                        "teacher's own run), not run again")  # fmt: skip
     parser.add_argument("--distill", action="append", default=[], metavar="KEY=VALUE",
                         help="override for the distill arm only")  # fmt: skip
     args = parser.parse_args()
