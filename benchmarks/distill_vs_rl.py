@@ -83,6 +83,10 @@ async def run_arm(name: str, out: Path, start: Path, steps: int, extra: list[str
 
 async def get_teacher_and_rl_arm(args: argparse.Namespace, start: Path) -> tuple[Path, Path]:
     """(teacher model dir, RL arm's run dir)."""
+    if args.rl_arm is not None:  # an earlier RL arm (the teacher's own run when it is demo/rl)
+        teacher = args.teacher or latest_model(args.demo / "rl")
+        print(f"teacher: {teacher}; RL arm: {args.rl_arm} (not run again)", flush=True)
+        return Path(teacher), args.rl_arm
     if args.teacher is not None or latest_model(args.demo / "rl") is not None:
         teacher = args.teacher or latest_model(args.demo / "rl")
         print(f"teacher: {teacher}", flush=True)
@@ -167,7 +171,36 @@ def write_png(path: Path, arms: dict[str, list[tuple[int, float]]], start: float
     return path
 
 
+def report_arms(args: argparse.Namespace) -> int:
+    """--arm NAME=RUN_DIR ...: the table and the PNG of earlier runs' arms, side by side."""
+    arms = {}
+    for spec in args.arm:
+        name, _, run_dir = spec.partition("=")
+        arms[name] = curve(Path(run_dir))
+    teacher_run = args.demo / "rl"
+    teacher_acc = args.teacher_accuracy
+    if teacher_acc is None:
+        evals = [r["eval_accuracy"] for r in read_metrics(teacher_run) if "eval_accuracy" in r]
+        if not evals:
+            raise SystemExit(f"no held-out eval in {teacher_run}: pass --teacher-accuracy")
+        teacher_acc = evals[-1]
+    start_acc = next(iter(arms.values()))[0][1]
+    groups = {name: cumulative_groups(Path(spec.partition("=")[2]))
+              for name, spec in zip(arms, args.arm, strict=True)}  # fmt: skip
+    text = table(arms, start_acc, teacher_acc, groups)
+    print(text)
+    png = write_png(args.png, arms, start_acc, teacher_acc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"start_accuracy": start_acc, "teacher_accuracy": teacher_acc, "arms": arms,
+               "runs": dict(zip(arms, args.arm, strict=True)), "table": text}  # fmt: skip
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.out / 'summary.json'}" + (f", {png}" if png else " (no matplotlib)"))
+    return 0
+
+
 async def main_async(args: argparse.Namespace) -> int:
+    if args.arm:
+        return report_arms(args)
     if args.report_only:  # the arms of an earlier run in --out (and the teacher's in --demo)
         start, teacher = args.start, args.teacher or latest_model(args.demo / "rl")
         distill_dir = args.out / "distill"
@@ -222,6 +255,12 @@ def main() -> int:
                         help="override for both arms (e.g. engines.local_threads=2)")  # fmt: skip
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: the table and PNG of the arms already in --out")  # fmt: skip
+    parser.add_argument("--rl-arm", type=Path, default=None,
+                        help="an earlier run's RL arm to compare with (e.g. DEMO/rl, the "
+                        "teacher's own run), not run again")  # fmt: skip
+    parser.add_argument("--arm", action="append", default=[], metavar="NAME=RUN_DIR",
+                        help="report only: earlier runs' arms side by side (the first one's "
+                        "start is the start; the teacher's accuracy from DEMO/rl's last eval)")  # fmt: skip
     parser.add_argument("--distill", action="append", default=[], metavar="KEY=VALUE",
                         help="override for the distill arm only")  # fmt: skip
     args = parser.parse_args()

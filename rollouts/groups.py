@@ -8,11 +8,16 @@ them too.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from rollouts.tools.rewards import tool_metrics
 from rollouts.types import RolloutBatch, Sample
+
+if TYPE_CHECKING:
+    from rollouts.rewards import RolloutAlgorithm
 
 Group = tuple[Sample, ...]
 GroupFilter = Callable[[Group], bool]
@@ -30,6 +35,34 @@ def keep_if_reward_varies(group: Group, *, eps: float = 1e-6) -> bool:
 
 def keep_all(group: Group) -> bool:
     return True
+
+
+def keep_if_student_errs(group: Group, *, nats: float) -> bool:
+    """On-policy distillation's dynamic sampling: keep a group only if one of its sampled tokens
+    is at least `nats` likelier to the student than to the teacher (log π − log q ≥ nats on a
+    trained token: a mistake the teacher would not make).
+
+    A group whose every token the teacher rates about as the student does carries little
+    distillation signal (its advantages are all near 0), as a group of equal rewards carries
+    no RL signal; dropping it and over-sampling a replacement focuses each step on the prompts
+    the student still gets wrong, as DAPO's filter does. Samples without teacher or engine
+    logprobs never keep a group.
+    """
+    for s in group:
+        if s.teacher_logprobs and s.rollout_logprobs:
+            pairs = zip(s.rollout_logprobs, s.teacher_logprobs, s.loss_mask, strict=True)
+            if any(m and p - q >= nats for p, q, m in pairs):
+                return True
+    return False
+
+
+def auto_group_filter(algorithm: RolloutAlgorithm) -> GroupFilter:
+    """The filter `rollout.filter_groups: auto` means under `algorithm`: the teacher-signal
+    filter when `distill_filter_nats` is set, DAPO's when `filter_zero_std`, else none."""
+    nats = algorithm.distill_filter_nats
+    if nats is not None:
+        return functools.partial(keep_if_student_errs, nats=nats)
+    return keep_if_reward_varies if algorithm.filter_zero_std else keep_all
 
 
 def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[SampleTransform]

@@ -47,6 +47,7 @@ from rollouts.groups import (
     GroupFilter,
     SampleTransform,
     apply_sample_transforms,
+    auto_group_filter,
     convert_to_batch,
     failure_line,
     keep_all,
@@ -119,11 +120,11 @@ class AsyncRolloutManager:
         (e.g. GRPO → DAPO adds overlong shaping and dynamic sampling); groups already in flight
         keep what they started with. The reward is `reward_fn` as given, plus the algorithm's
         shaping (`rollouts.rewards.shape_reward`); the filter is the `group_filter` given, else
-        as `config.filter_groups` says ("auto": `algorithm.filter_zero_std`).
+        as `config.filter_groups` says ("auto": `rollouts.groups.auto_group_filter`).
         """
         self.reward_fn = shape_reward(algorithm, self.task_reward)
         if self._own_filter is None and self.config.filter_groups == "auto":
-            self.group_filter = keep_if_reward_varies if algorithm.filter_zero_std else keep_all
+            self.group_filter = auto_group_filter(algorithm)
 
     def statistics(self) -> ManagerStatistics:
         """A snapshot: batches ready in the async producer's channel, stale groups dropped."""

@@ -356,6 +356,12 @@ class RolloutAlgorithm(Protocol):
         """Dynamic sampling: drop groups whose rewards are all equal, over-sample to refill."""
 
     @property
+    def distill_filter_nats(self) -> float | None:
+        """On-policy distillation's dynamic sampling (`rollouts.groups.keep_if_student_errs`):
+        keep a group only if a token is this many nats likelier to the student than to the
+        teacher; None: off."""
+
+    @property
     def overlong(self) -> Any:
         """None, or DAPO's overlong shaping: `max_response_len`, `cache_len`, `penalty_factor`."""
 

@@ -18,8 +18,10 @@ from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from plumbing.errors import ConfigError, RolloutsError
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.generate_fn import single_turn_generate
+from rollouts.groups import keep_if_student_errs
 from rollouts.manager import AsyncRolloutManager
 from rollouts.teacher import with_teacher
+from rollouts.types import Sample
 from training.backend.pytorch import load_tokenizer
 from training.config import load_config
 from training.data.buffer import DataBuffer
@@ -234,3 +236,56 @@ async def test_a_hung_teacher_is_given_up_after_its_timeout_and_the_group_genera
     assert len(batch.samples) == 4
     assert all(len(s.teacher_logprobs) == len(s.response_ids) for s in batch.samples)
     assert took < 30  # bounded by teacher.timeout_s (2 s), not the proxy's 60 s hang
+
+
+def _scored(lp: list[float], teacher: list[float], mask: list[int]) -> Sample:
+    return Sample(prompt_ids=(5, 6), response_ids=tuple(range(10, 10 + len(lp))),
+                  loss_mask=tuple(mask), rollout_logprobs=tuple(lp),
+                  teacher_logprobs=tuple(teacher))  # fmt: skip
+
+
+def test_the_teacher_signal_filter_keeps_a_group_only_for_a_token_the_student_overrates():
+    overrated = _scored([-0.1, -0.2], [-0.1, -1.3], [1, 1])  # token 2: 1.1 nats likelier to π
+    agreeing = _scored([-0.1, -0.2], [-0.15, -0.6], [1, 1])  # at most 0.4 nats
+    underrated = _scored([-3.0, -0.2], [-0.01, -0.2], [1, 1])  # the teacher likes it more
+    tool_token = _scored([-0.1, -0.2], [-0.1, -5.0], [1, 0])  # 4.8 nats, but not trained
+    unscored = Sample(prompt_ids=(5,), response_ids=(7,), loss_mask=(1,), rollout_logprobs=(-0.1,))
+    assert keep_if_student_errs((agreeing, overrated), nats=1.0)
+    assert not keep_if_student_errs((agreeing, underrated, tool_token, unscored), nats=1.0)
+    assert not keep_if_student_errs((overrated,), nats=1.2)
+
+
+async def test_distill_with_the_teacher_signal_filter_trains_only_groups_with_an_overrated_token(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    """`algorithm.distill_filter_nats` under `rollout.filter_groups: auto`: every group of the
+    batch has a trained token the student rates `nats` above the teacher, by both engines'
+    logprobs scored again over plain HTTP, and the groups without one were dropped."""
+    tok = load_tokenizer(tiny_model_dir)
+    rollout = ROLLOUT.model_copy(update={"filter_groups": "auto", "batch_size": 2})
+    nats = 0.3
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1) as student_server,
+        open_local_engine(tiny_model_dir_seed1, num_threads=1) as teacher_server,
+        SGLangEngine(teacher_server.url, max_retries=0) as teacher,
+        SGLangEngine(student_server.url, max_retries=0) as student,
+    ):
+        manager = AsyncRolloutManager(student, DataBuffer(prompts(tok), seed=0), rollout,
+                                      reward_fn=zero_reward,
+                                      generate_fn=with_teacher(single_turn_generate, teacher))  # fmt: skip
+        manager.use_algorithm(distill(distill_filter_nats=nats))
+        batch = await manager.generate_batch()
+        worst = []
+        for group in batch.groups:
+            gaps = []
+            for s in group:
+                ids, start = list(s.prompt_ids + s.response_ids), len(s.prompt_ids)
+                q = await raw_input_logprobs(teacher_server.url, ids, start)
+                p = await raw_input_logprobs(student_server.url, ids, start)
+                gaps += [a - b for a, b in zip(p, q, strict=True)]
+            worst.append(max(gaps))
+        manager.use_algorithm(distill(distill_filter_nats=50.0))  # no token is 50 nats off
+        none_kept = await manager.generate_batch()
+    print(f"largest log p − log q per kept group {worst}; metrics {batch.metrics}")
+    assert len(batch.groups) == 2 and min(worst) >= nats - 1e-4
+    assert not none_kept.groups and none_kept.metrics["groups_filtered"] >= 2

@@ -52,7 +52,7 @@ import trio
 from plumbing.errors import RolloutsError, leaf_errors
 from rollouts.config import RolloutConfig
 from rollouts.generation import CollectResult
-from rollouts.groups import Group, GroupFilter, SampleTransform, keep_all, keep_if_reward_varies
+from rollouts.groups import Group, GroupFilter, SampleTransform, auto_group_filter
 from rollouts.manager import AsyncRolloutManager, _accumulate
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RolloutAlgorithm
@@ -113,7 +113,7 @@ class WorkerRolloutManager(AsyncRolloutManager):
             "max_response_len": o.max_response_len, "cache_len": o.cache_len,
             "penalty_factor": o.penalty_factor}  # fmt: skip
         if self._own_filter is None and self.config.filter_groups == "auto":
-            self.group_filter = keep_if_reward_varies if algorithm.filter_zero_std else keep_all
+            self.group_filter = auto_group_filter(algorithm)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -104,6 +104,13 @@ class AlgorithmConfig(Strict):
         description="distill: weight of the task reward's GRPO advantage added to every token "
         "(0: pure distillation, the reward is only logged)",
     )
+    distill_filter_nats: float | None = Field(
+        None, gt=0,
+        description="distill: dynamic sampling on the teacher's signal: keep a group only if "
+        "one of its sampled tokens is at least this many nats likelier to the student than to "
+        "the teacher (rollouts.groups.keep_if_student_errs), over-sampling replacements as "
+        "DAPO's filter does; None: train every group",
+    )  # fmt: skip
     is_cap: float | None = Field(
         None,
         gt=0,
