@@ -6,7 +6,9 @@ trainer is the same value everywhere. Token ids and engine logprobs travel end t
 kept for rewards and logs, never re-tokenized to train on.
 
 Sequence fields are normalised to tuples and mapping fields copied to plain dicts on
-construction, so callers may pass lists. Mappings are not deep-frozen: treat `metadata` and
+construction, so callers may pass lists; a `TokenArray` (rollouts/token_arrays.py: a read-only
+numpy view that equals and hashes as the tuple of its values) is kept as it is, so samples
+decoded from a rollout worker's frame hold no Python object per token. Mappings are not deep-frozen: treat `metadata` and
 `reward_components` as read-only.
 
 `to_dict` / `from_dict` give a JSON-serialisable round trip (checkpointed held groups, rollout
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from plumbing.errors import DataError
+from rollouts.token_arrays import TokenArray
 
 Status = Literal["completed", "truncated", "aborted", "failed"]
 STATUSES: tuple[Status, ...] = ("completed", "truncated", "aborted", "failed")
@@ -109,11 +112,17 @@ class Sample:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "prompt_ids", tuple(self.prompt_ids))
-        set_(self, "response_ids", tuple(self.response_ids))
-        set_(self, "loss_mask", tuple(self.loss_mask))
-        set_(self, "rollout_logprobs", tuple(self.rollout_logprobs))
-        set_(self, "teacher_logprobs", tuple(self.teacher_logprobs))
+        # A TokenArray (a read-only view of a rollout worker's frame) is kept as it is.
+        if type(self.prompt_ids) is not TokenArray:
+            set_(self, "prompt_ids", tuple(self.prompt_ids))
+        if type(self.response_ids) is not TokenArray:
+            set_(self, "response_ids", tuple(self.response_ids))
+        if type(self.loss_mask) is not TokenArray:
+            set_(self, "loss_mask", tuple(self.loss_mask))
+        if type(self.rollout_logprobs) is not TokenArray:
+            set_(self, "rollout_logprobs", tuple(self.rollout_logprobs))
+        if type(self.teacher_logprobs) is not TokenArray:
+            set_(self, "teacher_logprobs", tuple(self.teacher_logprobs))
         set_(self, "reward_components", dict(self.reward_components))
         set_(self, "metadata", dict(self.metadata))
         set_(self, "tool_calls", tuple(self.tool_calls))
@@ -141,7 +150,8 @@ class Sample:
     @property
     def num_trained_tokens(self) -> int:
         """Response tokens the loss sees (loss_mask == 1)."""
-        return sum(self.loss_mask)
+        mask = self.loss_mask
+        return sum(mask) if type(mask) is not TokenArray else mask.sum()
 
     def with_reward(self, reward: float, components: Mapping[str, float] | None = None) -> Sample:
         """A copy scored with `reward`; `components` replaces the old ones (None → none)."""
@@ -158,7 +168,8 @@ class Sample:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for key in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs",
                     "teacher_logprobs"):  # fmt: skip
-            out[key] = list(out[key])
+            values = out[key]
+            out[key] = values.tolist() if type(values) is TokenArray else list(values)
         out["reward_components"] = dict(self.reward_components)
         out["metadata"] = dict(self.metadata)
         out["tool_calls"] = [t.to_dict() for t in self.tool_calls]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
+
+from rollouts.token_arrays import as_array
 from rollouts.types import Sample
 
 
@@ -29,6 +32,10 @@ def count_model_turns(sample: Sample) -> int:
 
     Tool/environment tokens (mask 0) separate the turns, so this needs no extra field.
     """
+    mask = as_array(sample.loss_mask)
+    if mask is not None:  # a rollout worker's sample: counted in numpy, not token by token
+        on = mask != 0
+        return int(on[0]) + int(np.count_nonzero(on[1:] > on[:-1])) if len(on) else 0
     turns, previous = 0, 0
     for m in sample.loss_mask:
         if m and not previous:

@@ -1,0 +1,178 @@
+"""TokenArray: an immutable sequence of token ids (or per-token values) kept in one numpy array.
+
+Why: a sample's tokens arrive from a rollout worker as flat int32/float32 buffers
+(rollouts/workers/frames.py). Turning them into tuples costs one Python object per token in the
+trainer process (~0.16 us each, ~3 million per step of 4,096 samples x 768 tokens). A TokenArray
+is a read-only view of the buffer instead, and per-token work on it (concatenation, masking,
+counting) runs in numpy.
+
+What is guaranteed: it behaves as the tuple of its values where `Sample` and `RLExample` fields
+are used as tuples: `len`, indexing (a Python int or float, never a numpy scalar), slicing (a
+TokenArray), iteration (Python scalars), `==` / `hash` with tuples (a TokenArray equals the tuple
+of the same values and hashes like it, so dict keys and sets mix both), `+` with a tuple or a
+TokenArray on either side (a TokenArray), `in`, `count`, `index`. `tolist()` and `np.asarray()`
+give its values at C speed.
+
+What is not: it is not a tuple (`isinstance(x, tuple)` is False, `json.dumps` needs `tolist()`,
+as `Sample.to_dict` does); like a tuple it never equals a list; ordering (`<`) is not defined.
+The array is never written: a view of someone else's buffer is marked read-only, any other
+array is copied first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+_new = object.__new__
+
+
+class TokenArray(Sequence):
+    """See the module docstring. `TokenArray(values, dtype=None)`: a copy of `values`."""
+
+    __slots__ = ("_array", "_hash", "_sum")
+
+    def __init__(self, values: Any, dtype: Any = None) -> None:
+        array = np.array(values, dtype=dtype)  # a copy: the caller may still write its own
+        if array.ndim != 1:
+            raise ValueError(f"TokenArray holds one value per token: got shape {array.shape}")
+        array.flags.writeable = False
+        self._array = array
+
+    @staticmethod
+    def view(array: np.ndarray, total: int | None = None) -> TokenArray:
+        """A TokenArray over `array` itself (1-D, no copy): read-only, or a read-only view.
+
+        `total`, when given, is `array.sum()` computed by the caller (e.g. for a whole frame
+        at once), so `sum()` need not compute it.
+        """
+        if array.flags.writeable:
+            array = array.view()  # mark this view read-only, not the caller's array
+            array.flags.writeable = False
+        out = _new(TokenArray)
+        out._array = array  # a slice of a read-only array is read-only: no copy, no check
+        if total is not None:
+            out._sum = total
+        return out
+
+    @staticmethod
+    def split(array: np.ndarray, lengths: Sequence[int], *, with_sums: bool = False
+              ) -> list[TokenArray]:  # fmt: skip
+        """TokenArrays over the consecutive segments of `array` with these `lengths` (views,
+        no copy; `array` is marked read-only, or a read-only view of it is used).
+
+        `with_sums`: each segment's `sum()` is computed here, for all in one numpy pass
+        (integer arrays: a frame's loss masks, whose sums are the trained-token counts).
+        """
+        if array.flags.writeable:
+            array = array.view()
+            array.flags.writeable = False
+        sums = segment_sums(array, lengths).tolist() if with_sums else None
+        out, start = [], 0
+        for k, n in enumerate(lengths):
+            piece = _new(TokenArray)
+            piece._array = array[start : start + n]
+            if sums is not None:
+                piece._sum = sums[k]
+            out.append(piece)
+            start += n
+        return out
+
+    @property
+    def array(self) -> np.ndarray:
+        """The values as a read-only 1-D numpy array (no copy)."""
+        return self._array
+
+    def tolist(self) -> list:
+        return self._array.tolist()
+
+    def sum(self) -> Any:
+        """The sum of the values, as a Python number (computed once: the array never changes).
+
+        Exact for integers (a loss mask's sum is its trained-token count); floats are summed
+        in the array's dtype, as numpy does.
+        """
+        try:
+            return self._sum
+        except AttributeError:
+            self._sum = self._array.sum().item()
+            return self._sum
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if dtype is None or np.dtype(dtype) == self._array.dtype:
+            return self._array.copy() if copy else self._array
+        return self._array.astype(dtype)
+
+    def __len__(self) -> int:
+        return self._array.shape[0]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            out = _new(TokenArray)
+            out._array = self._array[index]  # read-only like its base
+            return out
+        return self._array.item(index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._array.tolist())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._array.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenArray):
+            a, b = self._array, other._array
+            return a.shape == b.shape and bool(np.array_equal(a, b))
+        if isinstance(other, tuple):
+            return len(other) == len(self) and tuple(self._array.tolist()) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:  # first call: computed once (as the tuple's: they mix in dicts)
+            self._hash: int = hash(tuple(self._array.tolist()))
+            return self._hash
+
+    def __add__(self, other: object) -> TokenArray:
+        if not isinstance(other, TokenArray | tuple):
+            return NotImplemented
+        if not len(other):
+            return self
+        if not len(self):
+            return other if isinstance(other, TokenArray) else TokenArray(other)
+        return TokenArray.view(np.concatenate([self._array, np.asarray(other)]))
+
+    def __radd__(self, other: object) -> TokenArray:
+        if not isinstance(other, tuple):
+            return NotImplemented
+        if not other:
+            return self
+        if not len(self):
+            return TokenArray(other)
+        return TokenArray.view(np.concatenate([np.asarray(other), self._array]))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return TokenArray, (self._array,)
+
+    def __repr__(self) -> str:
+        return f"TokenArray({self._array.tolist()!r})"
+
+
+def segment_sums(values: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+    """The sums (int64) of the consecutive segments of `values` with these `lengths`, which
+    cover `values` exactly; an empty segment sums to 0."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    out = np.zeros(len(lengths), dtype=np.int64)
+    nonempty = lengths > 0
+    if nonempty.any():  # reduceat sums [start_k, start_k+1): the empty segments are skipped
+        starts = (np.cumsum(lengths) - lengths)[nonempty]
+        out[nonempty] = np.add.reduceat(values, starts, dtype=np.int64)
+    return out
+
+
+def as_array(values: Sequence[Any]) -> np.ndarray | None:
+    """The numpy array behind `values` if it is a TokenArray, else None (a tuple, a list)."""
+    return values._array if type(values) is TokenArray else None
