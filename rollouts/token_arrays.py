@@ -32,7 +32,9 @@ _new = object.__new__
 class TokenArray(Sequence):
     """See the module docstring. `TokenArray(values, dtype=None)`: a copy of `values`."""
 
-    __slots__ = ("_array", "_hash", "_sum")
+    # _base, _start: the buffer this is a segment of, and where (set by `split`)
+    # _zeros_before: how many values right before it in _base are known to be 0
+    __slots__ = ("_array", "_base", "_hash", "_nonzero", "_start", "_sum", "_zeros_before")
 
     def __init__(self, values: Any, dtype: Any = None) -> None:
         array = np.array(values, dtype=dtype)  # a copy: the caller may still write its own
@@ -42,19 +44,13 @@ class TokenArray(Sequence):
         self._array = array
 
     @staticmethod
-    def view(array: np.ndarray, total: int | None = None) -> TokenArray:
-        """A TokenArray over `array` itself (1-D, no copy): read-only, or a read-only view.
-
-        `total`, when given, is `array.sum()` computed by the caller (e.g. for a whole frame
-        at once), so `sum()` need not compute it.
-        """
+    def view(array: np.ndarray) -> TokenArray:
+        """A TokenArray over `array` itself (1-D, no copy): read-only, or a read-only view."""
         if array.flags.writeable:
             array = array.view()  # mark this view read-only, not the caller's array
             array.flags.writeable = False
         out = _new(TokenArray)
         out._array = array  # a slice of a read-only array is read-only: no copy, no check
-        if total is not None:
-            out._sum = total
         return out
 
     @staticmethod
@@ -63,22 +59,43 @@ class TokenArray(Sequence):
         """TokenArrays over the consecutive segments of `array` with these `lengths` (views,
         no copy; `array` is marked read-only, or a read-only view of it is used).
 
-        `with_sums`: each segment's `sum()` is computed here, for all in one numpy pass
-        (integer arrays: a frame's loss masks, whose sums are the trained-token counts).
+        `with_sums`: each segment's `sum()` and `count_nonzero()` are computed here, for all
+        in one numpy pass each (a frame's loss masks: trained-token counts), and a segment
+        after one of zeros knows it (`with_zeros_before` then needs no check).
         """
         if array.flags.writeable:
             array = array.view()
             array.flags.writeable = False
-        sums = segment_sums(array, lengths).tolist() if with_sums else None
         out, start = [], 0
-        for k, n in enumerate(lengths):
-            piece = _new(TokenArray)
-            piece._array = array[start : start + n]
-            if sums is not None:
-                piece._sum = sums[k]
-            out.append(piece)
+        for n in lengths:
+            out.append(_segment(array, start, n))
             start += n
+        if with_sums:
+            sums = segment_sums(array, lengths).tolist()
+            nonzero = segment_sums(array != 0, lengths).tolist()
+            zeros = 0  # the previous segment's length when it is all zeros
+            for piece, total, count, n in zip(out, sums, nonzero, lengths, strict=True):
+                piece._sum, piece._nonzero, piece._zeros_before = total, count, zeros
+                zeros = n if not count else 0
         return out
+
+    def joined(self, other: TokenArray) -> TokenArray:
+        """`self + other`: a view of their buffer when `other` follows `self` in it (a frame's
+        prompt and response ids, from `split`), else a copy."""
+        base = getattr(self, "_base", None)
+        if base is not None and base is getattr(other, "_base", None) and \
+                self._start + len(self._array) == other._start:  # fmt: skip
+            return _segment(base, self._start, len(self._array) + len(other._array))
+        return self + other
+
+    def with_zeros_before(self, n: int) -> TokenArray:
+        """`(0,) * n + self`: a view of its buffer when the `n` values before it there are
+        zeros (a frame's loss mask, zero over the prompt), else a copy."""
+        base, start = getattr(self, "_base", None), getattr(self, "_start", 0)
+        if base is not None and start >= n and (getattr(self, "_zeros_before", 0) >= n or
+                                                not np.count_nonzero(base[start - n : start])):  # fmt: skip
+            return _segment(base, start - n, n + len(self._array))
+        return TokenArray.view(np.concatenate([np.zeros(n, self._array.dtype), self._array]))
 
     @property
     def array(self) -> np.ndarray:
@@ -99,6 +116,14 @@ class TokenArray(Sequence):
         except AttributeError:
             self._sum = self._array.sum().item()
             return self._sum
+
+    def count_nonzero(self) -> int:
+        """How many values are not 0 (computed once, like `sum`)."""
+        try:
+            return self._nonzero
+        except AttributeError:
+            self._nonzero: int = np.count_nonzero(self._array)
+            return self._nonzero
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if dtype is None or np.dtype(dtype) == self._array.dtype:
@@ -161,6 +186,14 @@ class TokenArray(Sequence):
         return f"TokenArray({self._array.tolist()!r})"
 
 
+def _segment(base: np.ndarray, start: int, n: int) -> TokenArray:
+    """A TokenArray over `base[start:start + n]` (`base` read-only), knowing where it lies."""
+    out = _new(TokenArray)
+    out._array = base[start : start + n]
+    out._base, out._start = base, start
+    return out
+
+
 def segment_sums(values: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
     """The sums (int64) of the consecutive segments of `values` with these `lengths`, which
     cover `values` exactly; an empty segment sums to 0."""
@@ -171,8 +204,3 @@ def segment_sums(values: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
         starts = (np.cumsum(lengths) - lengths)[nonempty]
         out[nonempty] = np.add.reduceat(values, starts, dtype=np.int64)
     return out
-
-
-def as_array(values: Sequence[Any]) -> np.ndarray | None:
-    """The numpy array behind `values` if it is a TokenArray, else None (a tuple, a list)."""
-    return values._array if type(values) is TokenArray else None

@@ -22,7 +22,8 @@ def _groups() -> list[tuple[Sample, ...]]:
     a = Sample((1, 2, 3), (7, 8, 9, 10, 11), (1, 1, 0, 1, 1), logprobs, response_text="x=é",
                reward=0.5, reward_components={"correct": 1.0}, status="truncated", group_id=3,
                index_in_group=1, sub_index=2, weight_version=4, metadata={"answer": "46"},
-               tool_calls=(ToolCallRecord("calc", {"x": 1}, "2", True),), finish_reason="length")  # fmt: skip
+               tool_calls=(ToolCallRecord("calc", {"x": 1}, "2", True),), finish_reason="length",
+               teacher_logprobs=(-0.5, -1.0, -2.0, -0.25, -4.0))  # fmt: skip
     b = Sample((5,), (), (), error="reward raised", status="failed")
     c = Sample((2**31 - 1, 0), (6,), (1,), (-3.5,))
     return [(a, b), (c,)]

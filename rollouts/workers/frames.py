@@ -9,16 +9,21 @@ refuses naming how many bytes were missing (`FrameError`), as it refuses a frame
 `max_bytes` before reading it.
 
 Groups of samples travel as one frame (`encode_groups` / `decode_groups`): each sample's fields
-other than its tokens go in the header; prompt and response token ids, the loss mask (int32) and
-the engine logprobs (float32) go in three flat buffers, with each sample's lengths in the header.
+other than its tokens go in the header (those at their default left out); three flat buffers
+carry the tokens, with each sample's lengths in the header: prompt + response token ids (int32),
+the loss mask laid out the same way, 0 over the prompt (int32), and the engine logprobs
+(float32). The decoded samples hold read-only views of the buffers (`TokenArray`), so a trainer
+row (prompt + response ids, mask 0 over the prompt) is a view too: no Python object per token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import json
+import os
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,7 +34,7 @@ import trio
 from plumbing.errors import DataError, RolloutsError
 from plumbing.gc_pause import gc_paused
 from rollouts.token_arrays import TokenArray
-from rollouts.types import Sample, ToolCallRecord
+from rollouts.types import Sample
 
 MAGIC = b"RWF1"
 PREFIX = struct.Struct("<4sII4x")
@@ -69,7 +74,9 @@ class FrameReader:
         self._pending = bytearray()
         self.max_bytes = max_bytes
         self.what = what
-        _widen_pipe(stream)
+        self._fd = _nonblocking_fd(stream)
+        if self._fd is not None:
+            _widen_pipe(self._fd)
 
     async def receive(self) -> tuple[dict[str, Any], list[np.ndarray]] | None:
         """The next frame's (header, buffers); None when the stream ended between frames.
@@ -103,8 +110,8 @@ class FrameReader:
         del self._pending[:got]
         view = memoryview(out)
         while got < n:
-            chunk = await self._stream.receive_some(min(max(n - got, 65536), 1 << 20))
-            if not chunk:
+            read = await self._receive_into(view[got:])
+            if not read:
                 if frame_size is None and not got:
                     return None
                 got += PREFIX.size if frame_size is not None else 0
@@ -113,21 +120,48 @@ class FrameReader:
                     f"{frame_size if frame_size is not None else PREFIX.size} bytes (the "
                     "writer died mid-frame)"
                 )
-            take = min(len(chunk), n - got)
-            view[got : got + take] = memoryview(chunk)[:take]
-            self._pending += chunk[take:]
-            got += take
+            got += read
         return out
 
+    async def _receive_into(self, view: memoryview) -> int:
+        """Read at most `len(view)` bytes into `view`; 0 when the stream ended.
 
-def _widen_pipe(stream: object) -> None:
+        A pipe's non-blocking descriptor (trio's FdStream) is read straight into `view`,
+        without an intermediate bytes object per read (~1 MB each, freshly mapped: a copy and
+        page faults per megabyte of a frame); any other stream through `receive_some`.
+        """
+        if self._fd is None:
+            chunk = await self._stream.receive_some(min(max(len(view), 65536), 1 << 20))
+            take = min(len(chunk), len(view))
+            view[:take] = memoryview(chunk)[:take]
+            self._pending += chunk[take:]
+            return take
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                return os.readv(self._fd, [view])
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self._fd)
+            except OSError as err:  # as FdStream.receive_some reports it
+                error = trio.ClosedResourceError if err.errno == errno.EBADF else \
+                    trio.BrokenResourceError  # fmt: skip
+                raise error(f"reading {self.what}: {err}") from err
+
+
+def _nonblocking_fd(stream: object) -> int | None:
+    """The descriptor of a trio FdStream (a pipe to or from a process), else None."""
+    if not isinstance(stream, getattr(trio.lowlevel, "FdStream", ())):  # (not on Windows)
+        return None
+    fd = stream.fileno()
+    return fd if not os.get_blocking(fd) else None
+
+
+def _widen_pipe(fd: int) -> None:
     """Let a pipe hold 1 MiB (Linux's default is 64 KiB): a 30 MB frame then wakes the reader
     ~30 times instead of ~470 (each wake-up costs trio tens of microseconds of CPU)."""
-    fileno = getattr(stream, "fileno", None)
-    if fileno is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
-        return
-    with contextlib.suppress(OSError, ValueError):  # not a pipe, or above the system's limit
-        fcntl.fcntl(fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+    if hasattr(fcntl, "F_SETPIPE_SZ"):
+        with contextlib.suppress(OSError):  # not a pipe, or above the system's limit
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
 
 
 def decode_frame(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES
@@ -189,7 +223,7 @@ def encode_groups(groups: Sequence[Sequence[Sample]]) -> tuple[list[list[dict]],
             row["n"] = [len(s.prompt_ids), len(s.response_ids), len(s.rollout_logprobs)]
             rows.append(row)
             ids += (s.prompt_ids, s.response_ids)
-            masks.append(s.loss_mask)
+            masks += (_zeros(len(s.prompt_ids)), s.loss_mask)
             logprobs.append(s.rollout_logprobs)
         records.append(rows)
     return records, [_cat(ids, np.int32), _cat(masks, np.int32), _cat(logprobs, np.float32)]
@@ -204,6 +238,13 @@ _DEFAULTS = Sample((), (), ()).to_dict()
 def _is_default(key: str, value: Any) -> bool:
     default = _DEFAULTS[key]
     return key in TOKEN_FIELDS or (type(value) is type(default) and value == default)
+
+
+def _zeros(n: int) -> Sequence[int]:
+    return _ZEROS[:n] if n <= len(_ZEROS) else (0,) * n
+
+
+_ZEROS = (0,) * 4096
 
 
 def _cat(parts: Sequence[Sequence[Any]], dtype: type) -> np.ndarray:
@@ -226,29 +267,27 @@ def decode_groups(records: Sequence[Sequence[Mapping[str, Any]]], buffers: Seque
     lengths = [row["n"] for rows in records for row in rows]
     n_prompt, n_response, n_logprobs = (sum(n) for n in zip(*lengths, strict=True)) \
         if lengths else (0, 0, 0)  # fmt: skip
-    if (n_prompt + n_response, n_response, n_logprobs) != (len(ids), len(masks), len(logprobs)):
+    n_ids = n_prompt + n_response
+    if (n_ids, n_ids, n_logprobs) != (len(ids), len(masks), len(logprobs)):
         raise FrameError(f"group buffers hold other token counts than their samples name: ids "
-                         f"{len(ids)} for {n_prompt + n_response}, mask {len(masks)} for "
-                         f"{n_response}, logprobs {len(logprobs)} for {n_logprobs}")  # fmt: skip
+                         f"{len(ids)} for {n_ids}, mask {len(masks)} for {n_ids}, logprobs "
+                         f"{len(logprobs)} for {n_logprobs}")  # fmt: skip
+    rows_lengths = [k for p, r, _ in lengths for k in (p, r)]  # [prompt 0, response 0, ...]
     groups = []
     with gc_paused():  # tens of thousands of acyclic objects (plumbing/gc_pause.py)
-        # Views of the buffers, made in one pass each: [prompt 0, response 0, prompt 1, ...].
-        id_views = iter(TokenArray.split(ids, [k for p, r, _ in lengths for k in (p, r)]))
-        masks_it = iter(TokenArray.split(masks, [r for _, r, _ in lengths], with_sums=True))
+        # Views of the buffers, made in one pass each (masks: the response parts)
+        id_views = iter(TokenArray.split(ids, rows_lengths))
+        masks_it = iter(TokenArray.split(masks, rows_lengths, with_sums=True)[1::2])
         logprobs_it = iter(TokenArray.split(logprobs, [n for *_, n in lengths]))
         for rows in records:
             group = []
             for row in rows:
-                fields = dict(row)
-                del fields["n"]
-                if fields.get("tool_calls"):
-                    fields["tool_calls"] = tuple(ToolCallRecord.from_dict(t)
-                                                 for t in fields["tool_calls"])  # fmt: skip
-                fields["prompt_ids"], fields["response_ids"] = next(id_views), next(id_views)
-                fields["loss_mask"], fields["rollout_logprobs"] = next(masks_it), next(logprobs_it)
+                record = dict(row)
+                del record["n"]
                 try:
-                    group.append(Sample(**fields))
-                except (TypeError, ValueError) as exc:  # TypeError: an unknown field name
+                    group.append(Sample.from_token_arrays(record, next(id_views), next(id_views),
+                                                          next(masks_it), next(logprobs_it)))  # fmt: skip
+                except ValueError as exc:
                     raise DataError(f"invalid sample record in a worker's frame: {exc}") from exc
             groups.append(tuple(group))
     return groups

@@ -37,7 +37,7 @@ from training.rl.algorithms import (
     compute_advantages,
 )
 from training.rl.distill import sample_token_advantages
-from training.rl.example_arrays import all_token_arrays, example_arrays
+from training.rl.example_arrays import all_token_arrays, example_arrays, frozen_record
 from training.rl.kl import KLFn
 from training.rl.microbatch_loss import loss_weight_fn as loss_weight_fn
 from training.rl.microbatch_loss import n_sequences as n_sequences
@@ -176,10 +176,10 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
 
 def _example(sample: Sample, ids: Sequence[int], mask: Sequence[int], trained: Sequence[float],
              advantage: float, unit: int | None, share_prompt: bool, group: int) -> RLExample:  # fmt: skip
-    return RLExample(ids, mask, advantage, trained,
-                     source=f"group {sample.group_id} sample {sample.index_in_group}",
-                     reward=sample.reward, unit=unit, group=group,
-                     shared_prefix_len=len(sample.prompt_ids) if share_prompt else 0)  # fmt: skip
+    return frozen_record(RLExample, input_ids=ids, loss_mask=mask, advantage=advantage,
+                         rollout_logprobs=trained, reward=sample.reward, unit=unit, group=group,
+                         source=f"group {sample.group_id} sample {sample.index_in_group}",
+                         shared_prefix_len=len(sample.prompt_ids) if share_prompt else 0)  # fmt: skip
 
 
 def batch_rewards(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

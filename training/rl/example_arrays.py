@@ -13,12 +13,35 @@ Pure: imports numpy and the record types only.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
-import numpy as np
-
-from rollouts.token_arrays import TokenArray, segment_sums
+from rollouts.token_arrays import TokenArray
 from rollouts.types import Sample
+
+R = TypeVar("R")
+_new = object.__new__
+
+
+def frozen_record(cls: type[R], **values: Any) -> R:
+    """`cls(**values)` for a frozen dataclass whose `__init__` only sets its fields (no
+    `__post_init__`), without the one `object.__setattr__` call per field: ~3x cheaper, for
+    the thousands of rows of a worker's batch. Fields left out take their defaults."""
+    record = _new(cls)
+    record.__dict__.update(_defaults(cls), **values)
+    return record
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or any(f.default_factory is not dataclasses.MISSING
+                                            for f in fields):  # fmt: skip
+        raise TypeError(f"{cls.__name__} has a __post_init__ or a default_factory: build it "
+                        f"with {cls.__name__}(...)")  # fmt: skip
+    return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
 
 def all_token_arrays(samples: Sequence[Sample]) -> bool:
@@ -38,23 +61,15 @@ def example_arrays(samples: Sequence[Sample]
 
     input_ids = prompt + response; loss_mask = zeros over the prompt, then the sample's mask;
     rollout_logprobs = the logprobs of the trained tokens (mask != 0), none without logprobs.
+    A frame's samples get views of it (its ids and masks are laid out as these rows are, and a
+    mask with no 0 keeps every logprob); the others, copies.
     """
-    prompts = [s.prompt_ids.array for s in samples]
-    responses = [s.response_ids.array for s in samples]
-    masks = [s.loss_mask.array for s in samples]
-    logprobs = [s.rollout_logprobs.array for s in samples]
-    ids = np.concatenate([a for pair in zip(prompts, responses, strict=True) for a in pair])
-    zeros = np.zeros(max(len(p) for p in prompts), dtype=masks[0].dtype)
-    mask = np.concatenate([a for p, m in zip(prompts, masks, strict=True)
-                           for a in (zeros[: len(p)], m)])  # fmt: skip
-    # Trained logprobs: the samples that have logprobs, under their masks' nonzero entries.
-    with_lp = [i for i, lp in enumerate(logprobs) if len(lp)]
-    n_trained = np.zeros(len(samples), dtype=np.int64)
-    trained = np.zeros(0, dtype=np.float32)
-    if with_lp:
-        selected = np.concatenate([masks[i] for i in with_lp]) != 0
-        trained = np.concatenate([logprobs[i] for i in with_lp])[selected]
-        n_trained[with_lp] = segment_sums(selected, [len(masks[i]) for i in with_lp])
-    n_rows = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    split = TokenArray.split
-    return split(ids, n_rows), split(mask, n_rows), split(trained, n_trained.tolist())
+    out_ids, out_mask, out_lp = [], [], []
+    for s in samples:
+        mask, logprobs = s.loss_mask, s.rollout_logprobs
+        out_ids.append(s.prompt_ids.joined(s.response_ids))
+        out_mask.append(mask.with_zeros_before(len(s.prompt_ids)))
+        if len(logprobs) and mask.count_nonzero() < len(mask):
+            logprobs = TokenArray.view(logprobs.array[mask.array != 0])
+        out_lp.append(logprobs)
+    return out_ids, out_mask, out_lp
