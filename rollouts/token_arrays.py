@@ -71,8 +71,10 @@ class TokenArray(Sequence):
             out.append(_segment(array, start, n))
             start += n
         if with_sums:
-            sums = segment_sums(array, lengths).tolist()
-            nonzero = segment_sums(array != 0, lengths).tolist()
+            sums = segment_sums(array, lengths)
+            binary = not len(array) or (array.min() >= 0 and array.max() <= 1)  # a loss mask
+            nonzero = (sums if binary else segment_sums(array != 0, lengths)).tolist()
+            sums = sums.tolist()
             zeros = 0  # the previous segment's length when it is all zeros
             for piece, total, count, n in zip(out, sums, nonzero, lengths, strict=True):
                 piece._sum, piece._nonzero, piece._zeros_before = total, count, zeros

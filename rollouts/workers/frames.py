@@ -102,13 +102,13 @@ class FrameReader:
         assert body is not None
         return decode_body(body, n_header)
 
-    async def _exactly(self, n: int, frame_size: int | None) -> bytearray | None:
-        """The next `n` bytes, in a buffer of their own (each byte copied once: a frame's
-        buffers are views of it)."""
-        out, got = bytearray(n), min(n, len(self._pending))
-        out[:got] = self._pending[:got]
-        del self._pending[:got]
+    async def _exactly(self, n: int, frame_size: int | None) -> np.ndarray | None:
+        """The next `n` bytes, in a buffer of their own (uint8; each byte copied once, none
+        zeroed first: a frame's buffers are views of it)."""
+        out, got = np.empty(n, np.uint8), min(n, len(self._pending))
         view = memoryview(out)
+        view[:got] = self._pending[:got]
+        del self._pending[:got]
         while got < n:
             read = await self._receive_into(view[got:])
             if not read:
@@ -182,12 +182,12 @@ def decode_frame(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES
     return decode_body(data[PREFIX.size :], n_header)
 
 
-def decode_body(body: bytes | bytearray, n_header: int
+def decode_body(body: bytes | np.ndarray, n_header: int
                 ) -> tuple[dict[str, Any], list[np.ndarray]]:  # fmt: skip
     """(header, read-only buffer views of `body`) of a frame's body (what follows the prefix)."""
     try:
         with gc_paused(n_header >= 1 << 16):  # many acyclic objects (plumbing/gc_pause.py)
-            header = json.loads(body[:n_header])
+            header = json.loads(bytes(memoryview(body)[:n_header]))
     except ValueError as err:
         raise FrameError(f"frame header is not JSON: {err}") from err
     buffers, offset = [], n_header
