@@ -32,16 +32,19 @@ _new = object.__new__
 class TokenArray(Sequence):
     """See the module docstring. `TokenArray(values, dtype=None)`: a copy of `values`."""
 
-    # _base, _start: the buffer this is a segment of, and where (set by `split`)
-    # _zeros_before: how many values right before it in _base are known to be 0
-    __slots__ = ("_array", "_base", "_hash", "_nonzero", "_start", "_sum", "_zeros_before")
+    # Its values are _base[_start:_stop] (_base: read-only, 1-D); _array is that view, made on
+    # first use (a frame's thousands of segments mostly need only their bounds). _hash, _sum,
+    # _nonzero: computed once. _zeros_before: how many values right before it in _base are 0.
+    __slots__ = ("_array", "_base", "_hash", "_nonzero", "_start", "_stop", "_sum",
+                 "_zeros_before")  # fmt: skip
 
     def __init__(self, values: Any, dtype: Any = None) -> None:
         array = np.array(values, dtype=dtype)  # a copy: the caller may still write its own
         if array.ndim != 1:
             raise ValueError(f"TokenArray holds one value per token: got shape {array.shape}")
         array.flags.writeable = False
-        self._array = array
+        self._base = self._array = array
+        self._start, self._stop = 0, len(array)
 
     @staticmethod
     def view(array: np.ndarray) -> TokenArray:
@@ -49,8 +52,8 @@ class TokenArray(Sequence):
         if array.flags.writeable:
             array = array.view()  # mark this view read-only, not the caller's array
             array.flags.writeable = False
-        out = _new(TokenArray)
-        out._array = array  # a slice of a read-only array is read-only: no copy, no check
+        out = _segment(array, 0, len(array))
+        out._array = array
         return out
 
     @staticmethod
@@ -84,28 +87,34 @@ class TokenArray(Sequence):
     def joined(self, other: TokenArray) -> TokenArray:
         """`self + other`: a view of their buffer when `other` follows `self` in it (a frame's
         prompt and response ids, from `split`), else a copy."""
-        base = getattr(self, "_base", None)
-        if base is not None and base is getattr(other, "_base", None) and \
-                self._start + len(self._array) == other._start:  # fmt: skip
-            return _segment(base, self._start, len(self._array) + len(other._array))
+        if self._base is other._base and self._stop == other._start:
+            return _segment(self._base, self._start, other._stop - self._start)
         return self + other
 
     def with_zeros_before(self, n: int) -> TokenArray:
         """`(0,) * n + self`: a view of its buffer when the `n` values before it there are
         zeros (a frame's loss mask, zero over the prompt), else a copy."""
-        base, start = getattr(self, "_base", None), getattr(self, "_start", 0)
-        if base is not None and start >= n and (getattr(self, "_zeros_before", 0) >= n or
-                                                not np.count_nonzero(base[start - n : start])):  # fmt: skip
-            return _segment(base, start - n, n + len(self._array))
-        return TokenArray.view(np.concatenate([np.zeros(n, self._array.dtype), self._array]))
+        base, start = self._base, self._start
+        if start >= n and (getattr(self, "_zeros_before", 0) >= n
+                           or not np.count_nonzero(base[start - n : start])):  # fmt: skip
+            out = _segment(base, start - n, self._stop - start + n)
+            for known in ("_sum", "_nonzero"):  # the zeros add nothing to either
+                if hasattr(self, known):
+                    setattr(out, known, getattr(self, known))
+            return out
+        return TokenArray.view(np.concatenate([np.zeros(n, base.dtype), self.array]))
 
     @property
     def array(self) -> np.ndarray:
         """The values as a read-only 1-D numpy array (no copy)."""
-        return self._array
+        try:
+            return self._array
+        except AttributeError:
+            self._array = self._base[self._start : self._stop]
+            return self._array
 
     def tolist(self) -> list:
-        return self._array.tolist()
+        return self.array.tolist()
 
     def sum(self) -> Any:
         """The sum of the values, as a Python number (computed once: the array never changes).
@@ -116,7 +125,7 @@ class TokenArray(Sequence):
         try:
             return self._sum
         except AttributeError:
-            self._sum = self._array.sum().item()
+            self._sum = self.array.sum().item()
             return self._sum
 
     def count_nonzero(self) -> int:
@@ -124,43 +133,41 @@ class TokenArray(Sequence):
         try:
             return self._nonzero
         except AttributeError:
-            self._nonzero: int = np.count_nonzero(self._array)
+            self._nonzero: int = np.count_nonzero(self.array)
             return self._nonzero
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        if dtype is None or np.dtype(dtype) == self._array.dtype:
-            return self._array.copy() if copy else self._array
-        return self._array.astype(dtype)
+        array = self.array
+        if dtype is None or np.dtype(dtype) == array.dtype:
+            return array.copy() if copy else array
+        return array.astype(dtype)
 
     def __len__(self) -> int:
-        return self._array.shape[0]
+        return self._stop - self._start
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
-            out = _new(TokenArray)
-            out._array = self._array[index]  # read-only like its base
-            return out
-        return self._array.item(index)
+            return TokenArray.view(self.array[index])  # read-only like its base
+        return self.array.item(index)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._array.tolist())
+        return iter(self.array.tolist())
 
     def __contains__(self, value: object) -> bool:
-        return value in self._array.tolist()
+        return value in self.array.tolist()
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenArray):
-            a, b = self._array, other._array
-            return a.shape == b.shape and bool(np.array_equal(a, b))
+            return len(self) == len(other) and bool(np.array_equal(self.array, other.array))
         if isinstance(other, tuple):
-            return len(other) == len(self) and tuple(self._array.tolist()) == other
+            return len(other) == len(self) and tuple(self.array.tolist()) == other
         return NotImplemented
 
     def __hash__(self) -> int:
         try:
             return self._hash
         except AttributeError:  # first call: computed once (as the tuple's: they mix in dicts)
-            self._hash: int = hash(tuple(self._array.tolist()))
+            self._hash: int = hash(tuple(self.array.tolist()))
             return self._hash
 
     def __add__(self, other: object) -> TokenArray:
@@ -170,7 +177,7 @@ class TokenArray(Sequence):
             return self
         if not len(self):
             return other if isinstance(other, TokenArray) else TokenArray(other)
-        return TokenArray.view(np.concatenate([self._array, np.asarray(other)]))
+        return TokenArray.view(np.concatenate([self.array, np.asarray(other)]))
 
     def __radd__(self, other: object) -> TokenArray:
         if not isinstance(other, tuple):
@@ -179,20 +186,19 @@ class TokenArray(Sequence):
             return self
         if not len(self):
             return TokenArray(other)
-        return TokenArray.view(np.concatenate([np.asarray(other), self._array]))
+        return TokenArray.view(np.concatenate([np.asarray(other), self.array]))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return TokenArray, (self._array,)
+        return TokenArray, (self.array,)
 
     def __repr__(self) -> str:
-        return f"TokenArray({self._array.tolist()!r})"
+        return f"TokenArray({self.array.tolist()!r})"
 
 
 def _segment(base: np.ndarray, start: int, n: int) -> TokenArray:
-    """A TokenArray over `base[start:start + n]` (`base` read-only), knowing where it lies."""
+    """A TokenArray over `base[start:start + n]` (`base` read-only); its view made when used."""
     out = _new(TokenArray)
-    out._array = base[start : start + n]
-    out._base, out._start = base, start
+    out._base, out._start, out._stop = base, start, start + n
     return out
 
 

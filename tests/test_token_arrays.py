@@ -13,8 +13,10 @@ import pytest
 
 from rollouts.token_arrays import TokenArray, segment_sums
 from rollouts.tools.rewards import count_model_turns
-from rollouts.types import Sample
+from rollouts.types import RolloutBatch, Sample
 from rollouts.unserved import prompt_of
+from training.rl.algorithm_config import grpo
+from training.rl.batch import build_examples
 
 
 def _cases(seed: int) -> list[tuple]:
@@ -131,3 +133,24 @@ def test_turns_and_trained_tokens_count_the_same_on_arrays_as_on_tuples():
         as_arrays = Sample((1,), (5,) * len(mask), TokenArray(mask, np.int32))
         assert count_model_turns(as_arrays) == count_model_turns(as_tuples)
         assert as_arrays.num_trained_tokens == as_tuples.num_trained_tokens == sum(mask)
+
+
+def test_joined_and_zeros_before_give_the_tuple_result_views_or_not():
+    ids = TokenArray.split(np.array([5, 6, 7, 8, 9], np.int32), [2, 3])
+    assert ids[0].joined(ids[1]) == (5, 6, 7, 8, 9)  # adjacent: a view of the buffer
+    assert np.shares_memory(ids[0].joined(ids[1]).array, ids[0].array)
+    assert ids[1].joined(ids[0]) == (7, 8, 9, 5, 6)  # not adjacent: a copy
+    masks = TokenArray.split(np.array([0, 0, 1, 1, 1, 0, 1], np.int32), [2, 2, 3], with_sums=True)
+    assert masks[1].with_zeros_before(2) == (0, 0, 1, 1)  # zeros before it: a view
+    assert masks[2].with_zeros_before(2) == (0, 0, 1, 0, 1)  # ones before it: not reused
+    assert masks[1].with_zeros_before(3) == (0, 0, 0, 1, 1)  # fewer values before it
+    assert TokenArray([1, 0], np.int32).with_zeros_before(1) == (0, 1, 0)
+
+
+def test_rows_of_hand_made_token_array_samples_equal_the_tuple_rows():
+    as_tuples, as_arrays = _pair()
+    other = dataclasses.replace(as_tuples, reward=0.0, index_in_group=1)
+    other_arrays = dataclasses.replace(as_arrays, reward=0.0, index_in_group=1)
+    want = build_examples(RolloutBatch(((as_tuples, other),), 1, 0), grpo())
+    got = build_examples(RolloutBatch(((as_arrays, other_arrays),), 1, 0), grpo())
+    assert got == want and len(got) == 2
