@@ -187,7 +187,7 @@ def decode_body(body: bytes | np.ndarray, n_header: int
     """(header, read-only buffer views of `body`) of a frame's body (what follows the prefix)."""
     try:
         with gc_paused(n_header >= 1 << 16):  # many acyclic objects (plumbing/gc_pause.py)
-            header = json.loads(bytes(memoryview(body)[:n_header]))
+            header = _loads_header(bytes(memoryview(body)[:n_header]))
     except ValueError as err:
         raise FrameError(f"frame header is not JSON: {err}") from err
     buffers, offset = [], n_header
@@ -205,6 +205,21 @@ def decode_body(body: bytes | np.ndarray, n_header: int
     if offset != len(body):
         raise FrameError(f"frame has {len(body) - offset} bytes its header does not name")
     return header, buffers
+
+
+def _loads_header(text: bytes) -> Any:
+    """JSON, parsed by orjson when it is installed (the `fast` extra: ~2x faster on a header of
+    thousands of sample records); Python's json for what orjson refuses (NaN, Infinity)."""
+    if _orjson_loads is not None:
+        with contextlib.suppress(ValueError):
+            return _orjson_loads(text)
+    return json.loads(text)
+
+
+try:  # optional, as in engines/http.py
+    from orjson import loads as _orjson_loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson_loads = None
 
 
 # -- groups of samples ------------------------------------------------------------------------
