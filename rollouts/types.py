@@ -8,8 +8,8 @@ kept for rewards and logs, never re-tokenized to train on.
 Sequence fields are normalised to tuples and mapping fields copied to plain dicts on
 construction, so callers may pass lists; a `TokenArray` (rollouts/token_arrays.py: a read-only
 numpy view that equals and hashes as the tuple of its values) is kept as it is, so samples
-decoded from a rollout worker's frame hold no Python object per token. Mappings are not deep-frozen: treat `metadata` and
-`reward_components` as read-only.
+decoded from a rollout worker's frame hold no Python object per token. Mappings are not
+deep-frozen: treat `metadata` and `reward_components` as read-only.
 
 `to_dict` / `from_dict` give a JSON-serialisable round trip (checkpointed held groups, rollout
 dumps); `metadata` and tool-call `arguments` must themselves be JSON-serialisable for that.

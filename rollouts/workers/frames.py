@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import json
 import os
@@ -30,6 +29,11 @@ from typing import Any
 
 import numpy as np
 import trio
+
+try:  # POSIX: widening a pipe (Linux only, F_SETPIPE_SZ)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 from plumbing.errors import DataError, RolloutsError
 from plumbing.gc_pause import gc_paused
@@ -159,7 +163,7 @@ def _nonblocking_fd(stream: object) -> int | None:
 def _widen_pipe(fd: int) -> None:
     """Let a pipe hold 1 MiB (Linux's default is 64 KiB): a 30 MB frame then wakes the reader
     ~30 times instead of ~470 (each wake-up costs trio tens of microseconds of CPU)."""
-    if hasattr(fcntl, "F_SETPIPE_SZ"):
+    if fcntl is not None and hasattr(fcntl, "F_SETPIPE_SZ"):
         with contextlib.suppress(OSError):  # not a pipe, or above the system's limit
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
 
