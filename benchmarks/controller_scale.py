@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -127,6 +128,11 @@ async def measure(cfg: dict) -> dict:
 
 
 def child(cfg: dict) -> None:
+    # What the imports made (torch, transformers: ~10^6 objects) goes to the collector's
+    # permanent generation, as `rollouts rl` does (training/recipes/cli.py): otherwise a full
+    # pass over them (~0.13 s here) lands in a random step and is counted as the controller's.
+    gc.collect()
+    gc.freeze()
     harness.emit(trio.run(measure, cfg))
 
 
