@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -127,6 +128,11 @@ async def measure(cfg: dict) -> dict:
 
 
 def child(cfg: dict) -> None:
+    # What the imports made (torch, transformers: ~10^6 objects) goes to the collector's
+    # permanent generation, as `rollouts rl` does (training/recipes/cli.py): otherwise a full
+    # pass over them (~0.13 s here) lands in a random step and is counted as the controller's.
+    gc.collect()
+    gc.freeze()
     harness.emit(trio.run(measure, cfg))
 
 
@@ -204,8 +210,8 @@ def _notes(results: list[tuple[dict, dict]]) -> list[str]:
     def cpu_share(r: dict) -> float:
         return (r["cpu_gen"] + r["cpu_build"]) / r["ideal"]
 
-    over = [(c["engines"], f"{c['prompts']}x{c['n']}x{c['tokens']}") for c, r in results
-            if cpu_share(r) > 0.05]  # fmt: skip
+    over = [(c["engines"], c.get("workers", 0), f"{c['prompts']}x{c['n']}x{c['tokens']}")
+            for c, r in results if cpu_share(r) > 0.05]  # fmt: skip
     best = max((r["tokens"] / r["t_gen"] for _, r in results), default=float("nan"))
     per_token = [r["cpu_gen"] / r["tokens"] * 1e6 for _, r in results]
     return [
@@ -217,7 +223,9 @@ def _notes(results: list[tuple[dict, dict]]) -> list[str]:
         "not overlap the engines' (an upper bound); >= 100 % means it cannot keep up at all.",
         f"- controller CPU per response token: {min(per_token, default=0):.2f}-"
         f"{max(per_token, default=0):.2f} us; most sustained: {best:,.0f} tokens/s.",
-        f"- first point where the controller's CPU share passes 5 %: {min(over, default=None)}.",
+        "- first point (engines, workers, shape) where the controller's CPU share passes 5 %: "
+        f"{min(over, default=None)}.",
+        *_worker_notes(results),
         "- RSS MiB/1k: resident memory after the batch minus before, in the measured (second) "
         "step, whose allocations partly reuse the first step's freed memory; peak RSS is the "
         "firmer figure.",
@@ -227,6 +235,41 @@ def _notes(results: list[tuple[dict, dict]]) -> list[str]:
         "full GC passes over the live batch included (orjson, C-level conversion, GC paused "
         "while decoding); then one int object per token id (now shared).",
     ]
+
+
+def _worker_notes(results: list[tuple[dict, dict]]) -> list[str]:
+    """K = 0's trainer CPU per 1,000 response tokens against each K's, and the CPU share."""
+
+    def ms_per_1k(r: dict) -> float:  # the trainer process's CPU per 1,000 response tokens
+        return (r["cpu_gen"] + r["cpu_build"]) / r["tokens"] * 1e6
+
+    points: dict[tuple[int, str], dict[int, dict]] = {}
+    for c, r in results:
+        shape = f"{c['prompts']}x{c['n']}x{c['tokens']}"
+        points.setdefault((c["engines"], shape), {})[c.get("workers", 0)] = r
+    lines = []
+    for (engines, shape), by_k in points.items():
+        if 0 not in by_k or len(by_k) < 2:
+            continue
+        base = ms_per_1k(by_k[0])
+        ratios = ", ".join(f"K={k} {ms_per_1k(r):.3f} ms ({ms_per_1k(r) / base:.1%} of K=0's)"
+                           for k, r in sorted(by_k.items()) if k)  # fmt: skip
+        shares = ", ".join(f"K={k} {(r['cpu_gen'] + r['cpu_build']) / r['ideal']:.1%}"
+                           for k, r in sorted(by_k.items()))  # fmt: skip
+        lines.append(f"- trainer CPU per 1,000 response tokens, {engines} engines, {shape}: "
+                     f"K=0 {base:.3f} ms; {ratios}. CPU share: {shares} (goal: K >= 1 at "
+                     "most 10 % of K=0's per token; share <= 5 % at 64 engines).")  # fmt: skip
+    if lines:
+        lines.append(
+            "- what 2 shared cores can and cannot show: the fleet, the trainer and K worker "
+            "processes share them (with other jobs), so wall time (gen s, samples/s, wall share) "
+            "cannot improve with K here: every process waits for the same two cores. The CPU "
+            "seconds each process spends per token are what transfers to a dedicated node, "
+            "where the trainer has a core of its own and the workers others; CPU time measured "
+            "under contention also runs high (shared caches, other jobs), so these shares are "
+            "upper bounds."
+        )
+    return lines
 
 
 if __name__ == "__main__":

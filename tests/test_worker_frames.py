@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import trio
@@ -22,7 +24,8 @@ def _groups() -> list[tuple[Sample, ...]]:
     a = Sample((1, 2, 3), (7, 8, 9, 10, 11), (1, 1, 0, 1, 1), logprobs, response_text="x=é",
                reward=0.5, reward_components={"correct": 1.0}, status="truncated", group_id=3,
                index_in_group=1, sub_index=2, weight_version=4, metadata={"answer": "46"},
-               tool_calls=(ToolCallRecord("calc", {"x": 1}, "2", True),), finish_reason="length")  # fmt: skip
+               tool_calls=(ToolCallRecord("calc", {"x": 1}, "2", True),), finish_reason="length",
+               teacher_logprobs=(-0.5, -1.0, -2.0, -0.25, -4.0))  # fmt: skip
     b = Sample((5,), (), (), error="reward raised", status="failed")
     c = Sample((2**31 - 1, 0), (6,), (1,), (-3.5,))
     return [(a, b), (c,)]
@@ -99,3 +102,12 @@ async def test_bytes_that_are_not_a_frame_are_refused_naming_stdout():
 def test_only_int32_and_float32_buffers_are_sent():
     with pytest.raises(TypeError, match="int32 or float32"):
         encode_frame({}, [np.zeros(3, np.float64)])
+
+
+def test_a_reward_that_is_not_a_number_survives_the_frame():
+    groups = [(Sample((1,), (2,), (1,), (-0.5,), reward=float("nan")),
+               Sample((1,), (3,), (1,), (-0.5,), reward=float("-inf")))]  # fmt: skip
+    records, buffers = encode_groups(groups)
+    header, arrays = decode_frame(encode_frame({"groups": records}, buffers))
+    ((a, b),) = decode_groups(header["groups"], arrays)
+    assert math.isnan(a.reward) and b.reward == float("-inf") and a.response_ids == (2,)

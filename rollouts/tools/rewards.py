@@ -10,6 +10,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
+
+from rollouts.token_arrays import TokenArray
 from rollouts.types import Sample
 
 
@@ -29,6 +32,13 @@ def count_model_turns(sample: Sample) -> int:
 
     Tool/environment tokens (mask 0) separate the turns, so this needs no extra field.
     """
+    mask = sample.loss_mask
+    if type(mask) is TokenArray:  # a rollout worker's sample: counted in numpy, not per token
+        n_on = mask.count_nonzero()
+        if n_on in (0, len(mask)):  # one turn of model tokens (the common case), or none
+            return int(n_on > 0)
+        on = mask.array != 0
+        return int(on[0]) + int(np.count_nonzero(on[1:] > on[:-1]))
     turns, previous = 0, 0
     for m in sample.loss_mask:
         if m and not previous:

@@ -24,7 +24,9 @@ from itertools import compress, pairwise
 import torch
 
 from plumbing.errors import ConfigError
+from plumbing.gc_pause import gc_paused
 from rollouts.shaping import add_reward_component
+from rollouts.token_arrays import TokenArray
 from rollouts.types import RolloutBatch, Sample
 from training.data.packing import IGNORE_INDEX, SFTBatch, move_to
 from training.data.prefix_sharing import prepare_prefix_shared_batch
@@ -35,6 +37,7 @@ from training.rl.algorithms import (
     compute_advantages,
 )
 from training.rl.distill import sample_token_advantages
+from training.rl.example_arrays import all_token_arrays, example_arrays, frozen_record
 from training.rl.kl import KLFn
 from training.rl.microbatch_loss import loss_weight_fn as loss_weight_fn
 from training.rl.microbatch_loss import n_sequences as n_sequences
@@ -65,7 +68,8 @@ class RLExample:
 
     @property
     def n_trained(self) -> int:
-        return sum(self.loss_mask)
+        mask = self.loss_mask
+        return sum(mask) if type(mask) is not TokenArray else mask.sum()
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -152,6 +156,9 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
     With `share_prompt`, neighbouring examples with the same prompt ids may be scored against
     one copy of it (training/data/prefix_sharing.py); the logprobs are the same either way.
     """
+    if all_token_arrays((sample,)):  # a rollout worker's sample: numpy, not token by token
+        (ids,), (mask,), (trained,) = example_arrays((sample,))
+        return _example(sample, ids, mask, trained, advantage, unit, share_prompt, group)
     # C-level: a step at cluster scale has tens of millions of tokens (issue 31)
     trained = compress(sample.rollout_logprobs, sample.loss_mask)
     return RLExample(
@@ -165,6 +172,14 @@ def sample_to_example(sample: Sample, advantage: float, *, unit: int | None = No
         shared_prefix_len=len(sample.prompt_ids) if share_prompt else 0,
         group=group,
     )
+
+
+def _example(sample: Sample, ids: Sequence[int], mask: Sequence[int], trained: Sequence[float],
+             advantage: float, unit: int | None, share_prompt: bool, group: int) -> RLExample:  # fmt: skip
+    return frozen_record(RLExample, input_ids=ids, loss_mask=mask, advantage=advantage,
+                         rollout_logprobs=trained, reward=sample.reward, unit=unit, group=group,
+                         source=f"group {sample.group_id} sample {sample.index_in_group}",
+                         shared_prefix_len=len(sample.prompt_ids) if share_prompt else 0)  # fmt: skip
 
 
 def batch_rewards(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -207,11 +222,11 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
     if algorithm.loss == "pairwise":
         return _preference_pairs(batch, share_prompts, pair_selector)
     rewards_GN, mask_GN = batch_rewards(batch)
+    n_trained_GN = [[s.num_trained_tokens for s in g] for g in batch.groups]
     if advantage_fn is None and algorithm.needs_critic:  # per token, from the critic, later
         advantages_GN = torch.zeros_like(rewards_GN)
     elif advantage_fn is None:
-        n_tokens_GN = _padded([[s.num_trained_tokens for s in g] for g in batch.groups],
-                              rewards_GN.shape[1])  # fmt: skip
+        n_tokens_GN = _padded(n_trained_GN, rewards_GN.shape[1])
         advantages_GN = compute_advantages(algorithm, rewards_GN, n_tokens_GN=n_tokens_GN,
                                            mask_GN=mask_GN)  # fmt: skip
     elif mask_GN is not None:
@@ -228,18 +243,23 @@ def build_examples(batch: RolloutBatch, algorithm: AlgorithmConfig,
                 f"advantage_fn returned shape {tuple(advantages_GN.shape)} for rewards of "
                 f"shape {tuple(rewards_GN.shape)}; return one advantage per sample"
             )
-    examples = []
-    for g, group in enumerate(batch.groups):
-        for n, sample in enumerate(group):
-            if algorithm.mask_truncated and sample.status == "truncated":
-                continue  # it still counted in its group's baseline, as in DAPO
-            if sample.num_trained_tokens:
-                advantage = float(advantages_GN[g, n])
-                example = sample_to_example(sample, advantage, share_prompt=share_prompts, group=g)
-                if algorithm.needs_teacher:  # per token: the teacher's signal (distill.py)
-                    per_token = sample_token_advantages(sample, advantage, algorithm)
-                    example = replace(example, token_advantages=per_token)
-                examples.append(example)
+    kept = [(g, n, s) for g, group in enumerate(batch.groups) for n, s in enumerate(group)
+            if n_trained_GN[g][n]  # no trained token: no gradient
+            and not (algorithm.mask_truncated and s.status == "truncated")]  # fmt: skip
+    # (a truncated sample masked out still counted in its group's baseline, as in DAPO)
+    advantages = advantages_GN[[g for g, _, _ in kept], [n for _, n, _ in kept]].tolist()
+    samples = [s for _, _, s in kept]
+    if all_token_arrays(samples):  # a rollout worker's: numpy over the batch, GC paused for
+        with gc_paused():  # its tens of thousands of acyclic objects (plumbing/gc_pause.py)
+            rows = zip(kept, advantages, *example_arrays(samples), strict=True)
+            examples = [_example(s, ids, mask, lp, a, None, share_prompts, g)
+                        for (g, _, s), a, ids, mask, lp in rows]  # fmt: skip
+    else:
+        examples = [sample_to_example(s, a, share_prompt=share_prompts, group=g)
+                    for (g, _, s), a in zip(kept, advantages, strict=True)]  # fmt: skip
+    if algorithm.needs_teacher:  # per token: the teacher's signal (distill.py)
+        examples = [replace(e, token_advantages=sample_token_advantages(s, e.advantage, algorithm))
+                    for e, (_, _, s) in zip(examples, kept, strict=True)]  # fmt: skip
     return examples
 
 
