@@ -8,6 +8,8 @@ import trio
 
 from engines import SGLangEngine
 from engines.local import open_local_engine
+from engines.stall import stall_bound_s
+from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.prompts import PromptItem
 from rollouts.workers.frames import decode_groups
@@ -88,3 +90,29 @@ async def test_a_worker_that_gives_no_answer_in_time_is_lost_and_a_restart_repla
         await worker.restart(nursery)  # the hung process is killed, a fresh one answers
         assert worker.pid != first and worker.starts == 2
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("settings", [
+    {"generate_timeout_s": 1.0},  # the HTTP limit of a /generate
+    {"stall_floor_s": 1.0, "stall_s_per_token": 0.01},  # the pool's stall bound
+], ids=["generate_timeout_s", "stall_bound"])  # fmt: skip
+async def test_a_worker_gives_up_a_hung_generate_at_the_runs_engine_settings_not_the_defaults(
+    tiny_model_dir, settings
+):
+    """The run's `engines.*` reach a worker's clients and pool (start frame "engines"): its
+    engine hangs the first /generate, the worker gives it up at the run's bound and re-sends it,
+    long before the library's default bound (60 s + 0.2 s x 4 tokens) would."""
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        proxy = FaultProxy(server.url, FaultPlan(script=("hang",), hang_s=120.0))
+        url = await nursery.start(proxy.serve)
+        worker = WorkerProcess(0, [url], ROLLOUT, "tests.worker_rewards:loud_index_reward",
+                               timeout_s=20, engines=settings)  # fmt: skip
+        await worker.start(nursery)
+        header, buffers = await worker.ask(_request(PROMPTS[:1]))  # WorkerLost before: 60 s
+        nursery.cancel_scope.cancel()
+    assert proxy.counts["hang"] == 1
+    [group] = decode_groups(header["groups"], buffers)
+    assert [s.index_in_group for s in group] == [0, 1]  # the hung sample was sent again
+    default_bound_s = stall_bound_s(ROLLOUT.sampling.params(), 60.0, 0.2)
+    assert proxy.longest_s["/generate"] < default_bound_s / 4

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -81,7 +81,7 @@ class WorkerRolloutManager(AsyncRolloutManager):
         transforms: Sequence[SampleTransform] = (),
         current_version: Callable[[], int] = lambda: 0,
         engine_weights: Callable[[], str | None] = lambda: None,
-        api_key: str | None = None,
+        engines: Mapping[str, Any] | None = None,
     ):
         k = config.workers
         if k < 1:
@@ -100,7 +100,7 @@ class WorkerRolloutManager(AsyncRolloutManager):
             update={"max_concurrency": math.ceil(config.max_concurrency / k), "workers": 0}
         )
         self.workers = [WorkerProcess(i, list(engine_urls[i::k]), per_worker, reward,
-                                      timeout_s=config.worker_timeout_s, api_key=api_key)
+                                      timeout_s=config.worker_timeout_s, engines=engines)
                         for i in range(k)]  # fmt: skip
         self.restarts = 0
         self._overlong: dict[str, Any] | None = None

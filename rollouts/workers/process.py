@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,13 @@ class WorkerProcess:
 
     def __init__(self, index: int, engine_urls: list[str], rollout: RolloutConfig, reward: str,
                  *, timeout_s: float, start_timeout_s: float = 120.0,
-                 api_key: str | None = None) -> None:  # fmt: skip
+                 engines: Mapping[str, Any] | None = None) -> None:  # fmt: skip
         self.index = index
         self.engine_urls = list(engine_urls)
+        # `engines`: the run's client and pool settings (engines/client_settings.py)
         self.start_frame = {"kind": "start", "worker": index, "engine_urls": self.engine_urls,
                             "rollout": rollout.model_dump(mode="json"), "reward": reward,
-                            "api_key": api_key}  # fmt: skip
+                            "engines": dict(engines or {})}  # fmt: skip
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.process: trio.Process | None = None

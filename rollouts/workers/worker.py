@@ -5,8 +5,10 @@ Started by `WorkerRolloutManager` as `python -m rollouts.workers.worker` with fr
 stderr (stdout is the frame stream). The protocol, one frame each:
 
 - trainer → worker, first: `{"kind": "start", "worker": k, "engine_urls": [...], "rollout":
-  RolloutConfig fields, "reward": "module:function", "api_key": the engines' or null}`. The
-  worker opens an `EnginePool` over its engines and imports the reward itself; it answers
+  RolloutConfig fields, "reward": "module:function", "engines": the run's client and pool
+  settings (engines/client_settings.py: keys, generate timeout, stall bound...)}`. The worker
+  builds its clients and `EnginePool` from them as the trainer builds its own, and imports the
+  reward itself; it answers
   `{"kind": "ready", "pid": ...}`.
 - trainer → worker: `{"kind": "collect", "request": id, "rid_prefix": str, "prompts":
   [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...},
@@ -152,6 +154,7 @@ def _slot(group: tuple[Sample, ...], n_prompts: int) -> int:
 async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> None:
     """Answer the trainer's frames until stdin ends (see the module docstring)."""
     from engines import EnginePool, SGLangEngine  # the process's engines, opened here
+    from engines.client_settings import client_options, pool_options
 
     reader = FrameReader(stdin, what="the worker's stdin")
     first = await reader.receive()
@@ -162,9 +165,12 @@ async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> N
         raise RolloutsError(f"rollout worker: the first frame must be 'start', got {start!r}")
     import_reward(start["reward"])  # before the engines: a bad name ends the worker at once
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(SGLangEngine(url, api_key=start.get("api_key")))
+        settings = start.get("engines") or {}  # built as the trainer's (engines/client_settings.py)
+        engines = [await stack.enter_async_context(SGLangEngine(
+                       url, **client_options(settings), retry_generate=False))  # the pool retries
                    for url in start["engine_urls"]]  # fmt: skip
-        pool = EnginePool(engines, follows_weights=True)  # the trainer gives the weights
+        # the trainer gives the weights: the pool uses no engine it has not given them yet
+        pool = EnginePool(engines, **pool_options(settings), follows_weights=True)
         worker = Worker(start, await stack.enter_async_context(pool))
         await stdout.send_all(encode_frame({"kind": "ready", "pid": os.getpid()}))
         while (frame := await reader.receive()) is not None:
