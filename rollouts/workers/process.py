@@ -48,6 +48,7 @@ class WorkerProcess:
         self.pid: int | None = None
         self.starts = 0
         self._reader: FrameReader | None = None
+        self._send_lock = trio.Lock()  # `tell` may send while `ask` waits for its answer
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the process under `nursery` and wait for its "ready" frame."""
@@ -87,6 +88,22 @@ class WorkerProcess:
                                 f"{', '.join(self.engine_urls)}): {header['message']}")  # fmt: skip
         return header, buffers
 
+    async def tell(self, frame: dict[str, Any], timeout_s: float = 5.0) -> bool:
+        """Send a frame the worker does not answer (the engines the trainer has paused), also
+        while an `ask` waits; False when no worker is there to read it within `timeout_s` (a
+        restarted one is told again with its next request)."""
+        process = self.process
+        if process is None or process.stdin is None or process.returncode is not None:
+            return False
+        with trio.move_on_after(timeout_s):
+            try:
+                async with self._send_lock:
+                    await process.stdin.send_all(encode_frame(frame))
+                return True
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+        return False
+
     async def _exchange(self, frame: dict[str, Any], timeout_s: float, what: str
                         ) -> tuple[dict[str, Any], list[np.ndarray]]:  # fmt: skip
         assert self.process is not None and self._reader is not None
@@ -94,7 +111,8 @@ class WorkerProcess:
         assert stdin is not None
         try:
             with trio.fail_after(timeout_s):
-                await stdin.send_all(encode_frame(frame))
+                async with self._send_lock:
+                    await stdin.send_all(encode_frame(frame))
                 answer = await self._reader.receive()
         except trio.TooSlowError:
             raise WorkerLost(f"rollout worker {self.index} (pid {self.process.pid}) gave no "

@@ -12,7 +12,8 @@ stderr (stdout is the frame stream). The protocol, one frame each:
   `{"kind": "ready", "pid": ...}`.
 - trainer → worker: `{"kind": "collect", "request": id, "rid_prefix": str, "prompts":
   [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...},
-  "engine_weights": the version of the trainer's last push, or null, "abort": [rid prefixes]}`:
+  "engine_weights": the version of the trainer's last push, or null, "abort": [rid prefixes],
+  "paused": [the worker's engine URLs the trainer has paused now]}`:
   the worker's pool uses no engine serving older weights (`EnginePool(follows_weights=True)`);
   it first aborts, on its engines, the requests of the `abort` prefixes (those a lost worker
   before it left running).
@@ -21,6 +22,10 @@ stderr (stdout is the frame stream). The protocol, one frame each:
   [...], "stats": {...}}` with the groups' tokens in flat buffers; `slots[i]` is the index of
   group i's prompt in the request, `partial` the slots cut short (an engine paused with abort)
   with their finished samples, `stats` the collection's counters.
+- trainer → worker, at any time (also while a collection runs; never answered): `{"kind":
+  "paused", "urls": [...]}`, the worker's engines the trainer has paused now (a weight push, as
+  `"paused"` of a collect frame): requests wait behind that pause by design, so the pool's stall
+  watch does not count that time (engines/stall.py, `mark_paused_elsewhere`).
 - a failure the trainer must not retry (a reward that raised under `reward_fail_fast`, an
   engine error under `engine_fail_fast`) is answered `{"kind": "error", "message": ...}`.
 - stdin closed (or the process killed): the worker ends. The trainer's nursery owns the process.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -85,8 +91,10 @@ def stats_result(stats: Mapping[str, Any]) -> CollectResult:
 class Worker:
     """One worker's state: its engines, reward and config (see the module docstring)."""
 
-    def __init__(self, start: Mapping[str, Any], engine: Any) -> None:
+    def __init__(self, start: Mapping[str, Any], engine: Any, clients: Sequence[Any] = ()
+                 ) -> None:  # fmt: skip
         self.index = start["worker"]
+        self.clients = list(clients)  # the pool's, one per engine URL
         self.config = RolloutConfig.model_validate(start["rollout"])
         self.task_reward = import_reward(start["reward"])
         self.engine = engine
@@ -99,6 +107,7 @@ class Worker:
         prompts = [(PromptItem.from_dict(p["prompt"]), [Sample.from_dict(s) for s in p["samples"]])
                    for p in request["prompts"]]  # fmt: skip
         queue = iter(prompts)
+        self.mark_paused(request.get("paused", ()))
         self.engine.expect_weights(request.get("engine_weights"))
         await abort_left_running(self.engine, request.get("abort", ()))
         reward = self.task_reward
@@ -125,6 +134,12 @@ class Worker:
                   "slots": [slots[i] for i in order], "partial": partial,
                   "stats": result_stats(result)}  # fmt: skip
         return encode_frame(header, buffers)
+
+    def mark_paused(self, urls: Sequence[str]) -> None:
+        """The trainer has the engines at `urls` paused (a weight push), and no others: their
+        requests wait behind the pause by design, which the stall watch does not count."""
+        for client in self.clients:
+            client.mark_paused_elsewhere(client.url in urls)
 
 
 async def abort_left_running(engine: Any, prefixes: Sequence[str], timeout_s: float = 10.0
@@ -171,17 +186,30 @@ async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> N
                    for url in start["engine_urls"]]  # fmt: skip
         # the trainer gives the weights: the pool uses no engine it has not given them yet
         pool = EnginePool(engines, **pool_options(settings), follows_weights=True)
-        worker = Worker(start, await stack.enter_async_context(pool))
+        worker = Worker(start, await stack.enter_async_context(pool), engines)
         await stdout.send_all(encode_frame({"kind": "ready", "pid": os.getpid()}))
-        while (frame := await reader.receive()) is not None:
-            request = frame[0]
-            try:
-                reply = await worker.collect(request)
-            except* (EngineError, RolloutsError) as group:
-                message = "; ".join(f"{type(e).__name__}: {e}" for e in leaf_errors(group))
-                reply = encode_frame({"kind": "error", "request": request.get("request"),
-                                      "message": message})  # fmt: skip
-            await stdout.send_all(reply)
+        requests_in, requests = trio.open_memory_channel[dict[str, Any]](math.inf)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_answer, worker, requests, stdout)
+            async with requests_in:  # closed at the end of stdin: the last answer still goes
+                while (frame := await reader.receive()) is not None:
+                    if frame[0].get("kind") == "paused":  # read while a collection runs
+                        worker.mark_paused(frame[0]["urls"])
+                    else:
+                        requests_in.send_nowait(frame[0])
+
+
+async def _answer(worker: Worker, requests: trio.MemoryReceiveChannel, stdout: trio.abc.SendStream
+                  ) -> None:  # fmt: skip
+    """Answer each request in turn, as the trainer sends them (one at a time per worker)."""
+    async for request in requests:
+        try:
+            reply = await worker.collect(request)
+        except* (EngineError, RolloutsError) as group:
+            message = "; ".join(f"{type(e).__name__}: {e}" for e in leaf_errors(group))
+            reply = encode_frame({"kind": "error", "request": request.get("request"),
+                                  "message": message})  # fmt: skip
+        await stdout.send_all(reply)
 
 
 def main() -> None:

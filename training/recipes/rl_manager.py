@@ -49,6 +49,7 @@ def build_rollout_manager(config: Any, engine: Any, clients: list[Any], buffer: 
         transforms=extensions.transforms, current_version=version,
         engine_weights=lambda: pushed_version(clients),
         engines=client_settings(config.engines),  # its workers' clients are built as ours
+        paused_engines=lambda: {c.url for c in clients if getattr(c, "paused", False)},
     )  # fmt: skip
 
 
