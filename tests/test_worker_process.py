@@ -116,3 +116,35 @@ async def test_a_worker_gives_up_a_hung_generate_at_the_runs_engine_settings_not
     assert [s.index_in_group for s in group] == [0, 1]  # the hung sample was sent again
     default_bound_s = stall_bound_s(ROLLOUT.sampling.params(), 60.0, 0.2)
     assert proxy.longest_s["/generate"] < default_bound_s / 4
+
+
+async def test_a_worker_told_of_pauses_while_it_starts_is_told_nothing_until_ready_and_answers(
+    tiny_model_dir,
+):
+    """The trainer tells its workers of its pauses at any time, also while one is (re)started:
+    nothing is sent to the new process until it answered its start frame (a frame before
+    it would end it), and it is told once ready."""
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:index_reward",
+                               timeout_s=60)  # fmt: skip
+        told: list[bool] = []
+        started = trio.Event()
+
+        async def tell_until_started():
+            while not started.is_set():  # at every turn of the event loop while it starts
+                told.append(await worker.tell({"kind": "paused", "urls": []}))
+                await trio.lowlevel.checkpoint()
+
+        async def start():
+            await worker.start(nursery)
+            started.set()
+
+        async with trio.open_nursery() as starting:
+            starting.start_soon(tell_until_started)
+            starting.start_soon(start)
+        header, _ = await worker.ask(_request(PROMPTS[:1]))
+        assert await worker.tell({"kind": "paused", "urls": [server.url]})  # ready: told
+        nursery.cancel_scope.cancel()
+    assert told and not any(told)
+    assert header["slots"] == [0]

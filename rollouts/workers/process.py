@@ -49,9 +49,11 @@ class WorkerProcess:
         self.starts = 0
         self._reader: FrameReader | None = None
         self._send_lock = trio.Lock()  # `tell` may send while `ask` waits for its answer
+        self.ready = False  # the process answered its start frame (the first frame it reads)
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the process under `nursery` and wait for its "ready" frame."""
+        self.ready = False  # nothing may reach the new process before its start frame
         # the worker imports what this process can (a reward next to the config included)
         path = [str(ROOT), *(p for p in sys.path if p and os.path.isdir(p))]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
@@ -66,12 +68,14 @@ class WorkerProcess:
         if ready[0].get("kind") != "ready":
             raise WorkerLost(f"rollout worker {self.index} answered its start with {ready[0]!r}")
         self.pid = ready[0]["pid"]
+        self.ready = True
 
     async def restart(self, nursery: trio.Nursery) -> None:
         self.kill()
         await self.start(nursery)
 
     def kill(self) -> None:
+        self.ready = False
         if self.process is not None and self.process.returncode is None:
             self.process.kill()
 
@@ -90,10 +94,10 @@ class WorkerProcess:
 
     async def tell(self, frame: dict[str, Any], timeout_s: float = 5.0) -> bool:
         """Send a frame the worker does not answer (the engines the trainer has paused), also
-        while an `ask` waits; False when no worker is there to read it within `timeout_s` (a
-        restarted one is told again with its next request)."""
+        while an `ask` waits; False when no started worker is there to read it within
+        `timeout_s` (one being started or restarted is told again with its next request)."""
         process = self.process
-        if process is None or process.stdin is None or process.returncode is not None:
+        if not self.ready or process is None or process.stdin is None:
             return False
         with trio.move_on_after(timeout_s):
             try:
