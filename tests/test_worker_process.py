@@ -3,6 +3,8 @@ scores the groups it is sent and returns them whole; its failures are named."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import trio
 
@@ -148,3 +150,30 @@ async def test_a_worker_told_of_pauses_while_it_starts_is_told_nothing_until_rea
         nursery.cancel_scope.cancel()
     assert told and not any(told)
     assert header["slots"] == [0]
+
+
+async def test_a_group_resumed_from_held_samples_of_another_collection_comes_back_in_its_slot(
+    tiny_model_dir,
+):
+    """A group a push cut short is held with its finished samples, whose group_id is their
+    launch number in the collection that made them; sent again (async mode), the group comes
+    back in the slot of its prompt in the new request, every sample with one group_id."""
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:index_reward",
+                               timeout_s=60)  # fmt: skip
+        await worker.start(nursery)
+        header, buffers = await worker.ask(_request(PROMPTS[:1]))
+        [[first, _]] = decode_groups(header["groups"], buffers)
+        for launch in (1, 5):  # its launch number then: another slot's in the request, and none
+            held = replace(first, group_id=launch)
+            request = _request(PROMPTS[:2], request=2)
+            request["prompts"][0]["samples"] = [held.to_dict()]  # PROMPTS[0], one sample done
+            header, buffers = await worker.ask(request)
+            groups = decode_groups(header["groups"], buffers)
+            assert header["slots"] == [0, 1]
+            assert [g[0].prompt_ids for g in groups] == [PROMPTS[0].prompt_ids,
+                                                         PROMPTS[1].prompt_ids]  # fmt: skip
+            assert [len({s.group_id for s in g}) for g in groups] == [1, 1]
+            assert groups[0][0].response_ids == first.response_ids  # the held one, kept
+        nursery.cancel_scope.cancel()

@@ -40,6 +40,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -104,8 +105,11 @@ class Worker:
 
     async def collect(self, request: Mapping[str, Any]) -> bytes:
         cfg = self.config
-        prompts = [(PromptItem.from_dict(p["prompt"]), [Sample.from_dict(s) for s in p["samples"]])
-                   for p in request["prompts"]]  # fmt: skip
+        # held samples (a group a push cut short) carry their launch number in the collection
+        # that made them: given the slot's, the group comes back whole in its slot (`_slot`)
+        prompts = [(PromptItem.from_dict(p["prompt"]),
+                    [replace(Sample.from_dict(s), group_id=slot) for s in p["samples"]])
+                   for slot, p in enumerate(request["prompts"])]  # fmt: skip
         queue = iter(prompts)
         self.mark_paused(request.get("paused", ()))
         self.engine.expect_weights(request.get("engine_weights"))
@@ -156,8 +160,9 @@ async def abort_left_running(engine: Any, prefixes: Sequence[str], timeout_s: fl
 
 
 def _slot(group: tuple[Sample, ...], n_prompts: int) -> int:
-    """The request slot of a finished group: its samples' group_id is its launch number, and
-    the worker launches the request's prompts in order, one launch each (no replacement)."""
+    """The request slot of a finished group: its samples' group_id is its launch number (the
+    held ones' set to it by `Worker.collect`), and the worker launches the request's prompts in
+    order, one launch each (no replacement)."""
     gid = group[0].group_id
     if not 0 <= gid < n_prompts:
         raise RolloutsError(f"rollout worker: a group came back with group_id {gid}, not one "
