@@ -89,6 +89,8 @@ class SGLangEngine(ControlRoutesMixin, RefitRoutesMixin, LoraClientMixin):
         # its initial weights; the pool retries elsewhere, or here once it has the weights.
         self._generate_retries = None if retry_generate else 0
         self.paused = False  # this client paused the engine and has not resumed it yet
+        # another process paused it (`mark_paused_elsewhere`), and how many times it has
+        self.paused_elsewhere, self.pauses_elsewhere = False, 0
         # each pause carries this lease (engines/pause_renewal.py); None: SGLang's plain pause
         self.pause_lease_s: float | None = pause_lease_s
         self._lease_lock = trio.Lock()  # a renewal never reaches the server after the resume

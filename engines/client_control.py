@@ -38,6 +38,8 @@ class ControlRoutesMixin:
     _url: str
     timeouts: EngineTimeouts
     paused: bool
+    paused_elsewhere: bool
+    pauses_elsewhere: int
     pause_lease_s: float | None
     kv_namespace: str
     _lease_lock: trio.Lock
@@ -107,6 +109,14 @@ class ControlRoutesMixin:
         except EngineUnavailableError:
             self.paused = False  # not reached, or the server is gone: nothing is paused
             raise
+
+    def mark_paused_elsewhere(self, paused: bool) -> None:
+        """Another process has the engine paused (a rollout worker's client: the trainer, for a
+        weight push), or no longer: requests wait behind that pause by design, so the stall watch
+        (engines/stall.py) does not count the time. Set by this client's owner, who is told."""
+        if paused and not self.paused_elsewhere:
+            self.pauses_elsewhere += 1
+        self.paused_elsewhere = paused
 
     async def renew_pause(self) -> None:
         """Renew the lease of this client's pause: the same pause again, "in_place" so that

@@ -13,7 +13,8 @@ Contract:
 - `call_unless_stalled(call, engine, bound_s)` runs `call()`; once it has been outstanding
   `bound_s` it is cancelled (its HTTP request closed, so its answer can never be returned) and
   `EngineStalledError` raised. Time the engine spends paused by this client (a weight sync:
-  requests wait behind the pause by design) does not count, and a pause never restarts the
+  requests wait behind the pause by design), or by another process its owner was told of
+  (`mark_paused_elsewhere`: a rollout worker's client while the trainer pushes), does not count, and a pause never restarts the
   count (issue 49 item D6: each pause used to start the whole bound again, so a hung request
   waited twice its bound or more): the time is counted in `bound_s / 16` ticks, and a tick
   counts unless the engine was paused at either end of it or paused and resumed inside it
@@ -63,6 +64,15 @@ def stall_bound_s(
     return floor_s + per_token_s * max(int(n) for n in lengths)  # type: ignore[arg-type]
 
 
+def _pause_state(engine: Any) -> tuple[tuple[Any, int], bool]:
+    """(a mark that changes with each pause, paused now): this client's pauses (`kv_namespace`,
+    `paused`) and another process's its owner was told of (`pauses_elsewhere`, `paused_elsewhere`:
+    a rollout worker's engines while the trainer pushes weights)."""
+    mark = (getattr(engine, "kv_namespace", None), getattr(engine, "pauses_elsewhere", 0))
+    paused = getattr(engine, "paused", False) or getattr(engine, "paused_elsewhere", False)
+    return mark, paused
+
+
 async def call_unless_stalled(
     call: Callable[[], Awaitable[T]], engine: Any, bound_s: float | None
 ) -> T:
@@ -74,15 +84,14 @@ async def call_unless_stalled(
 
     async def watch(scope: trio.CancelScope) -> None:
         nonlocal stalled
-        counted = 0  # ticks outstanding while the engine was not paused by this client
-        namespace = getattr(engine, "kv_namespace", None)
-        was_paused = getattr(engine, "paused", False)
+        counted = 0  # ticks outstanding while the engine was not paused
+        mark, was_paused = _pause_state(engine)
         while counted < _TICKS:
             await trio.sleep(bound_s / _TICKS)
-            now_ns, paused = getattr(engine, "kv_namespace", None), getattr(engine, "paused", False)
-            if not (was_paused or paused or now_ns != namespace):
+            now_mark, paused = _pause_state(engine)
+            if not (was_paused or paused or now_mark != mark):
                 counted += 1
-            namespace, was_paused = now_ns, paused
+            mark, was_paused = now_mark, paused
         stalled = True
         scope.cancel()
 

@@ -275,6 +275,48 @@ async def test_a_replaced_worker_first_aborts_the_requests_the_lost_one_left_on_
     assert len(batch.samples) == 4
 
 
+async def test_a_workers_requests_held_behind_a_trainers_push_longer_than_the_stall_bound_are_not_stalled(
+    tiny_model_dir,
+):
+    """The trainer pauses the engine for a push (its client, not the worker's) while a worker's
+    requests run, and holds it three times the worker's stall bound: they wait, are never taken
+    for stalled (no abort, no rid sent twice) and finish once the push ends."""
+    config = ROLLOUT.model_copy(update={"workers": 1, "mode": "overlap", "sampling":
+                                        SamplingConfig(temperature=0.0, max_new_tokens=64)})  # fmt: skip
+    stall = {"stall_floor_s": 2.0, "stall_s_per_token": 0.02}  # 3.28 s for 64 tokens
+    items = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(4)]
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            SGLangEngine(server.url) as trainer, trio.open_nursery() as nursery:  # fmt: skip
+        scheduler = server.state.scheduler
+        proxy = FaultProxy(server.url, FaultPlan())
+        paths: list[str] = []
+        proxy.on_request = paths.append
+        url = await nursery.start(proxy.serve)
+        manager = WorkerRolloutManager(
+            [url], DataBuffer(items, seed=0), config, reward=REWARD, engines=stall,
+            paused_engines=lambda: {url} if trainer.paused else set())  # fmt: skip
+        held: list[int] = []
+        async with manager, trio.open_nursery() as inner:
+
+            async def push_while_generating():
+                with trio.fail_after(60):
+                    while not [s for s in scheduler.running if s.prefilled]:
+                        await trio.sleep(0.005)
+                await trio.sleep(0.05)  # the requests' stall watch has run a while
+                await trainer.pause("retract")  # the push's load: 3 x the stall bound
+                held.append(sum(not s.finished for s in (*scheduler.waiting, *scheduler.running)))
+                await trio.sleep(3 * (2.0 + 0.02 * 64))
+                await trainer.resume()
+
+            inner.start_soon(push_while_generating)
+            batch = await manager.generate_batch()
+        nursery.cancel_scope.cancel()
+    assert held and held[0] > 0, "every request finished before the push paused the engine"
+    assert "/abort_request" not in paths
+    assert len(proxy.rids) == len(set(proxy.rids))  # none re-sent
+    assert len(batch.samples) == 4 and batch.metrics["samples_failed"] == 0
+
+
 def _hold(holding: threading.Event, release: threading.Event) -> None:
     """On the engine's model thread: no step runs until `release` (bounded: 60 s)."""
     holding.set()

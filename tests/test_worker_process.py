@@ -3,11 +3,15 @@ scores the groups it is sent and returns them whole; its failures are named."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import trio
 
 from engines import SGLangEngine
 from engines.local import open_local_engine
+from engines.stall import stall_bound_s
+from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.prompts import PromptItem
 from rollouts.workers.frames import decode_groups
@@ -87,4 +91,89 @@ async def test_a_worker_that_gives_no_answer_in_time_is_lost_and_a_restart_repla
             await worker.ask(_request(PROMPTS[:1]))
         await worker.restart(nursery)  # the hung process is killed, a fresh one answers
         assert worker.pid != first and worker.starts == 2
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("settings", [
+    {"generate_timeout_s": 1.0},  # the HTTP limit of a /generate
+    {"stall_floor_s": 1.0, "stall_s_per_token": 0.01},  # the pool's stall bound
+], ids=["generate_timeout_s", "stall_bound"])  # fmt: skip
+async def test_a_worker_gives_up_a_hung_generate_at_the_runs_engine_settings_not_the_defaults(
+    tiny_model_dir, settings
+):
+    """The run's `engines.*` reach a worker's clients and pool (start frame "engines"): its
+    engine hangs the first /generate, the worker gives it up at the run's bound and re-sends it,
+    long before the library's default bound (60 s + 0.2 s x 4 tokens) would."""
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        proxy = FaultProxy(server.url, FaultPlan(script=("hang",), hang_s=120.0))
+        url = await nursery.start(proxy.serve)
+        worker = WorkerProcess(0, [url], ROLLOUT, "tests.worker_rewards:loud_index_reward",
+                               timeout_s=20, engines=settings)  # fmt: skip
+        await worker.start(nursery)
+        header, buffers = await worker.ask(_request(PROMPTS[:1]))  # WorkerLost before: 60 s
+        nursery.cancel_scope.cancel()
+    assert proxy.counts["hang"] == 1
+    [group] = decode_groups(header["groups"], buffers)
+    assert [s.index_in_group for s in group] == [0, 1]  # the hung sample was sent again
+    default_bound_s = stall_bound_s(ROLLOUT.sampling.params(), 60.0, 0.2)
+    assert proxy.longest_s["/generate"] < default_bound_s / 4
+
+
+async def test_a_worker_told_of_pauses_while_it_starts_is_told_nothing_until_ready_and_answers(
+    tiny_model_dir,
+):
+    """The trainer tells its workers of its pauses at any time, also while one is (re)started:
+    nothing is sent to the new process until it answered its start frame (a frame before
+    it would end it), and it is told once ready."""
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:index_reward",
+                               timeout_s=60)  # fmt: skip
+        told: list[bool] = []
+        started = trio.Event()
+
+        async def tell_until_started():
+            while not started.is_set():  # at every turn of the event loop while it starts
+                told.append(await worker.tell({"kind": "paused", "urls": []}))
+                await trio.lowlevel.checkpoint()
+
+        async def start():
+            await worker.start(nursery)
+            started.set()
+
+        async with trio.open_nursery() as starting:
+            starting.start_soon(tell_until_started)
+            starting.start_soon(start)
+        header, _ = await worker.ask(_request(PROMPTS[:1]))
+        assert await worker.tell({"kind": "paused", "urls": [server.url]})  # ready: told
+        nursery.cancel_scope.cancel()
+    assert told and not any(told)
+    assert header["slots"] == [0]
+
+
+async def test_a_group_resumed_from_held_samples_of_another_collection_comes_back_in_its_slot(
+    tiny_model_dir,
+):
+    """A group a push cut short is held with its finished samples, whose group_id is their
+    launch number in the collection that made them; sent again (async mode), the group comes
+    back in the slot of its prompt in the new request, every sample with one group_id."""
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        worker = WorkerProcess(0, [server.url], ROLLOUT, "tests.worker_rewards:index_reward",
+                               timeout_s=60)  # fmt: skip
+        await worker.start(nursery)
+        header, buffers = await worker.ask(_request(PROMPTS[:1]))
+        [[first, _]] = decode_groups(header["groups"], buffers)
+        for launch in (1, 5):  # its launch number then: another slot's in the request, and none
+            held = replace(first, group_id=launch)
+            request = _request(PROMPTS[:2], request=2)
+            request["prompts"][0]["samples"] = [held.to_dict()]  # PROMPTS[0], one sample done
+            header, buffers = await worker.ask(request)
+            groups = decode_groups(header["groups"], buffers)
+            assert header["slots"] == [0, 1]
+            assert [g[0].prompt_ids for g in groups] == [PROMPTS[0].prompt_ids,
+                                                         PROMPTS[1].prompt_ids]  # fmt: skip
+            assert [len({s.group_id for s in g}) for g in groups] == [1, 1]
+            assert groups[0][0].response_ids == first.response_ids  # the held one, kept
         nursery.cancel_scope.cancel()

@@ -7,10 +7,14 @@ import json
 
 import pytest
 
+from engines import SGLangEngine
 from plumbing.errors import ConfigError
+from rollouts.prompts import PromptItem
 from tests.rl_helpers import index_reward
 from training.config import load_config
+from training.data.buffer import DataBuffer
 from training.recipes.rl import RLExtensions, run_rl_recipe
+from training.recipes.rl_manager import build_rollout_manager
 from training.rl.rollout_dump import read_rollout_dump
 from training.rl_config import RLRunConfig
 
@@ -80,3 +84,26 @@ def test_an_unknown_worker_key_in_a_file_is_named_with_the_file(tmp_path):
     path.write_text("rollout:\n  workers: 2\n  worker_restart: 1\n")
     with pytest.raises(ConfigError, match=r"run.yaml.*unknown key 'rollout.worker_restart'"):
         load_config(RLRunConfig, path)
+
+
+def test_a_recipes_workers_get_the_runs_engine_settings_and_the_trainers_pauses(
+    tiny_model_dir, tmp_path
+):
+    """The recipe's worker manager starts each worker with the run's `engines.*` (what its
+    clients and pool are built from) and tells it which engines the trainer's clients paused."""
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    config = _config(tmp_path, tiny_model_dir, urls)
+    engines = config.engines.model_copy(
+        update={"generate_timeout_s": 7.0, "stall_floor_s": 3.0, "api_key": "k"}
+    )
+    config = config.model_copy(update={"engines": engines})
+    clients = [SGLangEngine(u) for u in urls]
+    manager = build_rollout_manager(config, None, clients, DataBuffer([PromptItem((1, 2), (), {})], seed=0), reward_fn=None,
+                                    extensions=RLExtensions(), episodes=None, backend=None,
+                                    tokenizer=None)  # fmt: skip
+    settings = [w.start_frame["engines"] for w in manager.workers]
+    assert [s["generate_timeout_s"] for s in settings] == [7.0, 7.0]
+    assert [(s["stall_floor_s"], s["stall_s_per_token"], s["api_key"]) for s in settings] == [
+        (3.0, config.engines.stall_s_per_token, "k")] * 2  # fmt: skip
+    clients[1].paused = True  # the trainer's push paused engine 1 (worker 1's)
+    assert [manager._paused_of(w) for w in manager.workers] == [[], [urls[1]]]

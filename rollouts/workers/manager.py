@@ -29,21 +29,24 @@ Contract (`rollout.workers: K` > 0):
   is all the staleness rules read. The trainer's pool alone gives an engine back from a
   relaunch its weights; each request names the version of the trainer's last push
   (`engine_weights()`), and a worker's pool (`follows_weights`) uses no engine that serves
-  older ones (engines/pool_membership.py), so no sample comes from initial weights.
+  older ones (engines/pool_membership.py), so no sample comes from initial weights. While the
+  trainer has an engine paused for a push (`paused_engines`), its worker is told (a "paused"
+  frame, within `PAUSE_POLL_S`): its requests wait behind the push by design, and its pool's
+  stall watch does not count that wait (engines/stall.py), as the trainer's own pool does not.
+- Engine settings: each worker builds its clients and pool from `engines`, the run's
+  `engines.*` (engines/client_settings.py, as the trainer's own): keys, `generate_timeout_s`,
+  the stall bound, `unavailable_timeout_s`.
 
 Not covered yet: a `generate_fn` other than the single turn, a reward given as a Python object
 (a worker imports it by name), `engines.pause_mode: in_place` (a worker's prefix-cache namespace
-does not follow the trainer's pauses; refused by `RLRunConfig`), the engines' stall settings
-(a worker's pool keeps engines/stall.py's defaults, and counts the time an engine is paused for
-a push, which its client did not do, as waiting: a load longer than the bound stalls the
-requests waiting behind it in overlap and async modes).
+does not follow the trainer's pauses; refused by `RLRunConfig`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -64,6 +67,7 @@ from rollouts.workers.worker import stats_result
 
 log = logging.getLogger("rollouts.workers")
 
+PAUSE_POLL_S = 0.05  # how often the trainer looks whether it paused a worker's engine
 Draw = tuple[int, PromptItem, list[Sample]]  # (draw order in the batch, prompt, held samples)
 
 
@@ -81,7 +85,8 @@ class WorkerRolloutManager(AsyncRolloutManager):
         transforms: Sequence[SampleTransform] = (),
         current_version: Callable[[], int] = lambda: 0,
         engine_weights: Callable[[], str | None] = lambda: None,
-        api_key: str | None = None,
+        engines: Mapping[str, Any] | None = None,
+        paused_engines: Callable[[], Collection[str]] = frozenset,
     ):
         k = config.workers
         if k < 1:
@@ -96,11 +101,12 @@ class WorkerRolloutManager(AsyncRolloutManager):
                          current_version=current_version)  # fmt: skip
         self.reward = reward
         self.engine_weights = engine_weights  # the version of the trainer's last push, or None
+        self.paused_engines = paused_engines  # the URLs the trainer has paused now (a push)
         per_worker = config.model_copy(
             update={"max_concurrency": math.ceil(config.max_concurrency / k), "workers": 0}
         )
         self.workers = [WorkerProcess(i, list(engine_urls[i::k]), per_worker, reward,
-                                      timeout_s=config.worker_timeout_s, api_key=api_key)
+                                      timeout_s=config.worker_timeout_s, engines=engines)
                         for i in range(k)]  # fmt: skip
         self.restarts = 0
         self._overlong: dict[str, Any] | None = None
@@ -128,7 +134,24 @@ class WorkerRolloutManager(AsyncRolloutManager):
             await super().__aexit__(type(exc), exc, exc.__traceback__)
             raise
         self._workers_ready.set()
+        self._nursery.start_soon(self._tell_pauses)
         return self
+
+    async def _tell_pauses(self) -> None:
+        """Tell each worker which of its engines the trainer has paused (a weight push), as that
+        changes (looked at every `PAUSE_POLL_S`): a worker's own clients did not pause them, and
+        its pool's stall watch must not count the time its requests wait behind the push."""
+        told: list[list[str] | None] = [None] * len(self.workers)
+        while True:
+            for i, worker in enumerate(self.workers):
+                urls = self._paused_of(worker)
+                if urls != told[i] and await worker.tell({"kind": "paused", "urls": urls}):
+                    told[i] = urls
+            await trio.sleep(PAUSE_POLL_S)
+
+    def _paused_of(self, worker: WorkerProcess) -> list[str]:
+        paused = set(self.paused_engines())
+        return [u for u in worker.engine_urls if u in paused]
 
     # -- batches --------------------------------------------------------------------------------
 
@@ -203,7 +226,8 @@ class WorkerRolloutManager(AsyncRolloutManager):
                 header, buffers = await worker.ask({
                     "kind": "collect", "request": self._n_calls, "prompts": prompts,
                     "rid_prefix": rid_prefix, "overlong": self._overlong,
-                    "engine_weights": self.engine_weights(), "abort": left_running})  # fmt: skip
+                    "engine_weights": self.engine_weights(), "abort": left_running,
+                    "paused": self._paused_of(worker)})  # fmt: skip
                 break
             except WorkerLost as err:
                 # its requests may still run: an engine behind a proxy or router does not see

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,21 +35,25 @@ class WorkerProcess:
 
     def __init__(self, index: int, engine_urls: list[str], rollout: RolloutConfig, reward: str,
                  *, timeout_s: float, start_timeout_s: float = 120.0,
-                 api_key: str | None = None) -> None:  # fmt: skip
+                 engines: Mapping[str, Any] | None = None) -> None:  # fmt: skip
         self.index = index
         self.engine_urls = list(engine_urls)
+        # `engines`: the run's client and pool settings (engines/client_settings.py)
         self.start_frame = {"kind": "start", "worker": index, "engine_urls": self.engine_urls,
                             "rollout": rollout.model_dump(mode="json"), "reward": reward,
-                            "api_key": api_key}  # fmt: skip
+                            "engines": dict(engines or {})}  # fmt: skip
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.process: trio.Process | None = None
         self.pid: int | None = None
         self.starts = 0
         self._reader: FrameReader | None = None
+        self._send_lock = trio.Lock()  # `tell` may send while `ask` waits for its answer
+        self.ready = False  # the process answered its start frame (the first frame it reads)
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the process under `nursery` and wait for its "ready" frame."""
+        self.ready = False  # nothing may reach the new process before its start frame
         # the worker imports what this process can (a reward next to the config included)
         path = [str(ROOT), *(p for p in sys.path if p and os.path.isdir(p))]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
@@ -63,12 +68,14 @@ class WorkerProcess:
         if ready[0].get("kind") != "ready":
             raise WorkerLost(f"rollout worker {self.index} answered its start with {ready[0]!r}")
         self.pid = ready[0]["pid"]
+        self.ready = True
 
     async def restart(self, nursery: trio.Nursery) -> None:
         self.kill()
         await self.start(nursery)
 
     def kill(self) -> None:
+        self.ready = False
         if self.process is not None and self.process.returncode is None:
             self.process.kill()
 
@@ -85,6 +92,22 @@ class WorkerProcess:
                                 f"{', '.join(self.engine_urls)}): {header['message']}")  # fmt: skip
         return header, buffers
 
+    async def tell(self, frame: dict[str, Any], timeout_s: float = 5.0) -> bool:
+        """Send a frame the worker does not answer (the engines the trainer has paused), also
+        while an `ask` waits; False when no started worker is there to read it within
+        `timeout_s` (one being started or restarted is told again with its next request)."""
+        process = self.process
+        if not self.ready or process is None or process.stdin is None:
+            return False
+        with trio.move_on_after(timeout_s):
+            try:
+                async with self._send_lock:
+                    await process.stdin.send_all(encode_frame(frame))
+                return True
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+        return False
+
     async def _exchange(self, frame: dict[str, Any], timeout_s: float, what: str
                         ) -> tuple[dict[str, Any], list[np.ndarray]]:  # fmt: skip
         assert self.process is not None and self._reader is not None
@@ -92,7 +115,8 @@ class WorkerProcess:
         assert stdin is not None
         try:
             with trio.fail_after(timeout_s):
-                await stdin.send_all(encode_frame(frame))
+                async with self._send_lock:
+                    await stdin.send_all(encode_frame(frame))
                 answer = await self._reader.receive()
         except trio.TooSlowError:
             raise WorkerLost(f"rollout worker {self.index} (pid {self.process.pid}) gave no "

@@ -5,12 +5,15 @@ Started by `WorkerRolloutManager` as `python -m rollouts.workers.worker` with fr
 stderr (stdout is the frame stream). The protocol, one frame each:
 
 - trainer → worker, first: `{"kind": "start", "worker": k, "engine_urls": [...], "rollout":
-  RolloutConfig fields, "reward": "module:function", "api_key": the engines' or null}`. The
-  worker opens an `EnginePool` over its engines and imports the reward itself; it answers
+  RolloutConfig fields, "reward": "module:function", "engines": the run's client and pool
+  settings (engines/client_settings.py: keys, generate timeout, stall bound...)}`. The worker
+  builds its clients and `EnginePool` from them as the trainer builds its own, and imports the
+  reward itself; it answers
   `{"kind": "ready", "pid": ...}`.
 - trainer → worker: `{"kind": "collect", "request": id, "rid_prefix": str, "prompts":
   [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...},
-  "engine_weights": the version of the trainer's last push, or null, "abort": [rid prefixes]}`:
+  "engine_weights": the version of the trainer's last push, or null, "abort": [rid prefixes],
+  "paused": [the worker's engine URLs the trainer has paused now]}`:
   the worker's pool uses no engine serving older weights (`EnginePool(follows_weights=True)`);
   it first aborts, on its engines, the requests of the `abort` prefixes (those a lost worker
   before it left running).
@@ -19,6 +22,10 @@ stderr (stdout is the frame stream). The protocol, one frame each:
   [...], "stats": {...}}` with the groups' tokens in flat buffers; `slots[i]` is the index of
   group i's prompt in the request, `partial` the slots cut short (an engine paused with abort)
   with their finished samples, `stats` the collection's counters.
+- trainer → worker, at any time (also while a collection runs; never answered): `{"kind":
+  "paused", "urls": [...]}`, the worker's engines the trainer has paused now (a weight push, as
+  `"paused"` of a collect frame): requests wait behind that pause by design, so the pool's stall
+  watch does not count that time (engines/stall.py, `mark_paused_elsewhere`).
 - a failure the trainer must not retry (a reward that raised under `reward_fail_fast`, an
   engine error under `engine_fail_fast`) is answered `{"kind": "error", "message": ...}`.
 - stdin closed (or the process killed): the worker ends. The trainer's nursery owns the process.
@@ -29,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -83,8 +92,10 @@ def stats_result(stats: Mapping[str, Any]) -> CollectResult:
 class Worker:
     """One worker's state: its engines, reward and config (see the module docstring)."""
 
-    def __init__(self, start: Mapping[str, Any], engine: Any) -> None:
+    def __init__(self, start: Mapping[str, Any], engine: Any, clients: Sequence[Any] = ()
+                 ) -> None:  # fmt: skip
         self.index = start["worker"]
+        self.clients = list(clients)  # the pool's, one per engine URL
         self.config = RolloutConfig.model_validate(start["rollout"])
         self.task_reward = import_reward(start["reward"])
         self.engine = engine
@@ -94,9 +105,13 @@ class Worker:
 
     async def collect(self, request: Mapping[str, Any]) -> bytes:
         cfg = self.config
-        prompts = [(PromptItem.from_dict(p["prompt"]), [Sample.from_dict(s) for s in p["samples"]])
-                   for p in request["prompts"]]  # fmt: skip
+        # held samples (a group a push cut short) carry their launch number in the collection
+        # that made them: given the slot's, the group comes back whole in its slot (`_slot`)
+        prompts = [(PromptItem.from_dict(p["prompt"]),
+                    [replace(Sample.from_dict(s), group_id=slot) for s in p["samples"]])
+                   for slot, p in enumerate(request["prompts"])]  # fmt: skip
         queue = iter(prompts)
+        self.mark_paused(request.get("paused", ()))
         self.engine.expect_weights(request.get("engine_weights"))
         await abort_left_running(self.engine, request.get("abort", ()))
         reward = self.task_reward
@@ -124,6 +139,12 @@ class Worker:
                   "stats": result_stats(result)}  # fmt: skip
         return encode_frame(header, buffers)
 
+    def mark_paused(self, urls: Sequence[str]) -> None:
+        """The trainer has the engines at `urls` paused (a weight push), and no others: their
+        requests wait behind the pause by design, which the stall watch does not count."""
+        for client in self.clients:
+            client.mark_paused_elsewhere(client.url in urls)
+
 
 async def abort_left_running(engine: Any, prefixes: Sequence[str], timeout_s: float = 10.0
                              ) -> None:  # fmt: skip
@@ -139,8 +160,9 @@ async def abort_left_running(engine: Any, prefixes: Sequence[str], timeout_s: fl
 
 
 def _slot(group: tuple[Sample, ...], n_prompts: int) -> int:
-    """The request slot of a finished group: its samples' group_id is its launch number, and
-    the worker launches the request's prompts in order, one launch each (no replacement)."""
+    """The request slot of a finished group: its samples' group_id is its launch number (the
+    held ones' set to it by `Worker.collect`), and the worker launches the request's prompts in
+    order, one launch each (no replacement)."""
     gid = group[0].group_id
     if not 0 <= gid < n_prompts:
         raise RolloutsError(f"rollout worker: a group came back with group_id {gid}, not one "
@@ -152,6 +174,7 @@ def _slot(group: tuple[Sample, ...], n_prompts: int) -> int:
 async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> None:
     """Answer the trainer's frames until stdin ends (see the module docstring)."""
     from engines import EnginePool, SGLangEngine  # the process's engines, opened here
+    from engines.client_settings import client_options, pool_options
 
     reader = FrameReader(stdin, what="the worker's stdin")
     first = await reader.receive()
@@ -162,20 +185,36 @@ async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> N
         raise RolloutsError(f"rollout worker: the first frame must be 'start', got {start!r}")
     import_reward(start["reward"])  # before the engines: a bad name ends the worker at once
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(SGLangEngine(url, api_key=start.get("api_key")))
+        settings = start.get("engines") or {}  # built as the trainer's (engines/client_settings.py)
+        engines = [await stack.enter_async_context(SGLangEngine(
+                       url, **client_options(settings), retry_generate=False))  # the pool retries
                    for url in start["engine_urls"]]  # fmt: skip
-        pool = EnginePool(engines, follows_weights=True)  # the trainer gives the weights
-        worker = Worker(start, await stack.enter_async_context(pool))
+        # the trainer gives the weights: the pool uses no engine it has not given them yet
+        pool = EnginePool(engines, **pool_options(settings), follows_weights=True)
+        worker = Worker(start, await stack.enter_async_context(pool), engines)
         await stdout.send_all(encode_frame({"kind": "ready", "pid": os.getpid()}))
-        while (frame := await reader.receive()) is not None:
-            request = frame[0]
-            try:
-                reply = await worker.collect(request)
-            except* (EngineError, RolloutsError) as group:
-                message = "; ".join(f"{type(e).__name__}: {e}" for e in leaf_errors(group))
-                reply = encode_frame({"kind": "error", "request": request.get("request"),
-                                      "message": message})  # fmt: skip
-            await stdout.send_all(reply)
+        requests_in, requests = trio.open_memory_channel[dict[str, Any]](math.inf)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_answer, worker, requests, stdout)
+            async with requests_in:  # closed at the end of stdin: the last answer still goes
+                while (frame := await reader.receive()) is not None:
+                    if frame[0].get("kind") == "paused":  # read while a collection runs
+                        worker.mark_paused(frame[0]["urls"])
+                    else:
+                        requests_in.send_nowait(frame[0])
+
+
+async def _answer(worker: Worker, requests: trio.MemoryReceiveChannel, stdout: trio.abc.SendStream
+                  ) -> None:  # fmt: skip
+    """Answer each request in turn, as the trainer sends them (one at a time per worker)."""
+    async for request in requests:
+        try:
+            reply = await worker.collect(request)
+        except* (EngineError, RolloutsError) as group:
+            message = "; ".join(f"{type(e).__name__}: {e}" for e in leaf_errors(group))
+            reply = encode_frame({"kind": "error", "request": request.get("request"),
+                                  "message": message})  # fmt: skip
+        await stdout.send_all(reply)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import trio
 
 from engines import EnginePool, LoraLaunch, SGLangEngine
 from engines.client import EngineTimeouts
+from engines.client_settings import client_options, client_settings, client_timeouts, pool_options
 from engines.control_plane import GatewayControl, choose_control_plane, control_targets
 from engines.refit import RefitGroup
 from engines.router import RouterEngine
@@ -56,9 +57,8 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path,
     (`WeightsCopies`), so an engine back after a broadcast push gets the trainer's weights.
     """
     ec = config.engines
-    timeouts = EngineTimeouts(generate_s=ec.generate_timeout_s,
-                              weight_update_floor_s=ec.weight_update_floor_s,
-                              weight_update_s_per_gb=ec.weight_update_s_per_gb)  # fmt: skip
+    settings = client_settings(ec)  # the workers' clients and pools are built from it too
+    timeouts = client_timeouts(settings)
     # supervisors tell the pool at once when a local engine dies and when its relaunch is up
     engine_events_send, engine_events_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
     async with contextlib.AsyncExitStack() as stack:
@@ -92,7 +92,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path,
             return
         clients = [
             await stack.enter_async_context(SGLangEngine(
-                u, api_key=ec.api_key, admin_api_key=ec.admin_api_key, timeouts=timeouts,
+                u, **client_options(settings),
                 retry_generate=router is not None))  # the pool retries (see SGLangEngine)
             for u in urls
         ]  # fmt: skip
@@ -102,9 +102,7 @@ async def open_engines(config: RLRunConfig, model_path: str, out: Path,
         pool = await stack.enter_async_context(
             EnginePool(
                 clients,
-                unavailable_timeout_s=ec.unavailable_timeout_s,
-                stall_floor_s=ec.stall_floor_s,
-                stall_s_per_token=ec.stall_s_per_token,
+                **pool_options(settings),
                 engine_events=engine_events_recv,  # a relaunching engine gets no work
                 weights_copy=weights_copy,  # one back after a broadcast push gets a disk copy
             )
@@ -133,10 +131,9 @@ async def open_vllm_pool(ec: EnginesConfig, timeouts: EngineTimeouts):
                 log.warning("%s was left paused (a trainer stopped during a weight sync?): "
                             "resuming it", client.url)  # fmt: skip
                 await client.resume()
-        pool = await stack.enter_async_context(EnginePool(
-            clients, unavailable_timeout_s=ec.unavailable_timeout_s,
-            stall_floor_s=ec.stall_floor_s, stall_s_per_token=ec.stall_s_per_token,
-        ))  # fmt: skip
+        pool = await stack.enter_async_context(
+            EnginePool(clients, **pool_options(client_settings(ec)))
+        )
         yield pool, clients
 
 

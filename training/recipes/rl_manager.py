@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.client_settings import client_settings
 from plumbing.errors import ConfigError
 from rollouts.manager import AsyncRolloutManager
 from rollouts.workers.manager import WorkerRolloutManager
@@ -46,7 +47,9 @@ def build_rollout_manager(config: Any, engine: Any, clients: list[Any], buffer: 
     return WorkerRolloutManager(
         [c.url for c in clients], buffer, config.rollout, reward=config.reward.fn,
         transforms=extensions.transforms, current_version=version,
-        engine_weights=lambda: pushed_version(clients), api_key=config.engines.api_key,
+        engine_weights=lambda: pushed_version(clients),
+        engines=client_settings(config.engines),  # its workers' clients are built as ours
+        paused_engines=lambda: {c.url for c in clients if getattr(c, "paused", False)},
     )  # fmt: skip
 
 
