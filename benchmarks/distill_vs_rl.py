@@ -27,6 +27,7 @@ import json
 import sys
 from pathlib import Path
 
+import harness  # benchmarks/harness.py: this script's folder is on sys.path
 import trio
 
 import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
@@ -147,28 +148,14 @@ def table(arms: dict[str, list[tuple[int, float]]], start: float, teacher: float
 
 def write_png(path: Path, arms: dict[str, list[tuple[int, float]]], start: float,
               teacher: float) -> Path | None:  # fmt: skip
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, pts in arms.items():
-        ax.plot([s for s, _ in pts], [100 * a for _, a in pts], marker=".", label=name)
-    ax.axhline(100 * teacher, color="grey", ls="--", lw=0.8, label="teacher")
     target = start + SHARE * (teacher - start)
-    ax.axhline(100 * target, color="grey", ls=":", lw=0.8, label="80 % of the teacher's gain")
-    ax.set(xlabel="training step (16 prompts x 8 samples trained on in each)",
-           ylabel="held-out greedy accuracy (%)",
-           title="On-policy distillation vs RL from the same start")  # fmt: skip
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return harness.curves_png(
+        path, {name: [(s, 100 * a) for s, a in pts] for name, pts in arms.items()},
+        xlabel="training step (16 prompts x 8 samples trained on in each)",
+        ylabel="held-out greedy accuracy (%)",
+        title="On-policy distillation vs RL from the same start",
+        hlines=[(100 * teacher, "--", "teacher"),
+                (100 * target, ":", "80 % of the teacher's gain")])  # fmt: skip
 
 
 def report_arms(args: argparse.Namespace) -> int:

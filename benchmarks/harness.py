@@ -255,6 +255,28 @@ def pyplot() -> Any:
     return plt
 
 
+def curves_png(path: Path, curves: dict[str, Sequence[tuple[float, float]]], *, xlabel: str,
+               ylabel: str, title: str,
+               hlines: Sequence[tuple[float, str, str]] = ()) -> Path | None:  # fmt: skip
+    """Line plot of named (x, y) curves (y already in display units) with optional horizontal
+    reference lines (y, linestyle, label), written to `path`; None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in curves.items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=".", label=name)
+    for y, style, label in hlines:
+        ax.axhline(y, color="grey", ls=style, lw=0.8, label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def image_link(path: Path | None, quick: bool, alt: str) -> str:
     """A markdown image reference relative to RESULTS.md."""
     if path is None:

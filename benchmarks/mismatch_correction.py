@@ -37,6 +37,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import harness  # benchmarks/harness.py: this script's folder is on sys.path
 import trio
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,26 +138,15 @@ def tables(results: dict[str, dict], every: int) -> list[str]:
 
 
 def write_png(path: Path, results: dict[str, dict]) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, r in results.items():
-        pts = [(s, a) for s, a in r["heldout"] if a is not None]
-        ax.plot([s for s, _ in pts], [100 * a for _, a in pts], marker=".", label=arm)
-    ax.set(xlabel="RL step (overlap mode)", ylabel="held-out greedy accuracy (%)",
-           title=f"Engine logprobs off by ±{SMALL:g} / +{BIG:g} nats: with and without a "
-           "correction")  # fmt: skip
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    curves = {arm: [(s, 100 * a) for s, a in r["heldout"] if a is not None]
+              for arm, r in results.items()}  # fmt: skip
+    return harness.curves_png(
+        path,
+        curves,
+        xlabel="RL step (overlap mode)",
+        ylabel="held-out greedy accuracy (%)",
+        title=f"Engine logprobs off by ±{SMALL:g} / +{BIG:g} nats: with and without a correction",
+    )
 
 
 def main() -> None:
@@ -201,9 +191,6 @@ def main() -> None:
             "(all arms but `exact`).")  # fmt: skip
     parts = [head, *tables(results, args.every)]
     if args.write_results:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        import harness
-
         png = write_png(args.png or harness.results_dir(False) / "mismatch_correction.png",
                         results)  # fmt: skip
         harness.publish("mismatch_correction", "Mismatch corrections under perturbed engine "
