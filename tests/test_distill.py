@@ -175,6 +175,16 @@ def test_distill_config_needs_a_teacher_and_refuses_unknown_teacher_keys(tmp_pat
     assert ok.teacher.timeout_s == 60.0
 
 
+def test_a_teacher_signal_filter_that_would_do_nothing_is_refused():
+    distill_run = ["algorithm.preset=distill", "teacher.model=a",
+                   "algorithm.overrides.distill_filter_nats=1.0"]  # fmt: skip
+    with pytest.raises(ConfigError, match="filter_groups: none .*it would do nothing"):
+        load_config(RLRunConfig, None, [*distill_run, "rollout.filter_groups=none"])
+    with pytest.raises(ValueError, match="advantage='grpo' has no teacher"):
+        distill(advantage="grpo", distill_filter_nats=1.0)
+    assert load_config(RLRunConfig, None, distill_run).rollout.filter_groups == "auto"
+
+
 async def teacher_behind_proxy(nursery, model_dir, plan: FaultPlan) -> tuple[FaultProxy, str]:
     server = await nursery.start(_serve, model_dir)
     proxy = FaultProxy(server.url, plan)

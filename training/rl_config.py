@@ -237,6 +237,15 @@ class RLRunConfig(Strict):
         if self.teacher is not None and not distills:
             raise ValueError("teacher is set but no algorithm uses it: set algorithm.preset="
                              "distill (or a switch to it), or remove the teacher section")  # fmt: skip
+        filtered = [o for o in (self.algorithm.overrides,
+                                *(s.overrides for s in self.algorithm.switches))
+                    if o.get("distill_filter_nats") is not None]  # fmt: skip
+        if filtered and self.rollout.filter_groups != "auto":
+            raise ValueError(
+                f"algorithm.overrides.distill_filter_nats is applied by rollout.filter_groups: "
+                f"auto, and this config sets rollout.filter_groups: "
+                f"{self.rollout.filter_groups} (it would do nothing): set auto, or drop it"
+            )
         if distills and self.rollout.sampling.temperature != 1.0:
             raise ValueError(
                 f"algorithm distill with rollout.sampling.temperature="

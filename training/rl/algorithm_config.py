@@ -142,6 +142,15 @@ class AlgorithmConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _distill_filter_needs_a_teacher(self) -> AlgorithmConfig:
+        if self.distill_filter_nats is not None and self.advantage != "distill":
+            raise ValueError(
+                f"distill_filter_nats filters groups on a teacher's logprobs, and "
+                f"advantage={self.advantage!r} has no teacher: use preset distill, or drop it"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_mismatch_correction(self) -> AlgorithmConfig:
         if self.mismatch is None:
             if self.mismatch_lo is not None or self.mismatch_hi is not None:
