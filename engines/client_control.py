@@ -237,11 +237,13 @@ class ControlRoutesMixin:
     async def is_healthy(self) -> bool:
         """One probe, no retries: True on 200.
 
-        `/health_generate` normally; `/model_info` while this client has the engine paused
-        (SGLang's generation probe waits behind the pause and answers 503 after 20 s).
+        `/health_generate` normally; `/model_info` while this client has the engine paused, or
+        was told another process has (`mark_paused_elsewhere`: a rollout worker's client while
+        the trainer pushes), since SGLang's generation probe waits behind the pause and answers
+        503 after 20 s.
         """
         try:
-            if self.paused:
+            if self.paused or self.paused_elsewhere:
                 await self._http.request(
                     "GET", "/model_info", timeout=self.timeouts.health_s, retries=0
                 )

@@ -205,6 +205,26 @@ async def test_paused_engine_is_never_reported_unhealthy(tiny_model_dir, monkeyp
         assert await engine.is_healthy()
 
 
+async def test_an_engine_paused_by_another_process_is_not_reported_unhealthy_once_told(
+    tiny_model_dir, monkeypatch
+):
+    """A rollout worker's client is told (`mark_paused_elsewhere`) that the trainer holds its
+    engine paused for a push: its probe must not count the paused engine as down."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "0.5")
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1) as server,
+        SGLangEngine(server.url, max_retries=0) as trainer,
+        SGLangEngine(server.url, max_retries=0) as worker,
+    ):
+        await trainer.pause("abort")
+        assert not await worker.is_healthy()  # not told: /health_generate answers 503
+        worker.mark_paused_elsewhere(True)
+        assert await worker.is_healthy()
+        await trainer.resume()
+        worker.mark_paused_elsewhere(False)
+        assert await worker.is_healthy()
+
+
 async def test_admin_api_key_is_sent_on_control_routes_only(tiny_model_dir):
     async with open_local_engine(tiny_model_dir, num_threads=1, admin_api_key="adm") as server:
         async with SGLangEngine(server.url, max_retries=0) as plain:
