@@ -4,6 +4,7 @@ short real RL loop on the in-process engine (`run_loop`)."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -116,3 +117,28 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
         if reference is not None:
             reference.close()
     return SimpleNamespace(history=history, backend=backend, reference=reference, manager=manager)
+
+
+@dataclass
+class Call:
+    """One request a `RecordingEngine` passed on."""
+
+    rid: str | None
+    input_ids: tuple[int, ...]
+    result: object
+
+
+class RecordingEngine:
+    """Delegates to a real engine and records each request's rid, input ids and result."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls: list[Call] = []
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, **kwargs):
+        result = await self.engine.generate(input_ids, sampling_params, rid=rid, **kwargs)
+        self.calls.append(Call(rid, tuple(input_ids), result))
+        return result
+
+    async def abort(self, rid):
+        await self.engine.abort(rid)

@@ -9,10 +9,10 @@ appended. A recording proxy that delegates to the real engine shows what was sen
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import pytest
 import trio
+from rl_helpers import Call, RecordingEngine
 
 from rollouts.chat_turns import ChatTurns
 from rollouts.envs import ToolEnv, env_reward, math_grader
@@ -30,28 +30,6 @@ from rollouts.tools import (
 )
 
 CALC = ParsedToolCall("calculator", {"expression": "2*3"})
-
-
-@dataclass
-class Call:
-    input_ids: tuple[int, ...]
-    result: object
-
-
-class RecordingEngine:
-    """Delegates to a real engine and records each request's input ids and result."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.calls: list[Call] = []
-
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, **kwargs):
-        result = await self.engine.generate(input_ids, sampling_params, rid=rid, **kwargs)
-        self.calls.append(Call(tuple(input_ids), result))
-        return result
-
-    async def abort(self, rid):
-        await self.engine.abort(rid)
 
 
 def scripted(*turns: list[ParsedToolCall]):

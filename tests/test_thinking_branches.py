@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from itertools import pairwise
 
 import pytest
+from rl_helpers import Call, RecordingEngine
 from transformers import AutoTokenizer
 
 from rollouts.agent import AgentConfig, agent_generate, python_harness
@@ -47,29 +47,6 @@ def qwen3_model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen3_tok(qwen3_model_dir):
     return AutoTokenizer.from_pretrained(qwen3_model_dir)
-
-
-@dataclass
-class Call:
-    rid: str
-    input_ids: tuple[int, ...]
-    result: object
-
-
-class RecordingEngine:
-    """Delegates to a real engine and records each request's rid, input ids and result."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.calls: list[Call] = []
-
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, **kwargs):
-        result = await self.engine.generate(input_ids, sampling_params, rid=rid, **kwargs)
-        self.calls.append(Call(rid, tuple(input_ids), result))
-        return result
-
-    async def abort(self, rid):
-        await self.engine.abort(rid)
 
 
 def token_violations(samples, calls: list[Call]) -> list[str]:
