@@ -17,7 +17,7 @@ tokenizer only, no engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,27 @@ from plumbing.errors import ConfigError
 
 _MARK = "\u2063turn-mark\u2063"  # invisible separator: never produced by a real conversation
 _BASE = ({"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK})
+
+
+def chat_turns_per_tokenizer(who: str, template_kwargs: Mapping[str, Any] | None = None
+                             ) -> Callable[[Any], ChatTurns]:  # fmt: skip
+    """A function giving the `ChatTurns` of a tokenizer, read from its template once per
+    tokenizer (a generate function sees the tokenizer it was given, or its context's).
+
+    Raises (from the returned function):
+        ConfigError: no tokenizer (None), naming `who` and how to give one.
+    """
+    chats: dict[int, ChatTurns] = {}
+
+    def chat_for(tok: Any) -> ChatTurns:
+        if tok is None:
+            raise ConfigError(f"{who} needs the tokenizer: pass tokenizer=... or give the "
+                              "rollout manager one")  # fmt: skip
+        if id(tok) not in chats:
+            chats[id(tok)] = ChatTurns.from_tokenizer(tok, template_kwargs)
+        return chats[id(tok)]
+
+    return chat_for
 
 
 def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any,

@@ -43,7 +43,7 @@ from typing import Any, TypeAlias
 import trio
 
 from plumbing.errors import ConfigError
-from rollouts.chat_turns import ChatTurns
+from rollouts.chat_turns import ChatTurns, chat_turns_per_tokenizer
 from rollouts.envs import Env, EnvFactory, ModelTurn, StepResult
 from rollouts.generate_fn import GenerateContext, GenerateFn
 from rollouts.prompts import PromptItem, encode_prompt
@@ -276,17 +276,7 @@ def multiturn_generate(
     Raises (from the returned function):
         ConfigError: no tokenizer was given either way.
     """
-    chats: dict[int, ChatTurns] = {}
-
-    def chat_for(tok: Any) -> ChatTurns:
-        if tok is None:
-            raise ConfigError(
-                "multiturn_generate needs the tokenizer: pass tokenizer=... or give the rollout "
-                "manager one"
-            )
-        if id(tok) not in chats:
-            chats[id(tok)] = ChatTurns.from_tokenizer(tok, config.template_kwargs)
-        return chats[id(tok)]
+    chat_for = chat_turns_per_tokenizer("multiturn_generate", config.template_kwargs)
 
     async def generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
         chat = chat_for(tokenizer if tokenizer is not None else ctx.tokenizer)

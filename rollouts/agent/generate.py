@@ -31,7 +31,7 @@ from plumbing.errors import ConfigError
 from rollouts.agent.harness import AgentEndpoint, Harness, HarnessOutcome, run_harness
 from rollouts.agent.proxy import AgentSession, SessionLimits, open_agent_proxy
 from rollouts.agent.trajectory import Branch
-from rollouts.chat_turns import ChatTurns
+from rollouts.chat_turns import chat_turns_per_tokenizer
 from rollouts.generate_fn import GenerateContext, GenerateFn
 from rollouts.prompts import PromptItem
 from rollouts.tools.base import ToolParser
@@ -149,15 +149,7 @@ def agent_generate(harness: Harness, *, tokenizer: Any = None,
         ConfigError: no tokenizer was given either way.
         EngineError: an engine request of a session failed.
     """
-    chats: dict[int, ChatTurns] = {}
-
-    def chat_for(tok: Any) -> ChatTurns:
-        if tok is None:
-            raise ConfigError("agent_generate needs the tokenizer: pass tokenizer=... or give "
-                              "the rollout manager one")  # fmt: skip
-        if id(tok) not in chats:
-            chats[id(tok)] = ChatTurns.from_tokenizer(tok, config.template_kwargs)
-        return chats[id(tok)]
+    chat_for = chat_turns_per_tokenizer("agent_generate", config.template_kwargs)
 
     async def generate(prompt: PromptItem, n: int, ctx: GenerateContext) -> list[Sample]:
         chat = chat_for(tokenizer if tokenizer is not None else ctx.tokenizer)

@@ -29,8 +29,7 @@ from typing import Any
 
 import trio
 
-from plumbing.errors import ConfigError
-from rollouts.chat_turns import ChatTurns
+from rollouts.chat_turns import ChatTurns, chat_turns_per_tokenizer
 from rollouts.envs import ModelTurn, Observation, StepResult
 from rollouts.generate_fn import GenerateContext, GenerateFn
 from rollouts.multiturn import MultiTurnConfig, run_episode
@@ -183,15 +182,7 @@ def openenv_generate(config: OpenEnvConfig, url: str, *, parser: ToolParser,
     """
     sessions = trio.CapacityLimiter(config.max_sessions)
     multiturn = multiturn or MultiTurnConfig()
-    chats: dict[int, ChatTurns] = {}
-
-    def chat_for(tok: Any) -> ChatTurns:
-        if tok is None:
-            raise ConfigError("openenv_generate needs the tokenizer: pass tokenizer=... or give "
-                              "the rollout manager one")  # fmt: skip
-        if id(tok) not in chats:
-            chats[id(tok)] = ChatTurns.from_tokenizer(tok, multiturn.template_kwargs)
-        return chats[id(tok)]
+    chat_for = chat_turns_per_tokenizer("openenv_generate", multiturn.template_kwargs)
 
     async def episode(prompt: PromptItem, i: int, ctx: GenerateContext, chat: ChatTurns) -> Sample:
         async with sessions:
