@@ -136,33 +136,32 @@ def mismatch_weights(correction: MismatchCorrection, trainer_BT: torch.Tensor,
     """
     m = bool_mask(mask_BT)
     log_ratio_BT = _log_ratio(trainer_BT, engine_BT, m)
-    kind, lo, hi = correction.kind, correction.lo, correction.hi
+    kind = correction.kind
     if correction.sequence_level:
         seq_log_ratio_B, has_B = _sequence_log_ratio(log_ratio_BT, m)
-        ratio_B = torch.exp(seq_log_ratio_B)
-        if correction.masks:
-            dropped_B = _outside(ratio_B, lo, hi)
-            weight_B, flag = torch.where(dropped_B, 0.0, ratio_B), ("masked", dropped_B)
-        else:
-            weight_B = ratio_B.clamp(max=hi)
-            flag = ("capped", weight_B >= hi)
+        weight_B, flagged, flagged_B = _weigh(torch.exp(seq_log_ratio_B), correction)
         weights_BT = torch.where(m, weight_B[:, None].expand_as(m), 0)
         return weights_BT, {
             f"{kind}_weight_mean": _sequence_mean(weight_B, has_B),
-            f"{kind}_{flag[0]}_fraction": _sequence_mean(flag[1].float(), has_B),
+            f"{kind}_{flagged}_fraction": _sequence_mean(flagged_B.float(), has_B),
         }
-    ratio_BT = torch.exp(log_ratio_BT)
-    if correction.masks:
-        dropped_BT = _outside(ratio_BT, lo, hi)
-        weights_BT, flag = torch.where(dropped_BT, 0.0, ratio_BT), ("masked", dropped_BT)
-    else:
-        weights_BT = ratio_BT.clamp(max=hi)
-        flag = ("capped", weights_BT >= hi)
+    weights_BT, flagged, flagged_BT = _weigh(torch.exp(log_ratio_BT), correction)
     weights_BT = torch.where(m, weights_BT, 0)
     return weights_BT, {
         f"{kind}_weight_mean": masked_mean(weights_BT, m),
-        f"{kind}_{flag[0]}_fraction": masked_mean(flag[1].float(), m),
+        f"{kind}_{flagged}_fraction": masked_mean(flagged_BT.float(), m),
     }
+
+
+def _weigh(ratio: torch.Tensor, correction: MismatchCorrection
+           ) -> tuple[torch.Tensor, str, torch.Tensor]:  # fmt: skip
+    """(weight, "masked" or "capped", which entries were): a masking correction zeroes a ratio
+    outside [lo, hi], a truncating one caps it at hi."""
+    if correction.masks:
+        dropped = _outside(ratio, correction.lo, correction.hi)
+        return torch.where(dropped, 0.0, ratio), "masked", dropped
+    weight = ratio.clamp(max=correction.hi)
+    return weight, "capped", weight >= correction.hi
 
 
 @torch.no_grad()
