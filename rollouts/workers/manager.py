@@ -55,7 +55,7 @@ import trio
 from plumbing.errors import RolloutsError, leaf_errors
 from rollouts.config import RolloutConfig
 from rollouts.generation import CollectResult
-from rollouts.groups import Group, GroupFilter, SampleTransform, auto_group_filter
+from rollouts.groups import Group, GroupFilter, SampleTransform
 from rollouts.manager import AsyncRolloutManager, _accumulate
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RolloutAlgorithm
@@ -113,13 +113,13 @@ class WorkerRolloutManager(AsyncRolloutManager):
         self._workers_ready = trio.Event()  # async mode's producer starts once they answer
 
     def use_algorithm(self, algorithm: RolloutAlgorithm) -> None:
-        """As `AsyncRolloutManager.use_algorithm`: the workers apply its overlong shaping."""
+        """As `AsyncRolloutManager.use_algorithm` (the group filter); the workers apply its
+        overlong shaping."""
+        super().use_algorithm(algorithm)
         o = algorithm.overlong
         self._overlong = None if o is None else {
             "max_response_len": o.max_response_len, "cache_len": o.cache_len,
             "penalty_factor": o.penalty_factor}  # fmt: skip
-        if self._own_filter is None and self.config.filter_groups == "auto":
-            self.group_filter = auto_group_filter(algorithm)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
