@@ -3,7 +3,8 @@ attention: on packed SFT rows and on prompt-shared GRPO rows, the tiny model's l
 and every parameter's gradient equal the dense-mask sdpa path's (fp32); with LoRA too. Its CUDA
 kernel for shared rows (FlexAttention on a block mask) runs on CPU in eager mode, so that one is
 checked against the dense mask here too; the varlen kernel for packed rows needs CUDA
-(benchmarks/gpu_check.py's `varlen` row checks it there)."""
+(benchmarks/gpu_check.py's `+segments` row checks it there), so here its calling convention is
+checked against the kernel's contract run on CPU, under each signature torch has had."""
 
 from __future__ import annotations
 
@@ -197,3 +198,62 @@ def test_flash_attention_2_is_refused_for_packed_rows_it_would_not_isolate():
     assert batch.is_packed and batch.input_ids.shape[0] > 1
     with pytest.raises(ConfigError, match="flash_attention_2"):
         forward_logits(model, batch)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale=None, gqa=False):
+    """FlashAttention varlen's contract on CPU, per segment with SDPA: q [N, Hq, D], k/v
+    [N, Hkv, D]; Hq != Hkv only with GQA (as the kernel of a torch without `enable_gqa`)."""
+    assert gqa or k.shape[1] == q.shape[1], "this signature takes no GQA"
+    assert int(cu_q[-1]) == q.shape[0] and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    out = torch.empty_like(q)
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        seg = [x[s:e].transpose(0, 1) for x in (q, k, v)]
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+            *seg, is_causal=causal, scale=scale, enable_gqa=gqa).transpose(0, 1)  # fmt: skip
+    return out
+
+
+def varlen_2_13(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+    assert window_size in ((-1, -1), (-1, 0))
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=window_size == (-1, 0),
+                             scale=scale, gqa=enable_gqa)  # fmt: skip
+
+
+def varlen_no_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None,
+                  window_size=(-1, -1), k_cache=None):  # fmt: skip
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=window_size == (-1, 0),
+                             scale=scale)  # fmt: skip
+
+
+def varlen_is_causal(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=is_causal)
+
+
+@pytest.mark.parametrize("kernel", [varlen_2_13, varlen_no_gqa, varlen_is_causal])
+@pytest.mark.parametrize("scaling", [None, 0.3])
+def test_varlen_attention_equals_the_dense_mask_path_under_every_torch_signature(kernel, scaling):
+    """The packed rows' CUDA kernel, FlashAttention varlen, is called through whichever
+    signature the installed torch has (the GPU image's torch is older than this machine's):
+    causal within each sample, GQA and a non-default scale included, it computes what the
+    dense-mask SDPA path computes. The kernel here is its contract run on CPU."""
+    from training.data.segment_attention import VarlenKernel, _varlen
+
+    torch.manual_seed(0)
+    lengths = (5, 1, 10, 3, 6, 7)  # two rows of 16 slots, no sample across a row's end
+    segments = Segments((2, 16), lengths)
+    q = torch.randn(2, 4, 16, 8)
+    k, v = torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=segments.dense_mask(q.device), scale=scaling, enable_gqa=True)  # fmt: skip
+    from training.data import segment_attention
+
+    adapted = VarlenKernel.of(kernel)
+    saved = segment_attention._VARLEN[:]
+    segment_attention._VARLEN[:] = [adapted]
+    try:
+        out = _varlen(q, k, v, segments, scaling)
+    finally:
+        segment_attention._VARLEN[:] = saved
+    assert out.shape == dense.shape
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)

@@ -27,7 +27,9 @@ attention weights as outputs.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,13 +185,65 @@ def _compiled_flex() -> Any:
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
             scaling: float | None) -> torch.Tensor:  # fmt: skip
-    """FlashAttention varlen over the flattened rows; [B, Hq, T, D] like SDPA's output."""
-    from torch.nn.attention.varlen import varlen_attn
-
+    """FlashAttention varlen over the flattened rows; [B, Hq, T, D] like SDPA's output. Without
+    `torch.nn.attention.varlen` (torch < 2.9) the dense-mask SDPA path, once warned."""
+    kernel = varlen_kernel()
+    if kernel is None:
+        mask = segments.dense_mask(query.device)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                              enable_gqa=True)  # fmt: skip
     b, hq, t, d = query.shape
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
     cu = segments.cu_seqlens(query.device)
     longest = max(segments.lengths)
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0),
-                      enable_gqa=True)  # fmt: skip
-    return out.view(b, t, hq, d).transpose(1, 2)
+    return kernel(q, k, v, cu, longest, scaling).view(b, t, hq, d).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """`varlen_attn` called causally with GQA and a scale, whichever of its signatures this
+    torch has: torch 2.9-2.11 and some later builds take `is_causal` or `window_size=(-1, 0)`
+    for causal, and not every build takes `enable_gqa` (then K/V are expanded here, as
+    `repeat_kv` would: query head h reads KV head h // (Hq / Hkv)) or `scale` (then q is
+    rescaled: softmax(s·qk) = softmax(d^-1/2·(s·d^1/2·q)k))."""
+
+    fn: Any
+    window: bool
+    gqa: bool
+    scale: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                 longest: int, scaling: float | None) -> torch.Tensor:  # fmt: skip
+        kwargs: dict[str, Any] = {"window_size": (-1, 0)} if self.window else {"is_causal": True}
+        if self.gqa:
+            kwargs["enable_gqa"] = True
+        elif k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        if self.scale:
+            kwargs["scale"] = scaling
+        elif scaling is not None:
+            q = q * (scaling * q.shape[-1] ** 0.5)
+        return self.fn(q, k, v, cu, cu, longest, longest, **kwargs)
+
+    @classmethod
+    def of(cls, fn: Any) -> VarlenKernel:
+        params = inspect.signature(fn).parameters
+        return cls(fn, "window_size" in params, "enable_gqa" in params, "scale" in params)
+
+
+_VARLEN: list[VarlenKernel | None] = []
+
+
+def varlen_kernel() -> VarlenKernel | None:
+    """This torch's FlashAttention varlen, adapted (None, with one warning, when it has none)."""
+    if not _VARLEN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            warnings.warn(f"torch {torch.__version__} has no torch.nn.attention.varlen: packed "
+                          f"rows run SDPA on a dense mask (torch >= 2.9 for FlashAttention "
+                          f"varlen)", stacklevel=3)  # fmt: skip
+            _VARLEN.append(None)
+        else:
+            _VARLEN.append(VarlenKernel.of(varlen_attn))
+    return _VARLEN[0]
