@@ -4,7 +4,9 @@ with it, and on CPU `auto` is exactly today's 8,192-token budget."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -13,7 +15,8 @@ import pytest
 import torch
 
 from training.backend import micro_batch_size as mbs
-from training.backend.pytorch import load_model, load_tokenizer
+from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
+from training.config import OptimConfig
 from training.data.logprob_head import DEFAULT_CHUNK_TOKENS, forward_scores
 from training.data.packing import prepare_sft_batch, sft_loss
 from training.data.tokenize import TokenizedSample
@@ -156,3 +159,83 @@ def test_the_gpu_checks_shape_gets_what_docs_gpus_md_says(attention, per_token_k
     chosen = [mbs.choose_micro_batch_tokens(free * 2**30, per_token=per_token, fixed_bytes=fixed,
                                             multiple_of=2048) for free in (75, 135)]  # fmt: skip
     assert chosen == [chosen_h100, chosen_h200]
+
+
+async def test_auto_on_cpu_splits_and_trains_exactly_as_8192(tiny_model_dir, tmp_path, monkeypatch):
+    """`auto` on CPU is today's fixed 8,192-token budget: the same micro-batches (packed rows
+    and one row per sample, of a ~27k-token batch), and the same loss and gradient norm, bit
+    for bit, of a step of two micro-batches."""
+    from training.backend.micro_batch_auto import FREE_MEMORY_ENV
+
+    monkeypatch.delenv(FREE_MEMORY_ENV, raising=False)
+    tok = load_tokenizer(tiny_model_dir)
+    rng = random.Random(3)
+    samples = [TokenizedSample(tuple(rng.randrange(5, 300) for _ in range(n)),
+                               (0,) * 8 + (1,) * (n - 8), "m")
+               for n in (rng.randrange(40, 500) for _ in range(100))]  # fmt: skip
+    step_batch = samples[:36]  # ~9.5k tokens: two micro-batches of 8,192
+    results = []
+    for setting in ("auto", 8192):
+        splits = []
+        for pack_length in (512, None):
+            torch.manual_seed(0)
+            with PyTorchTrainingBackend(
+                partial(load_model, str(tiny_model_dir)), tok, optim=OptimConfig(lr=1e-3),
+                max_steps=2, checkpoint_dir=tmp_path / f"{setting}-{pack_length}",
+                micro_batch_tokens=setting, pack_length=pack_length,
+            ) as backend:  # fmt: skip
+                assert backend.micro_batch_tokens == 8192
+                splits.append([[id(s) for s in mb] for mb in backend.split_microbatches(samples)])
+                if pack_length is not None:
+                    fb = await backend.forward_backward(step_batch).result()
+                    step = await backend.optim_step().result()
+        results.append((splits, fb["n_microbatches"], fb["loss"], step["grad_norm"]))
+    assert results[0] == results[1]
+    assert all(len(split) >= 3 for split in results[0][0]) and results[0][1] == 2
+
+
+def test_auto_in_yaml_and_on_the_command_line_round_trips(tmp_path):
+    from training.config import SFTRunConfig, config_to_yaml, load_config
+    from training.rl_config import RLRunConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("backend:\n  micro_batch_tokens: auto\n")
+    assert load_config(SFTRunConfig, path).backend.micro_batch_tokens == "auto"
+    assert SFTRunConfig().backend.micro_batch_tokens == "auto"  # the default
+    assert RLRunConfig().backend.micro_batch_tokens == "auto"
+    over = load_config(SFTRunConfig, path, ["backend.micro_batch_tokens=4096"])
+    assert over.backend.micro_batch_tokens == 4096  # an int keeps meaning that int
+    back = load_config(SFTRunConfig, path, ["backend.micro_batch_tokens=auto"])
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(config_to_yaml(back))  # as logged and saved with checkpoints
+    assert load_config(SFTRunConfig, saved) == back
+
+
+@pytest.mark.parametrize("bad", ["4", "big", "8.5", "true", "Auto"])
+def test_a_bad_micro_batch_budget_names_the_key(bad):
+    from plumbing.errors import ConfigError
+    from training.config import SFTRunConfig, load_config
+
+    with pytest.raises(ConfigError, match=r"backend\.micro_batch_tokens: .*`auto` or a token "
+                                          r"count ≥ 8"):  # fmt: skip
+        load_config(SFTRunConfig, None, [f"backend.micro_batch_tokens={bad}"])
+
+
+def test_ranks_given_different_free_memory_all_take_the_smallest_choice(
+    tiny_model_dir, tmp_path, warm_python
+):
+    """Under torchrun each rank chooses from its own free memory and every rank takes the
+    least choice (one all-reduce MIN), so they split alike: two gloo ranks, 1.5 and 0.5 GB."""
+    from tests.distributed_launch import launch
+
+    proc = launch("tests/micro_batch_ranks.py", str(tiny_model_dir), str(tmp_path),
+                  "1.5e9", "0.5e9", world=2, cwd=tmp_path, timeout=240, warm=warm_python)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [(tmp_path / f"rank{r}.log").read_text().splitlines() for r in (0, 1)]
+    assert [len(x) for x in lines] == [1, 1], lines
+    found = [re.search(r"auto: ([\d,]+) tokens .* \(this rank's: ([\d,]+)\)", x[0]) for x in lines]
+    taken = tuple(int(m[1].replace(",", "")) for m in found)
+    own = tuple(int(m[2].replace(",", "")) for m in found)
+    assert own[0] > own[1]  # different memory, different choices (neither at the cap)
+    assert taken == (own[1], own[1])
+    assert json.loads((tmp_path / "rank0.json").read_text())["micro_batch_tokens"] == own[1]
