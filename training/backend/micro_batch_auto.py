@@ -112,6 +112,11 @@ def resolve(setting: int | str, model: Any, *, device: torch.device, dist: Any,
         return int(setting)
     free = free_device_bytes(device)
     per_token = fixed = 0.0
+    config = getattr(model, "config", None)
+    if free is not None and not hasattr(config, "num_attention_heads"):
+        log.warning("backend.micro_batch_tokens=auto: %s has no HF decoder config to estimate "
+                    "from; using %d tokens", type(model).__name__, mbs.CPU_TOKENS)  # fmt: skip
+        free = None
     if free is None:
         chosen = mbs.CPU_TOKENS
     else:
