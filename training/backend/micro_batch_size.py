@@ -1,13 +1,13 @@
 """`backend.micro_batch_tokens: auto`: the largest micro-batch the device's free memory holds.
 
 What it guarantees: an *estimate*, from the model's shape alone, of the bytes a forward +
-backward keeps per trained slot (a token or a padding slot of a micro-batch) and of the bytes
-that do not grow with the micro-batch, and from the device's free memory the largest micro-
-batch (a multiple of `pack_length` when packing, at most `CAP_TOKENS`) whose estimate leaves
+backward keeps per slot of a micro-batch (a token or padding: what the budget counts) and of
+the bytes that do not grow with the micro-batch, and from the device's free memory the largest
+micro-batch (a multiple of `pack_length` when packing, at most `CAP_TOKENS`) whose estimate leaves
 `MARGIN` of the free memory unused. The choice is monotone in the free memory. The estimate is
 an upper bound of the tensors autograd saves, within 2x (tests/test_micro_batch_size.py
 measures them with `saved_tensors_hooks` on two model shapes, with and without activation
-checkpointing); the margin is for what it does not model (below).
+checkpointing: 1.04-1.2x without, 1.4-1.8x with); the margin is for what it does not model.
 
 Per decoder layer and slot, in bytes, c the compute dtype's size (2 for bf16), for an HF Llama/
 Qwen2-style layer (RMSNorm, RoPE, GQA attention, SwiGLU MLP), as autograd saves them:
@@ -20,8 +20,8 @@ Qwen2-style layer (RMSNorm, RoPE, GQA attention, SwiGLU MLP), as autograd saves 
   attention). RoPE saves only cos/sin (shared by all layers). `eager` attention also keeps
   the [heads, row] softmax weights (2·c + 4 bytes per pair);
 - the MLP: gate and up projections, SiLU(gate) and their product (4·c·i).
-Once per model and slot: cos and sin (2·c·head_dim), the
-final norm (4·d + c·d), the head's input (c·d) and ~32 bytes of token ids and positions.
+Once per model and slot: cos and sin (2·c·head_dim), the final norm (4·d + c·d), the head's
+input (c·d) and ~32 bytes of token ids and positions.
 With activation checkpointing (HF's, non-reentrant) a layer keeps only its input (c·d) and
 backward recomputes one layer at a time (one layer's bytes). Backward also holds the gradients
 of the layer it is in: one more layer's bytes, in both cases.
@@ -32,17 +32,22 @@ nothing per chunk when the model has no plain output layer (then [slots x V] log
 per slot). The training state allocated after the model is built: gradients and the optimizer's
 moments (AdamW: 2, in the parameters' dtype, allocated at the first step), and under FSDP2 with
 `accumulate_unsharded` the gathered parameters (c per parameter) and unsharded fp32 gradients
-kept through an op (else the gathered root and two layers at a time), divided by the world size
-where they are sharded. The model's own parameters are already in use when the free memory is
-read, so they are not subtracted again.
+kept through an op (else the gathered root and two layers at a time). Gradients and moments are
+this rank's shards (1/world of the model); the gathered ones are whole. The model's own
+parameters are already in use when the free memory is read, so they are not subtracted again.
+Against a GPU: for the first H100 check's configuration (the logits path, 8,192-token
+micro-batches) these terms give 32.3 GiB; it peaked at 29.7 GiB (docs/gpus.md).
 
 Not modelled (the margin's job): the CUDA context and cuBLAS/NCCL workspaces, the caching
 allocator's fragmentation, LoRA adapters' own activations (small at rank ≪ hidden, except a
 lora dropout > 0, which copies each adapted input), a loss function that asks for [B, T, V]
-logits although the model has a plain head, and models built on the device after the choice
-(an RL run's reference and critic: the caller passes them as `reserved_bytes`).
+logits although the model has a plain head, and memory others take after the choice (an
+engine started later on the same GPU). Models the run itself builds later (an RL run's
+reference and critic) are left room for by the caller (`auto_reserve_params`,
+training/recipes/rl_models.py).
 
-Pure: no torch; `training/backend/rank_ops.py` reads the model and the device and calls these.
+Pure: no torch; training/backend/micro_batch_auto.py reads the model and the device and calls
+these.
 """
 
 from __future__ import annotations
