@@ -153,7 +153,9 @@ def resolve_for(backend: Any, model: Any, setting: int | str, optimizer_factory:
     """`resolve` for a `PyTorchTrainingBackend` being built (its settings, its new model)."""
     from training.backend.optim import moments_per_param
 
-    return resolve(setting, model, device=next(model.parameters()).device, dist=backend._dist,
+    dist = backend._dist  # its device, not the params': with cpu_offload they sit on the CPU
+    device = dist.device if dist is not None else next(model.parameters()).device
+    return resolve(setting, model, device=device, dist=dist,
                    pack_length=backend.pack_length, chunk_tokens=backend.logprob_chunk_tokens,
                    optimizer_states=moments_per_param(backend.optim_config, optimizer_factory),
                    reserve_params=reserve_params)  # fmt: skip
