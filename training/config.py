@@ -242,7 +242,8 @@ class FSDPConfig(Strict):
 
 class BackendConfig(Strict):
     device: str = "cpu"
-    micro_batch_tokens: int = Field(8192, ge=8, description="token budget per micro-batch")
+    micro_batch_tokens: int | Literal["auto"] = Field("auto", description="token budget per "
+        "micro-batch; auto: the most the free memory holds (8192 on CPU): micro_batch_size.py")  # fmt: skip
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     seed: int = 0
     collective_timeout_s: float = Field(
@@ -252,6 +253,15 @@ class BackendConfig(Strict):
         "op, the step and what every rank was doing (training/distributed/watchdog.py)",
     )
     fsdp: FSDPConfig = FSDPConfig()
+
+    @field_validator("micro_batch_tokens", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        if value == "auto" or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 8
+        ):
+            return value
+        raise ValueError("give `auto` or a token count ≥ 8")
 
 
 class SFTLoopConfig(Strict):

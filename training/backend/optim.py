@@ -57,3 +57,11 @@ def default_scheduler(optimizer: Any, optim: OptimConfig, max_steps: int) -> Any
 def _fused_adam_ok(params: Sequence[torch.nn.Parameter]) -> bool:
     """torch's fused AdamW runs floating-point parameters on CPU and CUDA."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
+def moments_per_param(optim: OptimConfig, factory: OptimizerFactory) -> int:
+    """Optimizer state tensors per trainable parameter (what `micro_batch_tokens="auto"`
+    reserves): AdamW 2, SGD with momentum 1, plain SGD 0; a custom factory is assumed AdamW-like."""
+    if factory is not default_optimizer or optim.name == "adamw":
+        return 2
+    return 1 if optim.momentum > 0 else 0

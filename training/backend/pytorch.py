@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from training.backend import lora as lo
+from training.backend import micro_batch_auto
 from training.backend import state as st
 from training.backend.futures import BackendError as BackendError
 from training.backend.futures import TrainFuture
@@ -91,7 +92,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         optim: OptimConfig,
         max_steps: int,
         checkpoint_dir: str | Path,
-        micro_batch_tokens: int = 8192,
+        micro_batch_tokens: int | str = "auto",
         pack_length: int | None = 256,
         loss_fn: LossFn = sft_loss,
         collate_fn: CollateFn | None = None,
@@ -104,6 +105,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
         lora: LoraSettings | None = None,
         optimizer_factory: OptimizerFactory = default_optimizer,
         scheduler_factory: SchedulerFactory = default_scheduler,
+        auto_reserve_params: float = 0.0,
         _backend_id: int | None = None,
     ):
         """Args:
@@ -114,6 +116,8 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
             torchrun it must be a callable that every rank can rebuild (a module-level
             function or a partial of one). None with `weights_from`: a copy of that backend's
             model (the reference policy).
+        micro_batch_tokens: a micro-batch's token budget, or "auto" (the largest the device's
+            free memory holds, less `auto_reserve_params` x the params: micro_batch_auto.py).
         frozen: no gradients and no optimizer (a reference policy).
         weights_from: start from this backend's current weights.
         lora: wrap the model with these LoRA adapters (training/backend/lora.py): only they
@@ -157,6 +161,7 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
             collate_fn=collate_fn, loss_weight_fn=loss_weight_fn, keep_last=keep_last,
             num_threads=num_threads, seed=seed, frozen=frozen, weights_from=weights_from,
             lora=lora, optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
+            auto_reserve_params=auto_reserve_params,
         )  # fmt: skip
 
         def init_worker() -> torch.nn.Module:
@@ -169,7 +174,11 @@ class PyTorchTrainingBackend(RankOps, StateOps, SentById):
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
             torch.manual_seed(seed)
-            return self._build_model(model, frozen, weights_from)
+            built = self._build_model(model, frozen, weights_from)
+            self.micro_batch_tokens = micro_batch_auto.resolve_for(  # on every rank alike
+                self, built, micro_batch_tokens, optimizer_factory, auto_reserve_params
+            )
+            return built
 
         model = self._executor.submit(init_worker).result() if self._executor else init_worker()
         self.model = model

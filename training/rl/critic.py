@@ -102,9 +102,10 @@ def _saved_keys(path: str | Path) -> set[str]:
 
 
 def make_critic(model_path: str | Path, tokenizer: Any, *, optim: OptimConfig, max_steps: int,
-                checkpoint_dir: str | Path, micro_batch_tokens: int = 8192,
+                checkpoint_dir: str | Path, micro_batch_tokens: int | str = "auto",
                 keep_last: int | None = 2, num_threads: int | None = None,
-                dtype: str = "float32", device: str = "cpu") -> PyTorchTrainingBackend:  # fmt: skip
+                dtype: str = "float32", device: str = "cpu",
+                auto_reserve_params: float = 0.0) -> PyTorchTrainingBackend:  # fmt: skip
     """A backend over a value model initialised from `model_path` (see the module docstring)."""
     pad_id = tokenizer.pad_token_id
     return PyTorchTrainingBackend(
@@ -112,7 +113,7 @@ def make_critic(model_path: str | Path, tokenizer: Any, *, optim: OptimConfig, m
         optim=optim, max_steps=max_steps, checkpoint_dir=checkpoint_dir,
         micro_batch_tokens=micro_batch_tokens, pack_length=None,
         collate_fn=partial(collate_rl, pad_id=pad_id), keep_last=keep_last,
-        num_threads=num_threads,
+        num_threads=num_threads, auto_reserve_params=auto_reserve_params,
     )  # fmt: skip
 
 
