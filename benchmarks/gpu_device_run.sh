@@ -14,7 +14,8 @@
 # gpu_check section), gpu_check_profile.txt (top ops of one SFT step and one GRPO update),
 # gpu_check.log (everything it printed, the BENCH_RESULT line included) and device.txt
 # (nvidia-smi, the versions). Each finished row prints one line at once, so the tool's output
-# tail shows what was measured even if the call is cut off.
+# tail shows what was measured even if the call is cut off. GPU_CHECK_ARGS=--dry-run runs the
+# same steps on CPU (the tiny model), to try this script without a GPU.
 set -uo pipefail
 
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -22,16 +23,34 @@ BUDGET=${GPU_CHECK_BUDGET_S:-540}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 mkdir -p "$OUT"
 
-shopt -s nullglob
-wheels=()
-for w in wheels/*.whl; do
-    [[ $(basename "$w") == rollouts-* ]] || wheels+=("$w")  # the project runs from the checkout
-done
-if ((${#wheels[@]} == 0)); then
-    echo "gpu_device_run: no wheels/*.whl here: build them with make wheels and name wheels in carry" >&2
+# Only what the image lacks or has older: a carried wheel shadows the image's copy from
+# PYTHONPATH, so one the image has at the same or a newer version stays out (an older trio or
+# typing-extensions than the project's needs gets the carried one). The project's own wheel
+# stays out too: the project runs from this checkout.
+mapfile -t wheels < <(python3 - <<'PY'
+import glob, importlib.metadata as md, os, sys
+from packaging.version import Version
+for w in sorted(glob.glob("wheels/*.whl")):
+    name, version = os.path.basename(w).split("-")[:2]
+    if name == "rollouts":
+        continue
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        have = None
+    if have is not None and Version(have) >= Version(version):
+        print(f"gpu_device_run: {name}: the image's {have}", file=sys.stderr)
+    else:
+        print(w)
+PY
+)
+if ((${#wheels[@]} == 0)) && ! python3 -c "import trio, pydantic, orjson" 2>/dev/null; then
+    echo "gpu_device_run: no usable wheels/*.whl: run make wheels here and name wheels in carry" >&2
     exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --target "$SITE" "${wheels[@]}" 2>&1 | tail -5
+if ((${#wheels[@]})); then
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "${wheels[@]}" 2>&1 | tail -5
+fi
 
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -43,7 +62,9 @@ tail -1 "$OUT/device.txt"
 
 # the script's budget covers its own work; 35 s more for the interpreter, CUDA's start and exit
 timeout -k 10 $((${BUDGET%.*} + 35)) python3 benchmarks/gpu_check.py --budget-s "$BUDGET" \
-    --results "$OUT/RESULTS.md" --profile "$OUT/gpu_check_profile.txt" 2>&1 | tee "$OUT/gpu_check.log"
+    --results "$OUT/RESULTS.md" --profile "$OUT/gpu_check_profile.txt" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
-echo "gpu_device_run: gpu_check.py exit status $rc (124: killed by timeout)" | tee -a "$OUT/gpu_check.log"
+why=""
+((rc == 124)) && why=" (killed by timeout: the rows printed above were measured)"
+echo "gpu_device_run: gpu_check.py exit status $rc$why" | tee -a "$OUT/gpu_check.log"
 exit "$rc"

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-CHUNK_TOKENS = 4096  # trained tokens per loss chunk: [4096, 151,936] fp32 logits = 2.5 GB
+CHUNK_TOKENS = 4096  # at most, per loss chunk: [4096, 151,936] fp32 logits = 2.5 GB
 IGNORE = -100
 
 
@@ -106,11 +106,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(h)
             grad_w = torch.zeros_like(weight, dtype=torch.float32)
             loss = torch.zeros((), device=h.device, dtype=torch.float32)
-            for s in range(0, h.shape[0], CHUNK_TOKENS):
-                part, gh, gw = chunk_fn(h[s : s + CHUNK_TOKENS].to(torch.bfloat16), w,
-                                        y[s : s + CHUNK_TOKENS], scale)  # fmt: skip
+            n = h.shape[0]
+            size = -(-n // -(-n // CHUNK_TOKENS))  # equal chunks: one shape, one compile
+            for s in range(0, n, size):
+                part, gh, gw = chunk_fn(h[s : s + size].to(torch.bfloat16), w, y[s : s + size],
+                                        scale)  # fmt: skip
                 loss += part
-                grad_h[s : s + CHUNK_TOKENS] = gh
+                grad_h[s : s + size] = gh
                 grad_w += gw
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return loss * scale
