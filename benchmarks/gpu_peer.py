@@ -19,7 +19,9 @@ What the peer does (`peer_row`; benchmarks/gpu_check.py calls it):
 - the same samples packed first-fit into rows of `plan.pack_length`, `position_ids` restarting
   at 0 for every sample, `attention_mask=None` and no cache. transformers (≥ 4.53) then finds the
   samples from the position ids and gives sdpa a block-diagonal causal mask, so no token attends
-  across samples: the peer's loss equals the project's up to bf16 rounding. sdpa runs its
+  across samples: the peer's loss equals the project's up to bf16 rounding. (`use_cache=False`
+  matters: with a cache, which a plain `model(...)` call builds even in train mode, transformers
+  skips that detection and the row is one causal sequence.) sdpa runs its
   masked (memory-efficient) kernel, not flash: what a torch-only peer gets without
   flash-attn's varlen kernel;
 - the whole step as one micro-batch (all rows) when it fits; after an out-of-memory error, two.
@@ -82,6 +84,13 @@ def pack_step(samples: list, row_len: int) -> PeerBatch:
     shape = (len(rows), width)
     return PeerBatch(torch.tensor(ids).view(shape), torch.tensor(pos).view(shape),
                      torch.tensor(at), torch.tensor(tgt))  # fmt: skip
+
+
+def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    """The last layer's normed hidden states [R, T, H] of packed rows: no attention mask and no
+    cache, so transformers splits each row into its samples by the restarting position ids."""
+    return model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                       use_cache=False).last_hidden_state  # fmt: skip
 
 
 def _chunk_loss_and_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float):
@@ -149,8 +158,7 @@ class Peer:
             ids = batch.input_ids[r0:r1].to(self.device, non_blocking=True)
             pos = batch.position_ids[r0:r1].to(self.device, non_blocking=True)
             with torch.autocast(self.device, dtype=torch.bfloat16):
-                hidden = self.model.model(input_ids=ids, position_ids=pos, attention_mask=None,
-                                          use_cache=False).last_hidden_state  # fmt: skip
+                hidden = final_hidden(self.model, ids, pos)
             h = hidden.flatten(0, 1).index_select(0, at)
             loss = ChunkedLinearCrossEntropy.apply(h, weight, y, scale, self.chunk_fn)
             loss.backward()
@@ -185,35 +193,35 @@ def peer_row(plan, model_dir: Path, batches: list, n_matmul: int, gc_, busy_shar
     variant rows': step s, tokens/s, model TFLOP/s, peak memory, GPU-busy share of one profiled
     step, loss and grad norm of the last measured step; `config` says how it ran. Tries compiled
     with one micro-batch, then (out of memory) two, or (a compile error) eager, while
-    `time_left()` s allows another go; the last error is raised."""
+    `time_left()` s allows another go; else a RuntimeError names each try's error."""
     packed = [pack_step(b, plan.pack_length) for b in batches]
     tries = [(plan.device == "cuda", 1)]
     notes: list[str] = []
     started = time.perf_counter()
     while tries:
         compiled, splits = tries.pop(0)
+        how = f"{'per-layer torch.compile' if compiled else 'eager'}, {splits} micro-batch(es)"
+        failure, oom = None, False
         try:
             figures = _measure(plan, model_dir, batches, packed, n_matmul, gc_, busy_share,
                                compiled=compiled, splits=splits)  # fmt: skip
-        except Exception as exc:
-            notes.append(f"{'compiled' if compiled else 'eager'}, {splits} micro-batch(es): "
-                         f"{type(exc).__name__}: {str(exc)[:160]}")  # fmt: skip
-            gc_.free_device_memory(plan)
-            if time_left() < 1.5 * (time.perf_counter() - started):
-                raise
-            if isinstance(exc, torch.cuda.OutOfMemoryError) and splits < 2:
-                tries.append((compiled, 2 * splits))
-            elif compiled:
-                tries.append((False, splits))
-            else:
-                raise
-            continue
-        how = "per-layer torch.compile" if compiled else "eager"
-        figures["config"] = (f"{how}, {splits} micro-batch(es) of {packed[0].input_ids.shape[0] // splits}"
-                             f" rows x {packed[0].input_ids.shape[1]}") + (
-                             "; after: " + " | ".join(notes) if notes else "")  # fmt: skip
-        return figures
-    raise AssertionError("unreachable")
+        except Exception as exc:  # the traceback holds the model: free it after this block
+            failure = f"{type(exc).__name__}: {str(exc)[:160]}"
+            oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+        if failure is None:
+            rows, width = packed[0].input_ids.shape
+            figures["config"] = f"{how} of {rows // splits} rows x {width}" + (
+                "; after: " + " | ".join(notes) if notes else "")  # fmt: skip
+            return figures
+        notes.append(f"{how}: {failure}")
+        gc_.free_device_memory(plan)
+        if time_left() < 1.5 * (time.perf_counter() - started):
+            break
+        if oom and splits < 2:
+            tries.append((compiled, 2 * splits))
+        elif compiled:
+            tries.append((False, splits))
+    raise RuntimeError(" | ".join(notes))
 
 
 def _measure(plan, model_dir: Path, batches: list, packed: list[PeerBatch], n_matmul: int, gc_,
@@ -244,6 +252,8 @@ def _measure(plan, model_dir: Path, batches: list, packed: list[PeerBatch], n_ma
         return figures
     finally:
         del peer
+        if compiled:  # the project's +compile row compiles its own layers from a clean cache
+            torch._dynamo.reset()
         gc_.free_device_memory(plan)
 
 
