@@ -27,8 +27,9 @@ that would not fit is skipped, its cell says `skipped: time budget`, and the scr
 0. Each finished row prints one line at once (flushed), so a run that is killed still shows
 what it measured.
 
-MFU counts the model's FLOPs as PaLM's appendix B does: 6·N per token for the N weights that multiply (the output layer included,
-the embedding lookup not) plus 12·layers·hidden·T for attention over each sample's T tokens.
+MFU counts the model's FLOPs as PaLM's appendix B does: 6·N per token for the N weights that
+multiply (the output layer included, the embedding lookup not) plus 12·layers·hidden·T for
+attention over each sample's T tokens.
 
 `--dry-run` runs the same code on CPU at tiny size (fp32, gloo; the "peak" is a measured fp32
 matmul rate), writing to benchmarks/results/quick/ unless `--results` says where; make test runs
@@ -334,6 +335,11 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None,
     by_name = {v.name: v for v in VARIANTS}
     await variant(by_name["+large micro-batch"])
     figures["peer"] = await optional_row(budget, "peer (plain torch SFT)", "peer", peer)
+    if "config" in figures["peer"]:  # how it ran, and the ratio so far (a later kill keeps it)
+        value, row = ratio({**figures, "variants": rows})
+        progress(
+            "peer ran", f"{figures['peer']['config']}; ours / peer so far {value:.2f}x ({row})"
+        )
     for v in VARIANTS:
         if v.name != "+large micro-batch" and not v.compile_layers:
             await variant(v)
