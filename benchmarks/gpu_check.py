@@ -52,12 +52,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
-from gpu_peer import fastest_ours, peer_row, peer_table
+from gpu_budget import Budget, failed, optional_row, progress
+from gpu_peer import peer_row, peer_table, ratio, ratio_line
 from gpu_variants import busy_share, variant_row, variant_table
 from launch_counts import VARIANTS
 
@@ -222,64 +223,6 @@ def sync(device: str) -> None:
 
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-SKIPPED = "skipped: time budget"
-
-
-@dataclass
-class Budget:
-    """The time the optional rows may take (the whole script must end inside one device call,
-    even if a compile is slow), and each kind of row's rough cost from the rows measured so far
-    (`walls`: the longest wall time seen per kind, s)."""
-
-    deadline: float  # time.monotonic() by which the last row must end
-    compile_s: float  # a compile's rough cost (CUDA; 0 on CPU, where nothing is compiled)
-    walls: dict = field(default_factory=dict)
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def estimate(self, kind: str) -> float:
-        """Rough seconds for a row of `kind`: "sft_fused" (one SFT phase), "peer" (a model
-        load, its compile, the SFT steps), "variant" (an SFT and a GRPO phase) or "compile" (a
-        variant, slower, with two compiles)."""
-        sft = self.walls.get("sft", 0.0)
-        variant = self.walls.get("variant", 1.25 * (sft + self.walls.get("grpo_train", 0.0)))
-        return {"sft_fused": sft, "peer": 1.5 * sft + self.compile_s, "variant": variant,
-                "compile": 1.5 * variant + 2 * self.compile_s}[kind]  # fmt: skip
-
-    def record(self, kind: str, wall_s: float) -> None:
-        self.walls[kind] = max(wall_s, self.walls.get(kind, 0.0))
-
-
-async def optional_row(budget: Budget, name: str, kind: str, run_row) -> dict:
-    """`await run_row()` (a row's figures) if the budget leaves time for a row of `kind`, else
-    {"error": SKIPPED}; either way one progress line."""
-    estimate = budget.estimate(kind)
-    if budget.left() < estimate:
-        progress(name, f"{SKIPPED} ({budget.left():.0f} s left, ~{estimate:.0f} s needed)")
-        return {"error": SKIPPED}
-    t0 = time.monotonic()
-    row = await run_row()
-    budget.record(kind, time.monotonic() - t0)
-    progress(name, row, time.monotonic() - t0, budget)
-    return row
-
-
-def progress(name: str, row, wall_s: float | None = None, budget: Budget | None = None) -> None:
-    """One line per finished row, flushed: a run killed later still shows what it measured."""
-    if isinstance(row, str):
-        text = row
-    elif "error" in row:
-        text = row["error"][:200]
-    else:
-        phases = [(f"{ph} ", f) for ph, f in row.items() if ph in ("sft", "grpo")] or [("", row)]
-        text = "; ".join(f"{ph}{f['step_s']:.3f} s/step, {f['tokens_per_s']:,.0f} tokens/s, "
-                         f"loss {f['loss']:.4g}" for ph, f in phases)  # fmt: skip
-    took = f" in {wall_s:.0f} s" if wall_s is not None else ""
-    left = f"; {budget.left():.0f} s left" if budget is not None else ""
-    print(f"gpu_check: {name}{took}: {text}{left}", flush=True)
 
 
 async def measure(plan: Plan, tmp: Path, profile: Path | None = None,
@@ -612,34 +555,6 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
             "(datasets, pyarrow, pandas) are ~57 MB beside the ~60 MB the device tool carries."
         )
     return parts, notes
-
-
-def ratio(figures: dict) -> tuple[float | None, str | None]:
-    """(ours / peer tokens/s, the name of our row) with ours the fastest SFT row the project
-    measured; (None, None) when the peer or all our rows are missing."""
-    ours = fastest_ours(figures)
-    peer = figures.get("peer", {})
-    if ours is None or "tokens_per_s" not in peer:
-        return None, None
-    return ours[1] / peer["tokens_per_s"], ours[0]
-
-
-def ratio_line(figures: dict) -> str:
-    """The `ours / peer` sentence under the peer's table."""
-    value, row = ratio(figures)
-    if value is None:
-        why = figures.get("peer", {}).get("error", "no SFT row of ours measured")
-        return f"ours / peer tokens/s: not measured ({why[:200]})."
-    ours = fastest_ours(figures)
-    assert ours is not None
-    return (f"**ours / peer tokens/s: {value:.2f}x** (ours: the fastest SFT row, `{row}`, "
-            f"{ours[1]:,.0f} tokens/s; peer: {figures['peer']['tokens_per_s']:,.0f} tokens/s; "
-            "issue 43 asks for >= 1.3x on a GPU).")  # fmt: skip
-
-
-def failed(row: dict) -> bool:
-    """A row that raised (a skipped row, for time or on CPU, did not fail)."""
-    return "error" in row and not row["error"].startswith("skipped")
 
 
 def main() -> int:

@@ -116,9 +116,10 @@ def test_a_row_the_time_budget_cannot_fit_is_skipped_and_says_so(monkeypatch):
     import trio
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_budget
     import gpu_check
 
-    budget = gpu_check.Budget(time.monotonic() + 100.0, compile_s=90.0)
+    budget = gpu_budget.Budget(time.monotonic() + 100.0, compile_s=90.0)
     budget.record("sft", 10.0)
     budget.record("grpo_train", 30.0)
     assert budget.estimate("variant") == 50.0 and budget.estimate("peer") == 105.0
@@ -130,11 +131,11 @@ def test_a_row_the_time_budget_cannot_fit_is_skipped_and_says_so(monkeypatch):
         ran.append(1)
         return _ok()
 
-    assert trio.run(gpu_check.optional_row, budget, "+segments", "variant", row) == _ok()
-    assert trio.run(gpu_check.optional_row, budget, "peer", "peer", row) == {
-        "error": gpu_check.SKIPPED}  # fmt: skip
+    assert trio.run(gpu_budget.optional_row, budget, "+segments", "variant", row) == _ok()
+    assert trio.run(gpu_budget.optional_row, budget, "peer", "peer", row) == {
+        "error": gpu_budget.SKIPPED}  # fmt: skip
     assert ran == [1]
-    skipped = {"error": gpu_check.SKIPPED}
+    skipped = {"error": gpu_budget.SKIPPED}
     figures = {"n_params": 1, "process_group": "nccl", "sft": _ok(), "grpo": _ok(),
                "sft_fused": skipped, "engine": {"tokens_per_s": 5.0, "generate_s": 1.0},
                "weight_sync_s": 0.1, "served_version": "2", "trained_version": "2",
@@ -144,20 +145,20 @@ def test_a_row_the_time_budget_cannot_fit_is_skipped_and_says_so(monkeypatch):
     assert "skipped: time budget" in rows["SFT step, fused AdamW"] and "failed" not in table
     assert "skipped: time budget" in variants and "skipped: time budget" in peer
     assert line.startswith("ours / peer tokens/s: not measured (skipped: time budget")
-    assert not gpu_check.failed(skipped) and gpu_check.failed({"error": "RuntimeError: x"})
+    assert not gpu_budget.failed(skipped) and gpu_budget.failed({"error": "RuntimeError: x"})
 
 
 def test_ours_over_peer_is_the_fastest_project_sft_row_over_the_peer(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import gpu_check
+    import gpu_peer
 
     figures = {"sft": _ok(tokens_per_s=100.0), "sft_fused": {"error": "skipped: time budget"},
                "variants": {"today": {"sft": _ok(tokens_per_s=90.0), "grpo": _ok()},
                             "+large micro-batch": {"sft": _ok(tokens_per_s=260.0),
                                                    "grpo": _ok(tokens_per_s=999.0)}},
                "peer": _ok(tokens_per_s=200.0)}  # fmt: skip
-    assert gpu_check.ratio(figures) == (1.3, "+large micro-batch (SFT)")
-    assert "1.30x" in gpu_check.ratio_line(figures)
+    assert gpu_peer.ratio(figures) == (1.3, "+large micro-batch (SFT)")
+    assert "1.30x" in gpu_peer.ratio_line(figures)
 
 
 def test_the_peers_chunked_loss_is_cross_entropy_with_its_gradients(monkeypatch):
