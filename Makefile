@@ -132,7 +132,7 @@ test-cookbook: $(STAMP)  ## tinker-cookbook's own sl_loop/rl_loop against `rollo
 # safetensors, httpx and h11; these wheels are the rest, plus the project's own. For another
 # interpreter or platform than this one: make wheels WHEELS_PYTHON=3.10
 # WHEELS_PLATFORM=manylinux2014_x86_64.
-GPU_WHEELS := trio pydantic pyyaml tqdm hypercorn pytest pytest-trio
+GPU_WHEELS := trio pydantic pyyaml orjson tqdm hypercorn pytest pytest-trio
 WHEELS_PYTHON ?=
 WHEELS_PLATFORM ?=
 wheels: setup  ## the wheels a GPU machine without network needs, into wheels/ (DEVELOPERS.md)

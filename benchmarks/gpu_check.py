@@ -14,17 +14,31 @@ What runs (the project's own parts, nothing mocked):
 It prints step time, tokens/s, MFU against the GPU's dense bf16 peak and peak memory per phase,
 then one row per trainer-speed change of issue 43 (benchmarks/gpu_variants.py: today,
 +accumulate, +segments, +large micro-batch, +compile, on the same batches, with MFU by hardware
-FLOPs too, the GPU-busy share, loss and grad norm), and writes the `gpu_check` section of
-benchmarks/RESULTS.md. MFU counts the model's FLOPs as
-PaLM's appendix B does: 6·N per token for the N weights that multiply (the output layer included,
-the embedding lookup not) plus 12·layers·hidden·T for attention over each sample's T tokens.
+FLOPs too, the GPU-busy share, loss and grad norm), then the peer's row
+(benchmarks/gpu_peer.py: a plain PyTorch SFT loop as a strong peer writes it, on the same model,
+batches and GPU) and `ours / peer` tokens/s, ours being the project's fastest SFT row (issue 43
+asks for ≥ 1.3×), and writes the `gpu_check` section of benchmarks/RESULTS.md.
+
+Time budget (`--budget-s`, default 540 s on a GPU: one 10-minute device call with room to
+start): the most valuable rows run first — SFT, GRPO with the engine (its batches are the
+variants'), +large micro-batch, the peer, the other changes, fused AdamW, +compile last. Before
+each of these optional rows the script estimates its cost from the rows measured so far; one
+that would not fit is skipped, its cell says `skipped: time budget`, and the script still exits
+0. Each finished row prints one line at once (flushed), so a run that is killed still shows
+what it measured.
+
+MFU counts the model's FLOPs as PaLM's appendix B does: 6·N per token for the N weights that
+multiply (the output layer included, the embedding lookup not) plus 12·layers·hidden·T for
+attention over each sample's T tokens.
 
 `--dry-run` runs the same code on CPU at tiny size (fp32, gloo; the "peak" is a measured fp32
 matmul rate), writing to benchmarks/results/quick/ unless `--results` says where; make test runs
 it (tests/test_gpu_check.py), so it cannot rot. DEVELOPERS.md says how to carry the
 dependencies to a GPU machine without network.
 
-    python benchmarks/gpu_check.py [--dry-run] [--results PATH] [--profile PATH]
+    python benchmarks/gpu_check.py [--dry-run] [--results PATH] [--profile PATH] [--budget-s S]
+
+On the workplace's device tool, in one call: benchmarks/gpu_device_run.sh.
 """
 
 from __future__ import annotations
@@ -43,7 +57,10 @@ from functools import partial
 from pathlib import Path
 
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
-from gpu_variants import variant_rows, variant_table
+from gpu_budget import Budget, failed, optional_row, progress
+from gpu_peer import peer_row, peer_table, ratio, ratio_line
+from gpu_variants import busy_share, variant_row, variant_table
+from launch_counts import VARIANTS
 
 import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
 
@@ -85,6 +102,11 @@ DRY = Plan("cpu", "bfloat16", "bfloat16", TINY, sft_steps=3, sft_sample_len=24, 
            pack_length=64, rl_steps=2, rl_prompts=2, rl_group=4, prompt_len=8, response_len=8,
            micro_batch_tokens=512, warmup=1)  # fmt: skip
 
+
+# A compile's rough cost on CUDA (the estimate before the peer's and +compile's rows), and the
+# seconds kept after the last row for the report and the teardown.
+COMPILE_S = 60.0
+RESERVE_S = 20.0
 
 # The phases the check measures: (key in the figures, row label in the table).
 PHASES = (("sft", "SFT step"), ("sft_fused", "SFT step, fused AdamW"), ("grpo", "GRPO update"))
@@ -203,27 +225,27 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
-    """Rank 0's run (world size 1): SFT, then GRPO with the engine and weight syncs; with
-    `profile`, one more SFT step and GRPO update under torch.profiler, after the measured ones
-    (the figures do not include them), its tables written to `profile`."""
-    from engines import SGLangEngine, launch_engine
-    from training.backend.pytorch import PyTorchTrainingBackend, load_model, load_tokenizer
-    from training.config import OptimConfig
-    from training.loops.weight_push import push_weights
-    from training.rl.algorithms import grpo
-    from training.rl.batch import collate_rl
-    from training.rl.step import train_on_batch
+async def measure(plan: Plan, tmp: Path, profile: Path | None = None,
+                  budget: Budget | None = None) -> dict:  # fmt: skip
+    """Rank 0's run (world size 1), the most valuable rows first: SFT, then GRPO with the
+    engine and weight syncs (its batches are the variants'), then, while `budget` allows, the
+    +large micro-batch row, the peer (benchmarks/gpu_peer.py), the other variants, fused AdamW
+    and +compile last. With `profile`, one more SFT step and GRPO update under torch.profiler,
+    after the measured ones (the figures do not include them), written to `profile`."""
+    from training.backend.pytorch import load_model, load_tokenizer
 
+    budget = budget or Budget(math.inf, 0.0)
     model_dir = build_model_dir(tmp / "model", plan.shape)
     tok = load_tokenizer(model_dir)
     vocab, rng = len(tok), random.Random(0)
-    optim = OptimConfig(lr=1e-5, schedule="constant")
     build = partial(load_model, str(model_dir), device=plan.device)
     n_matmul = matmul_params(plan.shape)
     figures: dict = {"n_params": n_matmul}
 
+    t0 = time.monotonic()
     sft, figures["sft"] = await sft_phase(plan, tmp, build, tok, n_matmul, fused=False)
+    budget.record("sft", time.monotonic() - t0)
+    progress("SFT step", figures["sft"], time.monotonic() - t0, budget)
     profiles = []
     if profile is not None:
         batch = sft_samples(plan, rng, vocab)
@@ -232,22 +254,86 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
         profiles.append(("SFT step", prof))
     sft.close()
     del sft
-    try:  # an optional kernel: its failure on some GPU or torch must not cost the other rows
-        fused, figures["sft_fused"] = await sft_phase(plan, tmp, build, tok, n_matmul, fused=True)
-        fused.close()
-        del fused
-    except Exception as exc:  # reported in the table; the script exits 1
-        figures["sft_fused"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    rl_batches = await grpo_phase(plan, tmp, model_dir, build, tok, n_matmul, rng, figures,
+                                  profiles if profile is not None else None, budget)  # fmt: skip
+    if profile is not None:
+        write_profiles(plan, profiles, profile)
 
+    sft_rng = random.Random(1)  # sft_phase's batches
+    sft_batches = [sft_samples(plan, sft_rng, vocab) for _ in range(plan.sft_steps)]
+    rows: dict = {}
+
+    async def variant(v) -> None:
+        kind = "compile" if v.compile_layers else "variant"
+        rows[v.name] = await optional_row(budget, v.name, kind, partial(
+            variant_row, plan, v, tmp, model_dir, tok, n_matmul, sft_batches, rl_batches))  # fmt: skip
+
+    async def peer() -> dict:
+        try:
+            return peer_row(plan, model_dir, sft_batches, n_matmul, sys.modules[__name__],
+                            busy_share, budget.left)  # fmt: skip
+        except Exception as exc:  # its row's text; the script exits 1
+            return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+    by_name = {v.name: v for v in VARIANTS}
+    await variant(by_name["+large micro-batch"])
+    figures["peer"] = await optional_row(budget, "peer (plain torch SFT)", "peer", peer)
+    if "config" in figures["peer"]:  # how it ran, and the ratio so far (a later kill keeps it)
+        value, row = ratio({**figures, "variants": rows})
+        progress(
+            "peer ran", f"{figures['peer']['config']}; ours / peer so far {value:.2f}x ({row})"
+        )
+    for v in VARIANTS:
+        if v.name != "+large micro-batch" and not v.compile_layers:
+            await variant(v)
+    figures["sft_fused"] = await optional_row(budget, "SFT step, fused AdamW", "sft_fused",
+                                              partial(fused_row, plan, tmp, build, tok, n_matmul))  # fmt: skip
+    for v in VARIANTS:
+        if v.compile_layers:
+            await variant(v)
+    figures["variants"] = {v.name: rows[v.name] for v in VARIANTS}  # the table's order
+    return figures
+
+
+async def fused_row(plan: Plan, tmp: Path, build, tok, n_matmul: int) -> dict:
+    """The SFT phase again with fused AdamW; an optional kernel, so its failure on some GPU or
+    torch is its row's text (the script then exits 1), not a lost run."""
+    try:
+        fused, figures = await sft_phase(plan, tmp, build, tok, n_matmul, fused=True)
+        fused.close()
+        return figures
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+async def grpo_phase(plan: Plan, tmp: Path, model_dir: Path, build, tok, n_matmul: int,
+                     rng: random.Random, figures: dict, profiles: list | None,
+                     budget: Budget) -> list:  # fmt: skip
+    """GRPO steps on groups the local engine sampled, each followed by a weight sync; writes
+    figures "grpo", "engine", "weight_sync_s", the versions; returns the sampled batches (each
+    change's row trains them again, benchmarks/gpu_variants.py)."""
+    from engines import SGLangEngine, launch_engine
+    from training.backend.pytorch import PyTorchTrainingBackend
+    from training.config import OptimConfig
+    from training.loops.weight_push import push_weights
+    from training.rl.algorithms import grpo
+    from training.rl.batch import collate_rl
+    from training.rl.step import train_on_batch
+
+    vocab = len(tok)
     free_device_memory(plan)
     reset_peak_memory(plan)
-    rl = PyTorchTrainingBackend(build, tok, optim=optim, max_steps=100, checkpoint_dir=tmp / "rl",
-                                pack_length=None, micro_batch_tokens=plan.micro_batch_tokens,
+    t_build = time.monotonic()
+    rl = PyTorchTrainingBackend(build, tok, optim=OptimConfig(lr=1e-5, schedule="constant"),
+                                max_steps=100, checkpoint_dir=tmp / "rl", pack_length=None,
+                                micro_batch_tokens=plan.micro_batch_tokens,
                                 collate_fn=partial(collate_rl, pad_id=tok.pad_token_id))  # fmt: skip
+    t_build = time.monotonic() - t_build
     engine_args = ["--device", plan.device, "--dtype", plan.engine_dtype, "--weight-version", "0",
                    "--max-running-requests", str(plan.rl_prompts * plan.rl_group)]  # fmt: skip
     times, flops, tokens, gen_s, gen_tokens, sync_s = [], [], [], [], [], []
-    rl_batches = []  # trained again by each change's row (benchmarks/gpu_variants.py)
+    rl_batches = []
+    t_phase = time.monotonic()
     async with (
         launch_engine(kind="local", model_path=model_dir, extra_args=engine_args,
                       log_path=tmp / "engine.log", startup_timeout_s=600) as launched,
@@ -270,7 +356,9 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
             t0 = time.perf_counter()
             await push_weights(rl, [engine], tmp / "weights")
             sync_s.append(time.perf_counter() - t0)
-        if profile is not None:
+        # read now: the peak is this phase's, not a later row's
+        figures["grpo"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
+        if profiles is not None:
             batch = await sample_groups(engine, plan, rng, vocab, plan.rl_steps)
             with profiled(plan) as prof:
                 await train_on_batch(rl, batch, grpo(), temperature=1.0, old_from_rollout=False,
@@ -278,24 +366,17 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None) -> dict:
                 sync(plan.device)
             profiles.append(("GRPO update", prof))
             await push_weights(rl, [engine], tmp / "weights")
-        served = (await engine.model_info()).weight_version
-    trained_version = str(rl.weight_version)
-    if profile is not None:
-        write_profiles(plan, profiles, profile)
+        figures["served_version"] = (await engine.model_info()).weight_version
+    figures["trained_version"] = str(rl.weight_version)
     rl.close()
     del rl
-    sft_rng = random.Random(1)  # sft_phase's batches
-    sft_batches = [sft_samples(plan, sft_rng, vocab) for _ in range(plan.sft_steps)]
-    figures["variants"] = await variant_rows(plan, tmp, model_dir, tok, n_matmul, sft_batches,
-                                             rl_batches)  # fmt: skip
     w = plan.warmup
-    figures["grpo"] = phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
     figures["engine"] = {"generate_s": harness.median(gen_s[w:]),
                          "tokens_per_s": sum(gen_tokens[w:]) / sum(gen_s[w:])}  # fmt: skip
     figures["weight_sync_s"] = harness.median(sync_s[w:])
-    figures["served_version"] = served
-    figures["trained_version"] = trained_version
-    return figures
+    budget.record("grpo_train", t_build + sum(times) * (1 + 1 / plan.rl_steps))
+    progress("GRPO update (with the engine)", figures["grpo"], time.monotonic() - t_phase, budget)
+    return rl_batches
 
 
 async def sft_phase(plan: Plan, tmp: Path, build, tok, n_matmul: int, *, fused: bool):
@@ -377,7 +458,7 @@ def phase_figures(plan: Plan, times: list[float], tokens: list[int], flops: list
             "peak_memory_gib": peak_memory_gib(plan), "loss": loss}  # fmt: skip
 
 
-def run(plan: Plan, profile: Path | None = None) -> dict:
+def run(plan: Plan, profile: Path | None = None, budget: Budget | None = None) -> dict:
     """Join a process group of one (NCCL on CUDA, gloo on CPU) and run `measure` on rank 0."""
     import trio
 
@@ -395,7 +476,7 @@ def run(plan: Plan, profile: Path | None = None) -> dict:
         ctx = current()
         assert ctx is not None and ctx.world == 1, "expected a process group of one"
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-            figures = trio.run(measure, plan, Path(tmp), profile)
+            figures = trio.run(measure, plan, Path(tmp), profile, budget)
         import torch.distributed as dist
 
         figures["process_group"] = dist.get_backend()
@@ -415,7 +496,8 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
     for phase, label in PHASES:
         f = figures[phase]
         if "error" in f:
-            rows.append([label, "failed: " + f["error"], "", "", "", "", ""])
+            text = f["error"] if f["error"].startswith("skipped") else "failed: " + f["error"]
+            rows.append([label, text, "", "", "", "", ""])
             continue
         f["mfu"] = f["tflops"] * 1e12 / peak if peak else None
         mfu = f"{100 * f['mfu']:.1f} %" if peak else "n/a"
@@ -457,7 +539,22 @@ def report(plan: Plan, figures: dict, peak: float | None, peak_text: str
         "one profiled step over its wall time. Losses and grad norms must agree across rows."
     )
     variants = figures.get("variants")
-    return [table] + ([variant_table(variants, peak)] if variants else []), notes
+    parts = [table] + ([variant_table(variants, peak)] if variants else [])
+    if "peer" in figures:
+        parts += [peer_table(figures["peer"], peak), ratio_line(figures)]
+        notes.append(
+            "- Peer (benchmarks/gpu_peer.py): a plain PyTorch SFT loop as a strong peer writes it, "
+            "no project code in its step: the same model directory (HF, sdpa), fp32 masters "
+            "with bf16 autocast, fused AdamW on CUDA, per-layer `torch.compile` on CUDA (eager "
+            "on CPU), a chunked linear cross-entropy (gradients in the forward pass, no "
+            "[tokens x vocabulary] tensor), the same samples packed into the same rows with "
+            "position ids restarting per sample, trained on the same batches as the SFT rows. "
+            "transformers builds sdpa a block-diagonal mask from those position ids, so its "
+            "samples do not see each other (masked sdpa kernel, not flash): its loss is the "
+            "project's up to bf16 rounding. TRL's SFTTrainer was not carried: its wheels "
+            "(datasets, pyarrow, pandas) are ~57 MB beside the ~60 MB the device tool carries."
+        )
+    return parts, notes
 
 
 def main() -> int:
@@ -470,7 +567,13 @@ def main() -> int:
     p.add_argument("--profile", type=Path, default=None,
                    help="also profile one more SFT step and GRPO update (torch.profiler, after "
                    "the measured steps) and write their top ops by device time to this file")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds the whole script may take (default 540 on a GPU: one 10-minute "
+                   "device call; 3600 with --dry-run); an optional row (fused AdamW, a change of "
+                   "issue 43, the peer) that the rows measured so far say would not fit is "
+                   "skipped, and says so in its cell")  # fmt: skip
     args = p.parse_args()
+    started_mono = time.monotonic()
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -480,7 +583,13 @@ def main() -> int:
     plan = DRY if args.dry_run else GPU
     started = time.time()
     peak, peak_text = peak_flops(plan)
-    figures = run(plan, args.profile)
+    budget_s = args.budget_s if args.budget_s is not None else (3600 if args.dry_run else 540)
+    # the report, the engine's and the process group's teardown after the last row
+    budget = Budget(
+        started_mono + budget_s - RESERVE_S, COMPILE_S if plan.device == "cuda" else 0.0
+    )
+    figures = run(plan, args.profile, budget)
+    figures["peer_ratio"], figures["peer_ratio_ours"] = ratio(figures)
     parts, notes = report(plan, figures, peak, peak_text)
     smoke = "Dry run (`--dry-run`: CPU, tiny model): checks the code path; not GPU figures." if args.dry_run else ""  # fmt: skip
     title = "GPU check: SFT, GRPO, FSDP2, local engine and weight sync on one GPU"
@@ -490,11 +599,11 @@ def main() -> int:
                           smoke=smoke)  # fmt: skip
     harness.emit({k: v for k, v in figures.items() if k != "process_group"})
     # a change's failure on the GPU is its row's text and a failed check (CPU skips compile)
-    bad_variants = [k for k, v in figures["variants"].items()
-                    if "error" in v and not v["error"].startswith("skipped on CPU")]  # fmt: skip
-    bad = [k for k, _ in PHASES if "error" in figures[k] or not all(
+    optional = {**figures["variants"], "peer": figures["peer"]}
+    bad_variants = [k for k, v in optional.items() if failed(v)]
+    bad = [k for k, _ in PHASES if failed(figures[k]) or ("error" not in figures[k] and not all(
            math.isfinite(v) and v > 0 for v in
-           (figures[k]["step_s"], figures[k]["tokens_per_s"], figures[k]["tflops"]))]  # fmt: skip
+           (figures[k]["step_s"], figures[k]["tokens_per_s"], figures[k]["tflops"])))]  # fmt: skip
     return 1 if bad or bad_variants else 0
 
 

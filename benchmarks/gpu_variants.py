@@ -1,4 +1,5 @@
-"""The GPU check's rows per change of issue 43 (benchmarks/gpu_check.py calls `variant_rows`).
+"""The GPU check's rows per change of issue 43 (benchmarks/gpu_check.py calls `variant_row`
+per change, in its own order and time budget).
 
 Each variant of benchmarks/launch_counts.py (today, +accumulate, +segments, +large
 micro-batch, +compile; cumulative, each through its config switch) trains fresh backends from
@@ -17,43 +18,40 @@ from functools import partial
 from pathlib import Path
 
 import harness
-from launch_counts import VARIANTS, Variant
+from launch_counts import Variant
 
 
-def _busy_share(prof, wall_s: float) -> float | None:
+def busy_share(prof, wall_s: float) -> float | None:
     """Kernel time over the wall time of the profiled block (None without CUDA events)."""
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
                     if e.device_type.name == "CUDA")  # fmt: skip
     return kernel_us / 1e6 / wall_s if kernel_us > 0 else None
 
 
-async def variant_rows(plan, tmp: Path, model_dir: Path, tok, n_matmul: int,
-                       sft_batches: list, rl_batches: list) -> dict:  # fmt: skip
-    """{variant name: {"sft": figures, "grpo": figures} or {"error": text}}."""
+async def variant_row(plan, v: Variant, tmp: Path, model_dir: Path, tok, n_matmul: int,
+                      sft_batches: list, rl_batches: list) -> dict:  # fmt: skip
+    """{"sft": figures, "grpo": figures} of the change `v`, or {"error": text} (a kernel's or a
+    compile's failure is its row's text, not a lost run)."""
     import gpu_check as gc_
 
     from training.distributed import current
 
-    rows: dict = {}
-    for v in VARIANTS:
-        if v.compile_layers and plan.device == "cpu":
-            rows[v.name] = {"error": "skipped on CPU (Inductor compiles for minutes)"}
-            continue
-        ctx = current()
-        assert ctx is not None
-        saved = ctx.fsdp
-        ctx.fsdp = saved.model_copy(update={"accumulate_unsharded": v.accumulate,
-                                            "compile_layers": v.compile_layers})  # fmt: skip
-        try:
-            rows[v.name] = {
-                "sft": await _sft(gc_, plan, v, tmp, model_dir, tok, n_matmul, sft_batches),
-                "grpo": await _grpo(gc_, plan, v, tmp, model_dir, tok, n_matmul, rl_batches),
-            }
-        except Exception as exc:  # one variant's failure (a kernel, a compile) is its row's text
-            rows[v.name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        finally:
-            ctx.fsdp = saved
-    return rows
+    if v.compile_layers and plan.device == "cpu":
+        return {"error": "skipped on CPU (Inductor compiles for minutes)"}
+    ctx = current()
+    assert ctx is not None
+    saved = ctx.fsdp
+    ctx.fsdp = saved.model_copy(update={"accumulate_unsharded": v.accumulate,
+                                        "compile_layers": v.compile_layers})  # fmt: skip
+    try:
+        return {
+            "sft": await _sft(gc_, plan, v, tmp, model_dir, tok, n_matmul, sft_batches),
+            "grpo": await _grpo(gc_, plan, v, tmp, model_dir, tok, n_matmul, rl_batches),
+        }
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        ctx.fsdp = saved
 
 
 def _micro_batch_tokens(plan, v: Variant) -> int:
@@ -88,7 +86,7 @@ async def _sft(gc_, plan, v: Variant, tmp: Path, model_dir: Path, tok, n_matmul:
     t0 = time.perf_counter()
     with gc_.profiled(plan) as prof:
         await gc_.sft_step(sft, batches[-1], plan)
-    figures["gpu_busy"] = _busy_share(prof, time.perf_counter() - t0)
+    figures["gpu_busy"] = busy_share(prof, time.perf_counter() - t0)
     sft.close()
     return figures
 
@@ -130,13 +128,13 @@ async def _grpo(gc_, plan, v: Variant, tmp: Path, model_dir: Path, tok, n_matmul
         await train_on_batch(rl, batches[-1], grpo(), temperature=1.0, old_from_rollout=False,
                              reference=None)  # fmt: skip
         gc_.sync(plan.device)
-    figures["gpu_busy"] = _busy_share(prof, time.perf_counter() - t0)
+    figures["gpu_busy"] = busy_share(prof, time.perf_counter() - t0)
     rl.close()
     return figures
 
 
 def variant_table(rows: dict, peak: float | None) -> str:
-    """The markdown table of `variant_rows`' figures, MFU against `peak` FLOP/s."""
+    """The markdown table of `variant_row`'s figures per change, MFU against `peak` FLOP/s."""
 
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{100 * x:.1f} %"
