@@ -59,8 +59,7 @@ from pathlib import Path
 import harness  # benchmarks/harness.py: this script's folder is on sys.path
 from gpu_budget import Budget, failed, optional_row, progress
 from gpu_peer import peer_row, peer_table, ratio, ratio_line
-from gpu_variants import busy_share, variant_row, variant_table
-from launch_counts import VARIANTS
+from gpu_variants import AUTO, GPU_VARIANTS, busy_share, variant_row, variant_table
 
 import plumbing.threads  # noqa: F401  (before torch: the project's OpenMP settings)
 
@@ -275,7 +274,7 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None,
         except Exception as exc:  # its row's text; the script exits 1
             return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
-    by_name = {v.name: v for v in VARIANTS}
+    by_name = {v.name: v for v in GPU_VARIANTS}
     await variant(by_name["+large micro-batch"])
     figures["peer"] = await optional_row(budget, "peer (plain torch SFT)", "peer", peer)
     if "config" in figures["peer"]:  # how it ran, and the ratio so far (a later kill keeps it)
@@ -283,15 +282,16 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None,
         progress(
             "peer ran", f"{figures['peer']['config']}; ours / peer so far {value:.2f}x ({row})"
         )
-    for v in VARIANTS:
-        if v.name != "+large micro-batch" and not v.compile_layers:
+    await variant(AUTO)  # the default micro-batch size: its estimate meets the GPU here
+    for v in GPU_VARIANTS:
+        if v.name not in ("+large micro-batch", AUTO.name) and not v.compile_layers:
             await variant(v)
     figures["sft_fused"] = await optional_row(budget, "SFT step, fused AdamW", "sft_fused",
                                               partial(fused_row, plan, tmp, build, tok, n_matmul))  # fmt: skip
-    for v in VARIANTS:
+    for v in GPU_VARIANTS:
         if v.compile_layers:
             await variant(v)
-    figures["variants"] = {v.name: rows[v.name] for v in VARIANTS}  # the table's order
+    figures["variants"] = {v.name: rows[v.name] for v in GPU_VARIANTS}  # the table's order
     return figures
 
 

@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import harness
-from launch_counts import Variant
+from launch_counts import VARIANTS, Variant
 
 
 def busy_share(prof, wall_s: float) -> float | None:
@@ -54,7 +54,17 @@ async def variant_row(plan, v: Variant, tmp: Path, model_dir: Path, tok, n_matmu
         ctx.fsdp = saved
 
 
-def _micro_batch_tokens(plan, v: Variant) -> int:
+# launch_counts' changes, plus `backend.micro_batch_tokens: auto` (the default): the largest
+# micro-batch the GPU's free memory holds by the backend's estimate, chosen after the model is
+# built (on CPU: 8192). Its row checks that estimate: its peak GiB must stay under the free
+# memory its log line names. Not a launch-count row: on CPU it is a fixed size.
+AUTO = Variant("+auto micro-batch", "segments", accumulate=True, auto_micro_batches=True)
+GPU_VARIANTS = (*VARIANTS[:-1], AUTO, VARIANTS[-1])
+
+
+def _micro_batch_tokens(plan, v: Variant) -> int | str:
+    if v.auto_micro_batches:
+        return "auto"
     return 4 * plan.micro_batch_tokens if v.large_micro_batches else plan.micro_batch_tokens
 
 
@@ -83,6 +93,7 @@ async def _sft(gc_, plan, v: Variant, tmp: Path, model_dir: Path, tok, n_matmul:
     figures = gc_.phase_figures(plan, times, tokens, flops, loss=metrics["loss"])
     figures["hw_tflops"] = figures["tflops"]  # packed rows: every sample token is computed once
     figures["grad_norm"] = step["grad_norm"]
+    figures["micro_batch_tokens"] = sft.micro_batch_tokens
     t0 = time.perf_counter()
     with gc_.profiled(plan) as prof:
         await gc_.sft_step(sft, batches[-1], plan)
@@ -123,6 +134,7 @@ async def _grpo(gc_, plan, v: Variant, tmp: Path, model_dir: Path, tok, n_matmul
     w = plan.warmup
     figures["hw_tflops"] = sum(hw[w:]) / sum(times[w:]) / 1e12
     figures["grad_norm"] = metrics["grad_norm"]
+    figures["micro_batch_tokens"] = rl.micro_batch_tokens
     t0 = time.perf_counter()
     with gc_.profiled(plan) as prof:
         await train_on_batch(rl, batches[-1], grpo(), temperature=1.0, old_from_rollout=False,
@@ -143,14 +155,15 @@ def variant_table(rows: dict, peak: float | None) -> str:
     for name, r in rows.items():
         if "error" in r:
             text = r["error"] if r["error"].startswith("skipped") else "failed: " + r["error"]
-            out.append([name, "", text, "", "", "", "", "", "", ""])
+            out.append([name, "", text, "", "", "", "", "", "", "", ""])
             continue
         for phase in ("sft", "grpo"):
             f = r[phase]
             mfu = f["tflops"] * 1e12 / peak if peak else None
             hw = f["hw_tflops"] * 1e12 / peak if peak else None
-            out.append([name, phase.upper(), f["step_s"], f["tokens_per_s"], pct(mfu), pct(hw),
-                        f["peak_memory_gib"], pct(f["gpu_busy"]), f["loss"], f["grad_norm"]])  # fmt: skip
-    return harness.md_table(["change (cumulative)", "phase", "step (s)", "tokens/s",
+            out.append([name, phase.upper(), f"{f['micro_batch_tokens']:,}", f["step_s"],
+                        f["tokens_per_s"], pct(mfu), pct(hw), f["peak_memory_gib"],
+                        pct(f["gpu_busy"]), f["loss"], f["grad_norm"]])  # fmt: skip
+    return harness.md_table(["change (cumulative)", "phase", "micro-batch", "step (s)", "tokens/s",
                              "MFU (project)", "MFU (hardware)", "peak GiB", "GPU busy", "loss",
                              "grad norm"], out)  # fmt: skip

@@ -126,6 +126,7 @@ class Variant:
     attention: str = "sdpa"
     accumulate: bool = False
     large_micro_batches: bool = False
+    auto_micro_batches: bool = False  # backend.micro_batch_tokens: auto (the GPU check's row)
     compile_layers: bool = False
 
 

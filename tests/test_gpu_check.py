@@ -44,7 +44,11 @@ def test_the_gpu_check_dry_run_reports_finite_positive_figures_and_writes_its_se
     # same weights, so the same losses and grad norms up to bf16 rounding
     variants = figures["variants"]
     assert list(variants) == ["today", "+accumulate", "+segments", "+large micro-batch",
-                              "+compile"]  # fmt: skip
+                              "+auto micro-batch", "+compile"]  # fmt: skip
+    # each row names the micro-batch it ran; `auto` is 8192 on CPU (the dry run's fixed is 512)
+    assert variants["today"]["sft"]["micro_batch_tokens"] == 512
+    assert variants["+large micro-batch"]["grpo"]["micro_batch_tokens"] == 2048
+    assert variants["+auto micro-batch"]["sft"]["micro_batch_tokens"] == 8192
     assert variants.pop("+compile")["error"].startswith("skipped on CPU")
     for phase in ("sft", "grpo"):
         base = variants["today"][phase]
