@@ -104,21 +104,40 @@ async def test_an_engine_with_requests_in_flight_refuses_to_release_its_memory(t
         assert (await http.post("/resume_memory_occupation", json={})).status_code == 200
 
 
-async def test_a_colocated_rl_run_computes_what_a_plain_run_computes(tiny_model_dir, tmp_path):
+async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records_each_phases_memory(
+    tiny_model_dir, tmp_path
+):
     # greedy samples (the same in both runs whatever the engine's batching), a reward that
     # differs between prompts and REINFORCE's batch-mean baseline: a gradient well above noise
     rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
                             sampling=SamplingConfig(max_new_tokens=4, temperature=0.0))  # fmt: skip
     figures = {}
+    weights_gib = weight_bytes(tiny_model_dir) / 2**30
     for colocate in (False, True):
         async with (
             open_local_engine(tiny_model_dir, num_threads=1) as server,
             SGLangEngine(server.url, max_retries=0) as engine,
         ):  # fmt: skip
+            engine_at_give_back: list[float] = []  # the engine's weights when the trainer gives
+
+            def give_back() -> None:  # its cached memory back (a worker thread of the loop)
+                info = trio.from_thread.run(engine.server_info)
+                engine_at_give_back.append(info["internal_states"][0]["memory_usage"]["weight"])
+
             run = await run_loop(engine, tiny_model_dir, tmp_path / str(colocate), max_steps=3,
                                  rollout=rollout, algorithm=reinforce(),
-                                 reward_fn=answer_reward, colocate=colocate)  # fmt: skip
+                                 reward_fn=answer_reward, colocate=colocate,
+                                 give_back=give_back)  # fmt: skip
             assert (await engine.model_info()).weight_version == "3"
+        if colocate:  # the trainer's memory goes back while the engine's is still released
+            assert engine_at_give_back == [0.0] * 3
+            phases = [{k: v for k, v in m.items() if k.startswith("memory_")} for m in run.history]
+            print(f"memory per phase (GiB): {phases}")
+            for step, m in enumerate(phases):
+                assert m["memory_generated_engines_weight_gib"] == pytest.approx(weights_gib, 0.01)
+                assert m["memory_released_engines_weight_gib"] == 0.0
+                if step:  # taken back before the push that preceded this batch
+                    assert m["memory_resumed_engines_weight_gib"] == pytest.approx(weights_gib, 0.01)
         figures[colocate] = [(m["loss"], m["grad_norm"], m["reward_mean"]) for m in run.history]
         print(f"colocate={colocate}: (loss, grad_norm, reward_mean) per step {figures[colocate]}")
         assert min(m["grad_norm"] for m in run.history) > 1e-2
