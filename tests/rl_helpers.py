@@ -102,8 +102,9 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                                       current_version=lambda: backend.weight_version,
                                       **extra)  # fmt: skip
         if colocate:  # engines.colocate: the engine rests while the trainer trains
-            manager = ColocatedRollouts(manager, [engine],
-                                        **({} if give_back is None else {"give_back": give_back}))
+            manager = ColocatedRollouts(
+                manager, [engine], **({} if give_back is None else {"give_back": give_back})
+            )
         async with contextlib.AsyncExitStack() as stack:
             if rollout.mode != "sync":  # its background generation lives in the manager's nursery
                 await stack.enter_async_context(manager)

@@ -7,6 +7,7 @@ The memory test uses a launched engine process: its resident memory is read from
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import httpx
@@ -120,9 +121,9 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records
         ):  # fmt: skip
             engine_at_give_back: list[float] = []  # the engine's weights when the trainer gives
 
-            def give_back() -> None:  # its cached memory back (a worker thread of the loop)
-                info = trio.from_thread.run(engine.server_info)
-                engine_at_give_back.append(info["internal_states"][0]["memory_usage"]["weight"])
+            def give_back(engine=engine, seen=engine_at_give_back) -> None:  # its cached
+                info = trio.from_thread.run(engine.server_info)  # memory back (a loop thread)
+                seen.append(info["internal_states"][0]["memory_usage"]["weight"])
 
             run = await run_loop(engine, tiny_model_dir, tmp_path / str(colocate), max_steps=3,
                                  rollout=rollout, algorithm=reinforce(),
@@ -137,7 +138,9 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records
                 assert m["memory_generated_engines_weight_gib"] == pytest.approx(weights_gib, 0.01)
                 assert m["memory_released_engines_weight_gib"] == 0.0
                 if step:  # taken back before the push that preceded this batch
-                    assert m["memory_resumed_engines_weight_gib"] == pytest.approx(weights_gib, 0.01)
+                    assert m["memory_resumed_engines_weight_gib"] == pytest.approx(
+                        weights_gib, 0.01
+                    )
         figures[colocate] = [(m["loss"], m["grad_norm"], m["reward_mean"]) for m in run.history]
         print(f"colocate={colocate}: (loss, grad_norm, reward_mean) per step {figures[colocate]}")
         assert min(m["grad_norm"] for m in run.history) > 1e-2
@@ -163,3 +166,11 @@ def test_colocated_disk_pushes_go_through_memory_when_the_node_has_tmpfs(tmp_pat
     assert colocated_weights_dir(tmp_path / "run").parent == Path("/dev/shm")
     assert colocated_weights_dir(tmp_path / "run", shm=tmp_path / "none") == (
         tmp_path / "run" / "weights")  # fmt: skip
+
+
+def test_colocated_disk_pushes_stay_on_disk_when_tmpfs_has_no_room_for_the_exports(tmp_path):
+    # a container's /dev/shm is often 64 MiB: exports of a real model there fail the first push
+    free = shutil.disk_usage("/dev/shm").free
+    run = tmp_path / "run"
+    assert colocated_weights_dir(run, model_bytes=free) == run / "weights"
+    assert colocated_weights_dir(run, model_bytes=1024).parent == Path("/dev/shm")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +51,7 @@ log = logging.getLogger("rollouts.rl")
 
 _RETRY_S = 0.2
 _BUSY_WAIT_S = 10.0  # how long a release waits for an engine still finishing aborted requests
+_EXPORTS = 3  # a push's export beside the 2 kept (weight_push.py) while it is written
 _MEASURE_S = 5.0  # how long a phase's memory figures may take (then what answered is kept)
 # memory_usage keys in GiB: SGLang's ("weight", "kvcache", "graph") and the local engine's
 _GIB_KEYS = ("weight", "kvcache", "graph", "allocated", "reserved", "peak_allocated")
@@ -95,15 +97,25 @@ async def _on_every_engine(engines: Sequence[Any], method: str, what: str) -> No
                               f"(engines.colocate):\n  {lines}")  # fmt: skip
 
 
-def colocated_weights_dir(out: Path, shm: Path = Path("/dev/shm")) -> Path:
+def colocated_weights_dir(out: Path, shm: Path = Path("/dev/shm"), *,
+                          model_bytes: int = 0) -> Path:  # fmt: skip
     """Where a colocated run's disk pushes go: a folder of its own in tmpfs (memory) when the
-    node has one the process can write, else `out / "weights"` (a real disk)."""
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]
-        return shm / f"rollouts-weights-{tag}"
-    log.warning("engines.colocate: no writable %s on this node; weight pushes go through %s",
-                shm, out / "weights")  # fmt: skip
-    return out / "weights"
+    node has one the process can write with room for `_EXPORTS` exports of `model_bytes`, else
+    `out / "weights"` (a real disk). A container's /dev/shm is often 64 MiB (docker's default):
+    an export that does not fit would fail the first push."""
+    disk = out / "weights"
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        log.warning("engines.colocate: no writable %s on this node; weight pushes go through %s",
+                    shm, disk)  # fmt: skip
+        return disk
+    free, need = shutil.disk_usage(shm).free, _EXPORTS * model_bytes
+    if free < need:
+        log.warning("engines.colocate: %s has %.2f GiB free, the pushes need %.2f GiB (%d "
+                    "exports of the model); weight pushes go through %s", shm, free / 2**30,
+                    need / 2**30, _EXPORTS, disk)  # fmt: skip
+        return disk
+    tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]
+    return shm / f"rollouts-weights-{tag}"
 
 
 async def phase_memory(engines: Sequence[Any], phase: str) -> dict[str, float]:
