@@ -136,7 +136,7 @@ async def run_rl_training(
         data_state = getattr(rollout_manager, "data_state", data_buffer.state_dict)
         await _checkpoint(backend, step, metrics, data_state(), resolved_config, objective, hooks)
 
-    memory = TrainerMemory()
+    memory = TrainerMemory(getattr(backend, "device", "cpu"))
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
         settle = getattr(rollout_manager, "settle", None)
