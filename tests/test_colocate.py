@@ -16,6 +16,7 @@ import trio
 from lora_helpers import greedy
 from rl_helpers import rl_backend, run_loop
 from test_push_faults import train_step
+from test_rl_empty_batches import failing_first
 
 from engines import SGLangEngine, launch_engine
 from engines.local import open_local_engine
@@ -148,6 +149,25 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records
     # a prompt's logprobs along another path than the plain run's cached one
     for mine, theirs in zip(figures[True], figures[False], strict=True):
         assert list(mine) == pytest.approx(list(theirs), rel=1e-5, abs=1e-6)
+
+
+async def test_a_colocated_run_generates_again_after_an_empty_batch_on_engines_it_kept(
+    tiny_model_dir, tmp_path
+):
+    # the loop asks for another batch when every group of one was rejected; released engines
+    # would refuse its requests, so every later batch would be empty too and the run fail
+    rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                            max_launch_factor=1.0, max_failed_group_rate=1.0, sample_retries=0,
+                            sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):  # fmt: skip
+        run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=1, rollout=rollout,
+                             reward_fn=failing_first(4), colocate=True,
+                             max_empty_batches=2)  # fmt: skip
+    assert run.history[0]["empty_batches_skipped"] == 1
+    assert run.history[0]["memory_released_engines_weight_gib"] == 0.0
 
 
 def answer_reward(sample) -> float:

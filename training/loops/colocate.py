@@ -6,7 +6,8 @@ weights' and KV cache's memory (`/release_memory_occupation`) → the trainer tr
 engine takes its memory back (`/resume_memory_occupation`) → the step's weights are pushed
 into it (pause → load → verify → continue, as in every mode) → the next batch. The loop is
 unchanged: `ColocatedRollouts` wraps the rollout manager, releasing once `generate_batch`
-returns and resuming in `settle()`, which the loop awaits before each push. A resumed engine
+returns a batch with groups (an empty one is skipped by the loop, which asks again of the
+engines: they stay up) and resuming in `settle()`, which the loop awaits before each push. A resumed engine
 holds no weights until that push (the local engine refuses requests until then, with a
 message naming the cause), so the recipe resumes and pushes at the start of a run. With
 `engines.weight_transport: disk`, the push goes through memory when the node has a tmpfs
@@ -157,6 +158,8 @@ class ColocatedRollouts:
 
     async def generate_batch(self) -> Any:
         batch = await self._manager.generate_batch()
+        if not batch.groups:  # skipped by the loop, which asks again: the engines stay up
+            return batch
         figures = self._resumed | await phase_memory(self._engines, "generated")
         await release_engines(self._engines)  # nothing generates while the trainer trains
         figures |= await phase_memory(self._engines, "released")
