@@ -17,7 +17,7 @@ Before the engines resume, the trainer gives its cached, unused GPU blocks back 
 (`device_memory.give_back`): freed activations stay reserved by the caching allocator
 otherwise, and the engines would resume into what is left beside the trainer's training peak.
 
-What each phase holds is logged and added to the step's metrics (issue 47: peak GPU memory per
+What each phase holds is added to the step's metrics (issue 47: peak GPU memory per
 phase): the engines' `memory_usage` summed (`/get_server_info`; the local engine's "weight"
 and, on CUDA, "allocated", "reserved", "peak_allocated", engines/local/memory_occupation.py)
 and the whole GPU's used memory seen from the trainer (`gpu_used`), as
@@ -121,7 +121,7 @@ def colocated_weights_dir(out: Path, shm: Path = Path("/dev/shm"), *,
 
 async def phase_memory(engines: Sequence[Any], phase: str) -> dict[str, float]:
     """The engines' memory figures summed and the GPU's used memory now, as metrics of `phase`
-    (module docstring); logged."""
+    (module docstring; logged at DEBUG)."""
     sums: dict[str, float] = {}
     with trio.move_on_after(_MEASURE_S):
         for engine in engines:
@@ -140,7 +140,7 @@ async def phase_memory(engines: Sequence[Any], phase: str) -> dict[str, float]:
     used = gpu_used_gib()
     if used is not None:
         out[f"memory_{phase}_gpu_used_gib"] = used
-    log.info("colocate memory, %s: %s", phase,
+    log.debug("colocate memory, %s: %s", phase,
              ", ".join(f"{k} {v:g}" for k, v in out.items()) or "no figures")  # fmt: skip
     return out
 
