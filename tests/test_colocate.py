@@ -7,6 +7,7 @@ The memory test uses a launched engine process: its resident memory is read from
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import trio
 from lora_helpers import greedy
 from rl_helpers import rl_backend, run_loop
 from test_push_faults import train_step
+from test_rl_empty_batches import failing_first
 
 from engines import SGLangEngine, launch_engine
 from engines.local import open_local_engine
@@ -104,21 +106,42 @@ async def test_an_engine_with_requests_in_flight_refuses_to_release_its_memory(t
         assert (await http.post("/resume_memory_occupation", json={})).status_code == 200
 
 
-async def test_a_colocated_rl_run_computes_what_a_plain_run_computes(tiny_model_dir, tmp_path):
+async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records_each_phases_memory(
+    tiny_model_dir, tmp_path
+):
     # greedy samples (the same in both runs whatever the engine's batching), a reward that
     # differs between prompts and REINFORCE's batch-mean baseline: a gradient well above noise
     rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
                             sampling=SamplingConfig(max_new_tokens=4, temperature=0.0))  # fmt: skip
     figures = {}
+    weights_gib = weight_bytes(tiny_model_dir) / 2**30
     for colocate in (False, True):
         async with (
             open_local_engine(tiny_model_dir, num_threads=1) as server,
             SGLangEngine(server.url, max_retries=0) as engine,
         ):  # fmt: skip
+            engine_at_give_back: list[float] = []  # the engine's weights when the trainer gives
+
+            def give_back(engine=engine, seen=engine_at_give_back) -> None:  # its cached
+                info = trio.from_thread.run(engine.server_info)  # memory back (a loop thread)
+                seen.append(info["internal_states"][0]["memory_usage"]["weight"])
+
             run = await run_loop(engine, tiny_model_dir, tmp_path / str(colocate), max_steps=3,
                                  rollout=rollout, algorithm=reinforce(),
-                                 reward_fn=answer_reward, colocate=colocate)  # fmt: skip
+                                 reward_fn=answer_reward, colocate=colocate,
+                                 give_back=give_back)  # fmt: skip
             assert (await engine.model_info()).weight_version == "3"
+        if colocate:  # the trainer's memory goes back while the engine's is still released
+            assert engine_at_give_back == [0.0] * 3
+            phases = [{k: v for k, v in m.items() if k.startswith("memory_")} for m in run.history]
+            print(f"memory per phase (GiB): {phases}")
+            for step, m in enumerate(phases):
+                assert m["memory_generated_engines_weight_gib"] == pytest.approx(weights_gib, 0.01)
+                assert m["memory_released_engines_weight_gib"] == 0.0
+                if step:  # taken back before the push that preceded this batch
+                    assert m["memory_resumed_engines_weight_gib"] == pytest.approx(
+                        weights_gib, 0.01
+                    )
         figures[colocate] = [(m["loss"], m["grad_norm"], m["reward_mean"]) for m in run.history]
         print(f"colocate={colocate}: (loss, grad_norm, reward_mean) per step {figures[colocate]}")
         assert min(m["grad_norm"] for m in run.history) > 1e-2
@@ -126,6 +149,25 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes(tiny_model_
     # a prompt's logprobs along another path than the plain run's cached one
     for mine, theirs in zip(figures[True], figures[False], strict=True):
         assert list(mine) == pytest.approx(list(theirs), rel=1e-5, abs=1e-6)
+
+
+async def test_a_colocated_run_generates_again_after_an_empty_batch_on_engines_it_kept(
+    tiny_model_dir, tmp_path
+):
+    # the loop asks for another batch when every group of one was rejected; released engines
+    # would refuse its requests, so every later batch would be empty too and the run fail
+    rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
+                            max_launch_factor=1.0, max_failed_group_rate=1.0, sample_retries=0,
+                            sampling=SamplingConfig(max_new_tokens=4))  # fmt: skip
+    async with (
+        open_local_engine(tiny_model_dir, num_threads=1) as server,
+        SGLangEngine(server.url, max_retries=0) as engine,
+    ):  # fmt: skip
+        run = await run_loop(engine, tiny_model_dir, tmp_path, max_steps=1, rollout=rollout,
+                             reward_fn=failing_first(4), colocate=True,
+                             max_empty_batches=2)  # fmt: skip
+    assert run.history[0]["empty_batches_skipped"] == 1
+    assert run.history[0]["memory_released_engines_weight_gib"] == 0.0
 
 
 def answer_reward(sample) -> float:
@@ -144,3 +186,11 @@ def test_colocated_disk_pushes_go_through_memory_when_the_node_has_tmpfs(tmp_pat
     assert colocated_weights_dir(tmp_path / "run").parent == Path("/dev/shm")
     assert colocated_weights_dir(tmp_path / "run", shm=tmp_path / "none") == (
         tmp_path / "run" / "weights")  # fmt: skip
+
+
+def test_colocated_disk_pushes_stay_on_disk_when_tmpfs_has_no_room_for_the_exports(tmp_path):
+    # a container's /dev/shm is often 64 MiB: exports of a real model there fail the first push
+    free = shutil.disk_usage("/dev/shm").free
+    run = tmp_path / "run"
+    assert colocated_weights_dir(run, model_bytes=free) == run / "weights"
+    assert colocated_weights_dir(run, model_bytes=1024).parent == Path("/dev/shm")

@@ -48,6 +48,21 @@ def test_config_is_frozen():
         config.output_dir = "x"  # type: ignore[misc]
 
 
+def test_an_nccl_weight_group_with_the_trainer_and_launched_engines_on_one_gpu_is_refused():
+    # NCCL refuses two ranks of a group on one GPU ("Duplicate GPU detected"): the push would
+    # fail at its first broadcast on the GPU machine, after the engines started
+    from training.rl_config import RLRunConfig
+
+    gpu = ["engines.weight_transport=distributed", "engines.weight_group_backend=nccl",
+           "engines.local_device=cuda"]  # fmt: skip
+    for trainer in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError, match=r"NCCL refuses two ranks of one group on one GPU"):
+            load_config(RLRunConfig, None, [*gpu, f"backend.device={trainer}"])
+    for fine in (["engines.weight_group_backend=gloo"], ["backend.device=cuda:1"],
+                 ["engines.urls=[http://h:30000]"]):  # fmt: skip
+        load_config(RLRunConfig, None, [*gpu, "backend.device=cuda", *fine])
+
+
 def test_distributed_weight_transport_with_lora_is_refused_saying_adapters_use_disk():
     from training.rl_config import RLRunConfig
 

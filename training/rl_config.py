@@ -271,6 +271,14 @@ class RLRunConfig(Strict):
                 "engines.weight_transport=distributed with a router needs "
                 "engines.control_plane=direct: each worker joins the trainer's group itself"
             )
+        ec, trainer = self.engines, self.backend.device
+        if (ec.weight_group_backend == "nccl" and not ec.urls and ec.router_url is None
+                and ec.local_device == "cuda" and trainer in ("cuda", "cuda:0")):  # fmt: skip
+            raise ValueError(  # NCCL's "Duplicate GPU detected", at the first push
+                "engines.weight_group_backend=nccl with local engines launched on cuda: they "
+                f"and the trainer's rank 0 ({trainer}) are on GPU 0, and NCCL refuses two ranks "
+                "of one group on one GPU; set engines.weight_group_backend=gloo"
+            )
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,12 @@ whose RL users always load new weights after a resume):
   of "kv_cache": nothing to take ahead (the local engine allocates KV per batch). Releasing
   what is released, or resuming what is not, is a no-op (SGLang asserts; a retried call must
   not fail here).
+- `memory_usage(runner)` is what `/get_server_info` reports under `internal_states[0]
+  ["memory_usage"]`, in GiB: "weight" (SGLang's key: the parameters' storage held, 0 while
+  released) and, on CUDA, the caching allocator's "allocated", "reserved" and
+  "peak_allocated" (the most allocated since the last release or resume: a generation's
+  weights + KV peak when read before the release; not SGLang's keys). Colocated runs log them
+  per phase (training/loops/colocate.py).
 """
 
 from __future__ import annotations
@@ -101,7 +107,9 @@ class MemoryOccupation:
             self.runner.prefix.clear()
         self.released.update(tags)
         _give_back(self.runner.device)
-        logger.info("released the memory of %s", ", ".join(tags) or "nothing new")
+        _reset_peak(self.runner.device)
+        logger.info("released the memory of %s; now %s", ", ".join(tags) or "nothing new",
+                    memory_usage(self.runner))  # fmt: skip
 
     def resume(self, tags: Iterable[str]) -> None:
         """Take the memory of `tags` again (model thread)."""
@@ -115,7 +123,9 @@ class MemoryOccupation:
             self.awaiting_weights = True
             self.runner.prefix.new_generation()  # no KV of the weights before is reused
         self.released.difference_update(tags)
-        logger.info("resumed the memory of %s", ", ".join(tags) or "nothing released")
+        _reset_peak(self.runner.device)
+        logger.info("resumed the memory of %s; now %s", ", ".join(tags) or "nothing released",
+                    memory_usage(self.runner))  # fmt: skip
 
 
 def _give_back(device: Any) -> None:
@@ -127,3 +137,26 @@ def _give_back(device: Any) -> None:
         torch.cuda.empty_cache()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def memory_usage(runner: Any) -> dict[str, float]:
+    """The engine's memory now, in GiB (module docstring); any thread may call it."""
+    import torch
+
+    held = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    usage = {"weight": round(held / 2**30, 4)}
+    device = runner.device
+    if device.type == "cuda":
+        usage |= {
+            "allocated": round(torch.cuda.memory_allocated(device) / 2**30, 4),
+            "reserved": round(torch.cuda.memory_reserved(device) / 2**30, 4),
+            "peak_allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 4),
+        }
+    return usage
+
+
+def _reset_peak(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -22,7 +22,7 @@ from .asgi import (
     sse_event,
     text_response,
 )
-from .memory_occupation import parse_tags
+from .memory_occupation import memory_usage, parse_tags
 from .params import GenerateItem
 from .pause_lease import MAX_LEASE_S
 from .route_helpers import (
@@ -121,7 +121,7 @@ def register_native_routes(app: App, state: EngineState) -> None:
                 # arrived during a pause, held in front of the scheduler (not SGLang's key)
                 "num_held_reqs": len(scheduler.held) if scheduler else 0,
                 "paused": bool(scheduler and scheduler.paused),
-                "memory_usage": {},
+                "memory_usage": memory_usage(scheduler.runner) if scheduler else {},
             }
         ]
         info["version"] = VERSION

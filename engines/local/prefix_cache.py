@@ -1,8 +1,9 @@
-"""A token-level radix prefix cache for the local engine (SGLang's radix cache, on CPU tensors).
+"""A token-level radix prefix cache for the local engine (SGLang's radix cache, in its memory).
 
 What it holds: the KV (one (keys, values) pair per layer, `[kv_heads, tokens, head_dim]`) of
-token sequences the engine prefilled or finished, in one radix tree per namespace. The
-namespace is `(generation, extra_key, adapter id)`, from `namespace()`: SGLang keys its tree by
+token sequences the engine prefilled or finished, in one radix tree per namespace, on the
+engine's device and in its dtype (GPU memory under `--device cuda`, bounded by the budget
+below). The namespace is `(generation, extra_key, adapter id)`, from `namespace()`: SGLang keys its tree by
 `GenerateReqInput.extra_key` with the id of the request's LoRA load appended (`Req.__init__`:
 `extra_key = (extra_key or "") + lora_id`, a fresh id per load), so requests of different
 namespaces never share KV. The generation is the engine's own weight generation: the cache

@@ -26,6 +26,8 @@ side), as SGLang 0.5.23 implements it (`http_server.py`, `io_struct.py`,
   `The group to be destroyed does not exist.`
 
 Every wait is bounded by `--weight-group-timeout` (gloo's timeout on the group).
+Buckets received over gloo are staged in host memory (its wire is there; the load copies them
+to the engine's device), over NCCL on the engine's GPU.
 Not covered: SGLang's `selector` (no draft model here; only validated).
 """
 
@@ -51,6 +53,7 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8
 
 def register_refit_routes(app: App, state: EngineState) -> None:
     groups: dict[str, Any] = {}
+    backends: dict[str, str] = {}  # each group's backend: where its buckets are received
     timeout_s = state.config.weight_group_timeout_s
     session = RefitSession(timeout_s)
 
@@ -90,6 +93,7 @@ def register_refit_routes(app: App, state: EngineState) -> None:
             groups[name] = await trio.to_thread.run_sync(lambda: init_custom_process_group(
                 backend=backend, master_address=address, master_port=port, world_size=world,
                 rank=offset, group_name=name, timeout_s=timeout_s))  # fmt: skip
+            backends[name] = backend
         except Exception as exc:  # SGLang answers any failure as a 400
             message = f"Failed to initialize custom process group: {exc}."
             logger.error(message)
@@ -166,7 +170,10 @@ def register_refit_routes(app: App, state: EngineState) -> None:
                        "call `init_weights_update_group` first.")  # fmt: skip
             session.abandon(message)
             return answer(False, message)
-        group, device = groups[name], state.config.device
+        group = groups[name]
+        # NCCL receives into the engine's GPU; gloo's wire is host memory, so its buckets are
+        # staged there: a CUDA engine does not hold the model twice on the GPU during a push
+        device = state.config.device if backends.get(name) == "nccl" else "cpu"
         try:
             async with session.receiving(name) as ticket:
                 tensors = await trio.to_thread.run_sync(

@@ -21,7 +21,8 @@ Contract:
   The `/end_weight_update` that follows an abandoned session answers 400 naming why.
 - One receive at a time (`receiving`): two broadcasts on one group must not interleave.
 
-Not covered: the staged copy costs the model's size again in memory while a push is under way.
+Not covered: the staged copy costs the model's size again in memory while a push is under way
+(host memory over gloo, the GPU's over NCCL: refit_api.py).
 """
 
 from __future__ import annotations

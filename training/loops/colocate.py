@@ -6,11 +6,25 @@ weights' and KV cache's memory (`/release_memory_occupation`) → the trainer tr
 engine takes its memory back (`/resume_memory_occupation`) → the step's weights are pushed
 into it (pause → load → verify → continue, as in every mode) → the next batch. The loop is
 unchanged: `ColocatedRollouts` wraps the rollout manager, releasing once `generate_batch`
-returns and resuming in `settle()`, which the loop awaits before each push. A resumed engine
+returns a batch with groups (an empty one is skipped by the loop, which asks again of the
+engines: they stay up) and resuming in `settle()`, which the loop awaits before each push. A resumed engine
 holds no weights until that push (the local engine refuses requests until then, with a
 message naming the cause), so the recipe resumes and pushes at the start of a run. With
 `engines.weight_transport: disk`, the push goes through memory when the node has a tmpfs
 (`/dev/shm`): `colocated_weights_dir`.
+
+Before the engines resume, the trainer gives its cached, unused GPU blocks back to the device
+(`device_memory.give_back`): freed activations stay reserved by the caching allocator
+otherwise, and the engines would resume into what is left beside the trainer's training peak.
+
+What each phase holds is added to the step's metrics (issue 47: peak GPU memory per
+phase): the engines' `memory_usage` summed (`/get_server_info`; the local engine's "weight"
+and, on CUDA, "allocated", "reserved", "peak_allocated", engines/local/memory_occupation.py)
+and the whole GPU's used memory seen from the trainer (`gpu_used`), as
+`memory_{phase}_engines_{key}_gib` and `memory_{phase}_gpu_used_gib`, for the phases
+"generated" (the batch done, before the release), "released" and "resumed" (taken back before
+the push that preceded this batch's generation; absent at the first step). An engine that
+does not answer is left out of the sums: a measurement never fails a step.
 
 Engines the pool knows are down are skipped (it gives them the current weights when they come
 back); an engine that refuses (busy: the release needs an idle engine) is asked again for a
@@ -22,7 +36,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +46,16 @@ import trio
 
 from engines.types import EngineUnavailableError, WeightSyncError
 from plumbing.errors import EngineError
+from training.loops.device_memory import give_back, gpu_used_gib
 
 log = logging.getLogger("rollouts.rl")
 
 _RETRY_S = 0.2
 _BUSY_WAIT_S = 10.0  # how long a release waits for an engine still finishing aborted requests
+_EXPORTS = 3  # a push's export beside the 2 kept (weight_push.py) while it is written
+_MEASURE_S = 5.0  # how long a phase's memory figures may take (then what answered is kept)
+# memory_usage keys in GiB: SGLang's ("weight", "kvcache", "graph") and the local engine's
+_GIB_KEYS = ("weight", "kvcache", "graph", "allocated", "reserved", "peak_allocated")
 
 
 async def release_engines(engines: Sequence[Any]) -> None:
@@ -77,34 +98,81 @@ async def _on_every_engine(engines: Sequence[Any], method: str, what: str) -> No
                               f"(engines.colocate):\n  {lines}")  # fmt: skip
 
 
-def colocated_weights_dir(out: Path, shm: Path = Path("/dev/shm")) -> Path:
+def colocated_weights_dir(out: Path, shm: Path = Path("/dev/shm"), *,
+                          model_bytes: int = 0) -> Path:  # fmt: skip
     """Where a colocated run's disk pushes go: a folder of its own in tmpfs (memory) when the
-    node has one the process can write, else `out / "weights"` (a real disk)."""
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]
-        return shm / f"rollouts-weights-{tag}"
-    log.warning("engines.colocate: no writable %s on this node; weight pushes go through %s",
-                shm, out / "weights")  # fmt: skip
-    return out / "weights"
+    node has one the process can write with room for `_EXPORTS` exports of `model_bytes`, else
+    `out / "weights"` (a real disk). A container's /dev/shm is often 64 MiB (docker's default):
+    an export that does not fit would fail the first push."""
+    disk = out / "weights"
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        log.warning("engines.colocate: no writable %s on this node; weight pushes go through %s",
+                    shm, disk)  # fmt: skip
+        return disk
+    free, need = shutil.disk_usage(shm).free, _EXPORTS * model_bytes
+    if free < need:
+        log.warning("engines.colocate: %s has %.2f GiB free, the pushes need %.2f GiB (%d "
+                    "exports of the model); weight pushes go through %s", shm, free / 2**30,
+                    need / 2**30, _EXPORTS, disk)  # fmt: skip
+        return disk
+    tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]
+    return shm / f"rollouts-weights-{tag}"
+
+
+async def phase_memory(engines: Sequence[Any], phase: str) -> dict[str, float]:
+    """The engines' memory figures summed and the GPU's used memory now, as metrics of `phase`
+    (module docstring; logged at DEBUG)."""
+    sums: dict[str, float] = {}
+    with trio.move_on_after(_MEASURE_S):
+        for engine in engines:
+            if getattr(engine, "known_down", False):
+                continue
+            try:
+                states = (await engine.server_info()).get("internal_states") or [{}]
+            except Exception as exc:  # a measurement never fails the step
+                log.debug("memory of %s not read: %s", getattr(engine, "url", engine), exc)
+                continue
+            usage = states[0].get("memory_usage") or {}
+            for key in _GIB_KEYS:
+                if isinstance(usage.get(key), int | float):
+                    sums[key] = sums.get(key, 0.0) + float(usage[key])
+    out = {f"memory_{phase}_engines_{k}_gib": round(v, 4) for k, v in sums.items()}
+    used = gpu_used_gib()
+    if used is not None:
+        out[f"memory_{phase}_gpu_used_gib"] = used
+    log.debug("colocate memory, %s: %s", phase,
+             ", ".join(f"{k} {v:g}" for k, v in out.items()) or "no figures")  # fmt: skip
+    return out
 
 
 class ColocatedRollouts:
     """A rollout manager whose engines rest while the trainer trains (the module docstring);
-    everything else is the wrapped manager's."""
+    everything else is the wrapped manager's. `give_back` returns the trainer's cached GPU
+    memory before the engines resume."""
 
-    def __init__(self, manager: Any, engines: Sequence[Any]) -> None:
+    def __init__(self, manager: Any, engines: Sequence[Any], *,
+                 give_back: Any = give_back) -> None:  # fmt: skip
         self._manager, self._engines = manager, list(engines)
+        self._give_back = give_back
+        self._resumed: dict[str, float] = {}  # the last resume's figures, for the next batch
 
     async def generate_batch(self) -> Any:
         batch = await self._manager.generate_batch()
+        if not batch.groups:  # skipped by the loop, which asks again: the engines stay up
+            return batch
+        figures = self._resumed | await phase_memory(self._engines, "generated")
         await release_engines(self._engines)  # nothing generates while the trainer trains
-        return batch
+        figures |= await phase_memory(self._engines, "released")
+        self._resumed = {}
+        return replace(batch, metrics={**batch.metrics, **figures})
 
     async def settle(self) -> None:  # before each weight push: the engines take memory back
         settle = getattr(self._manager, "settle", None)
         if settle is not None:
             await settle()
+        await trio.to_thread.run_sync(self._give_back)  # the trainer's cache, then the engines'
         await resume_engines(self._engines)
+        self._resumed = await phase_memory(self._engines, "resumed")
 
     async def __aenter__(self) -> ColocatedRollouts:
         await self._manager.__aenter__()

@@ -37,6 +37,7 @@ from rollouts.types import RolloutBatch
 from training.backend.checkpoint import checkpoint_name, find_latest_checkpoint
 from training.backend.pytorch import PyTorchTrainingBackend
 from training.data.buffer import DataBuffer
+from training.loops.device_memory import TrainerMemory
 from training.loops.ema import ema_metrics, resumed_metrics
 from training.loops.hooks import RLHooks
 from training.loops.sft import maybe_resume
@@ -135,6 +136,7 @@ async def run_rl_training(
         data_state = getattr(rollout_manager, "data_state", data_buffer.state_dict)
         await _checkpoint(backend, step, metrics, data_state(), resolved_config, objective, hooks)
 
+    memory = TrainerMemory(getattr(backend, "device", "cpu"))
     async with open_nursery() as pushes:  # waits for the last push before returning
         pending: PendingPush | None = None
         settle = getattr(rollout_manager, "settle", None)
@@ -153,6 +155,7 @@ async def run_rl_training(
             metrics: dict[str, Any] = dict(batch.metrics)
             if not algo.needs_teacher:  # distillation's signal is per token, not reward spread
                 metrics |= signal.observe(step, batch)
+            memory.start()  # the trainer's GPU peak while it trains (device_memory.py)
             metrics |= await train_on_batch(backend, batch, algo,
                                             temperature=objective.temperature,
                                             old_from_rollout=objective.old_from_rollout,
@@ -169,6 +172,7 @@ async def run_rl_training(
                                  dict(metrics))  # fmt: skip
                 metrics |= await reference.call(update).result() or {}
             t_trained = time.perf_counter()
+            metrics |= memory.metrics("memory_train")
             sync_s = 0.0
             if step % config.sync_every == 0 or step == config.max_steps:
                 if pending is not None:  # one push at a time (the last one is long done, as a rule)

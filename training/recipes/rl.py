@@ -319,7 +319,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
             _closing(dump):  # fmt: skip
         for logger in loggers:
             closing.callback(logger.close)
-        weights = colocated_weights_dir(out) if config.engines.colocate else out / "weights"
+        weights = (colocated_weights_dir(out, model_bytes=_bytes_of(backend.model))
+                   if config.engines.colocate else out / "weights")  # fmt: skip
         if weights != out / "weights":  # in memory: given back when the run ends
             closing.callback(shutil.rmtree, weights, True)
         copies = WeightsCopies(backend, weights)  # for engines back after a broadcast
@@ -386,3 +387,8 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                      before.get("tool_success_rate"), last.get("eval_tool_success_rate"),
                      before.get("reward_mean"), last.get("eval_reward_mean"), watch.total,
                      watch.lost())  # fmt: skip
+
+
+def _bytes_of(model: Any) -> int:
+    """The size of `model`'s parameters (an export of it, in its dtype)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
