@@ -93,7 +93,7 @@ class Segments:
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
         if "cu" not in self._cache:
             cu = [0, *itertools.accumulate(self.lengths)]
-            self._cache["cu"] = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+            self._cache["cu"] = torch.tensor(cu, dtype=torch.int32, device=device)
         return self._cache["cu"]
 
     def dense_mask(self, device: torch.device) -> torch.Tensor:
@@ -102,11 +102,13 @@ class Segments:
             return self.tree_mask
         if "dense" not in self._cache:
             b, t = self.shape
-            seg = torch.repeat_interleave(torch.arange(len(self.lengths)),
-                                          torch.tensor(self.lengths)).view(b, t)  # fmt: skip
-            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            # made on `device` (no [B, T, T] host mask copied over); output_size: no sync
+            seg = torch.repeat_interleave(torch.arange(len(self.lengths), device=device),
+                                          torch.tensor(self.lengths, device=device),
+                                          output_size=b * t).view(b, t)  # fmt: skip
+            causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
             mask = (seg[:, :, None] == seg[:, None, :]) & causal
-            self._cache["dense"] = mask[:, None].to(device)
+            self._cache["dense"] = mask[:, None]
         return self._cache["dense"]
 
     def block_mask(self, n_heads: int) -> Any:
