@@ -145,6 +145,12 @@ def segment_kwargs(model: Any, batch: Any) -> dict[str, Any]:
     return {"segments": Segments((b, t), lengths, tree_mask)}
 
 
+# Opaque to torch.compile (`backend.fsdp.compile_layers`): traced, the layout's Python values
+# (the number of samples, their lengths, the cache of masks) became guards and every micro-batch
+# with another sample count recompiled the layers; disabled, each layer breaks its graph once
+# here, the same way for every batch. FlexAttention stays compiled (`_compiled_flex` compiles
+# itself wherever it is called), and the kernel calls are single ops, so nothing is lost.
+@torch.compiler.disable
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None,
