@@ -28,6 +28,7 @@ from training.config import OptimConfig
 from training.data.packing import prepare_sft_batch, sft_loss
 from training.data.segment_attention import Segments
 from training.data.tokenize import tokenize_conversation
+from training.rl.algorithm_config import cispo, dapo, gspo
 from training.rl.algorithms import grpo, ppo
 from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
@@ -149,6 +150,12 @@ RL_CASES = {
     "grpo-seq-mean": (grpo(aggregation="seq-mean-token-mean"), 0.7),
     "kl-loss-entropy": (grpo(kl_coef=0.1, entropy_coef=0.05), 0.7),
     "ppo": (ppo(), 1.0),
+    "dapo": (dapo(max_response_len=8), 1.0),
+    "gspo": (gspo(), 1.0),
+    "cispo": (cispo(), 1.0),
+    "tis": (grpo(mismatch="tis"), 1.0),
+    "icepop": (grpo(mismatch="icepop"), 1.0),
+    "seq-mis": (grpo(mismatch="seq_mis"), 1.0),
 }
 
 
@@ -159,7 +166,8 @@ def test_an_rl_micro_batch_on_shared_prompts_runs_on_the_meta_device(meta_model,
     algorithm, temperature = RL_CASES[case]
     batch = batch_of([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]], n_response=lambda g, i: 3 + i)
     examples = [replace(e, ref_logprobs=(-1.0,) * e.n_trained, old_logprobs=(-1.1,) * e.n_trained,
-                        token_advantages=(0.5,) * e.n_trained)
+                        token_advantages=(0.5,) * e.n_trained,
+                        rollout_logprobs=(-1.05,) * e.n_trained)
                 for e in build_examples(batch, algorithm)]  # fmt: skip
     rows = collate_rl(examples, pad_id=0).to("meta")
     assert rows.source_index is not None
