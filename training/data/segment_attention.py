@@ -93,7 +93,10 @@ class Segments:
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
         if "cu" not in self._cache:
             cu = [0, *itertools.accumulate(self.lengths)]
-            self._cache["cu"] = torch.tensor(cu, dtype=torch.int32, device=device)
+            # made on the host, then one copy that does not wait for the queued GPU work
+            # (`torch.tensor(..., device=cuda)` would: a pageable copy synchronises the stream)
+            host = torch.tensor(cu, dtype=torch.int32, device="cpu")
+            self._cache["cu"] = host.to(device, non_blocking=True)
         return self._cache["cu"]
 
     def dense_mask(self, device: torch.device) -> torch.Tensor:
@@ -102,9 +105,10 @@ class Segments:
             return self.tree_mask
         if "dense" not in self._cache:
             b, t = self.shape
-            # made on `device` (no [B, T, T] host mask copied over); output_size: no sync
-            seg = torch.repeat_interleave(torch.arange(len(self.lengths), device=device),
-                                          torch.tensor(self.lengths, device=device),
+            # made on `device` from the lengths alone (no [B, T, T] host mask copied over, no
+            # stream sync: a non-blocking copy of the lengths, repeat_interleave's output_size)
+            lengths = torch.tensor(self.lengths, device="cpu").to(device, non_blocking=True)
+            seg = torch.repeat_interleave(torch.arange(len(self.lengths), device=device), lengths,
                                           output_size=b * t).view(b, t)  # fmt: skip
             causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
             mask = (seg[:, :, None] == seg[:, None, :]) & causal
