@@ -182,6 +182,22 @@ def test_an_rl_micro_batch_on_shared_prompts_runs_on_the_meta_device(meta_model,
     meta_model.zero_grad(set_to_none=True)
 
 
+def test_the_logits_path_on_shared_prompts_runs_on_the_meta_device(meta_model):
+    """The [B, T, V] logits path (losses that do not read `TokenScores`) maps the shared rows
+    back with an index on the device too."""
+    from training.data.packing import forward_logits
+
+    algorithm = grpo(kl_coef=0.1, entropy_coef=0.05)
+    batch = batch_of([[1.0, 0.0, 0.5], [0.0, 1.0, 0.2]], n_response=lambda g, i: 3 + i)
+    examples = [replace(e, ref_logprobs=(-1.0,) * e.n_trained)
+                for e in build_examples(batch, algorithm)]  # fmt: skip
+    rows = collate_rl(examples, pad_id=0).to("meta")
+    loss, _ = rl_loss_fn(algorithm, temperature=0.7)(forward_logits(meta_model, rows), rows)
+    loss.backward()
+    assert _on_meta(loss)
+    meta_model.zero_grad(set_to_none=True)
+
+
 def test_the_block_mask_is_made_on_the_tree_masks_device():
     tree = torch.ones(2, 1, 130, 130, dtype=torch.bool, device="meta").tril()
     block = Segments((2, 130), (), tree).block_mask(4)
