@@ -26,6 +26,7 @@ from training.data.logprob_head import chunked_logprobs, forward_scores
 from training.data.packing import forward_logits, prepare_sft_batch
 from training.data.scores import TokenScores
 from training.data.tokenize import TokenizedSample
+from training.rl.algorithm_config import cispo, dapo, dr_grpo, gspo, reinforce_pp, rloo
 from training.rl.algorithms import grpo, online_dpo, ppo
 from training.rl.batch import build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
@@ -424,7 +425,30 @@ async def test_no_float32_tokens_by_vocab_tensor_in_an_sft_step_or_a_grpo_update
 
 # --- host syncs: none inside an op's micro-batches ---------------------------------------------------
 
-SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+SYNC_OPS = {
+    "aten._local_scalar_dense.default",
+    "aten.nonzero.default",
+    "aten.is_nonzero.default",
+    "aten.masked_select.default",
+    "aten.unique_consecutive.default",
+    "aten._unique2.default",
+}
+# indexing with a boolean mask: the kernel finds the True positions (nonzero) inside, below the
+# dispatcher's Python key, so only the op and its mask's dtype show it
+MASK_INDEX_OPS = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default",
+                  "aten._index_put_impl_.default"}  # fmt: skip
+
+
+def makes_host_wait(func, args, kwargs) -> bool:
+    """Whether the op reads a value of the device on the host (on CUDA: a stream sync)."""
+    name = str(func)
+    if name in SYNC_OPS:
+        return True
+    if name == "aten.repeat_interleave.Tensor":  # the output size, unless given
+        return (kwargs or {}).get("output_size") is None
+    if name in MASK_INDEX_OPS and len(args) > 1:
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
 
 
 class DeviceReads(TorchDispatchMode):
@@ -438,7 +462,7 @@ class DeviceReads(TorchDispatchMode):
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in SYNC_OPS:
+        if makes_host_wait(func, args, kwargs):
             stack = traceback.extract_stack()
             host = any(f.name in ("prepare_sft_batch", "collate_rl") for f in stack)
             if not host and not any("transformers/masking_utils" in f.filename for f in stack):
@@ -480,6 +504,36 @@ async def test_forward_backward_reads_no_value_from_the_device_inside_its_micro_
     batch = batch_of([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]], n_response=lambda g, i: 5 + i)
     examples = _with_ref_and_ppo_fields(build_examples(batch, algorithm))
     with rl_backend(tiny_model_dir, tmp_path, name="rl", micro_batch_tokens=40) as backend:
-        reads, n_mb = await _device_reads(backend, examples, rl_loss_fn(algorithm, temperature=0.7),
-                                          loss_weight_fn(algorithm))  # fmt: skip
-    assert n_mb > 1 and reads == [], "\n".join(reads)
+        reads, _ = await _device_reads(backend, examples, rl_loss_fn(algorithm, temperature=0.7),
+                                       loss_weight_fn(algorithm))  # fmt: skip
+    assert reads == [], "\n".join(reads)
+
+
+SYNC_FREE_CASES = {
+    "online-dpo": online_dpo(),
+    "dapo": dapo(max_response_len=8),
+    "gspo": gspo(),
+    "cispo": cispo(),
+    "ppo": ppo(),
+    "rloo": rloo(),
+    "reinforce++": reinforce_pp(),
+    "dr-grpo": dr_grpo(max_tokens_norm=16),
+    **{f"mismatch-{kind}": grpo(mismatch=kind) for kind in ("tis", "mis", "icepop", "seq_tis", "seq_mis")},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SYNC_FREE_CASES))
+async def test_every_rl_loss_reads_no_value_from_the_device_inside_its_micro_batches(
+    tiny_model_dir, tmp_path, case
+):
+    """Each algorithm's loss and metrics (pairs, sequence ratios, the mismatch corrections)
+    stay on the device until the op's end: on a GPU a read per micro-batch waits for all of
+    its queued work."""
+    algorithm = SYNC_FREE_CASES[case]
+    batch = batch_of([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]], n_response=lambda g, i: 5 + i)
+    examples = [replace(e, rollout_logprobs=tuple(-1.05 - 0.2 * (j % 4) for j in range(e.n_trained)))
+                for e in _with_ref_and_ppo_fields(build_examples(batch, algorithm))]  # fmt: skip
+    with rl_backend(tiny_model_dir, tmp_path, name="rl", micro_batch_tokens=40) as backend:
+        reads, _ = await _device_reads(backend, examples, rl_loss_fn(algorithm, temperature=0.7),
+                                       loss_weight_fn(algorithm))  # fmt: skip
+    assert reads == [], "\n".join(reads)

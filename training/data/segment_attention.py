@@ -95,7 +95,10 @@ class Segments:
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
         if "cu" not in self._cache:
             cu = [0, *itertools.accumulate(self.lengths)]
-            self._cache["cu"] = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+            # made on the host, then one copy that does not wait for the queued GPU work
+            # (`torch.tensor(..., device=cuda)` would: a pageable copy synchronises the stream)
+            host = torch.tensor(cu, dtype=torch.int32, device="cpu")
+            self._cache["cu"] = host.to(device, non_blocking=True)
         return self._cache["cu"]
 
     def dense_mask(self, device: torch.device) -> torch.Tensor:
@@ -104,11 +107,14 @@ class Segments:
             return self.tree_mask
         if "dense" not in self._cache:
             b, t = self.shape
-            seg = torch.repeat_interleave(torch.arange(len(self.lengths)),
-                                          torch.tensor(self.lengths)).view(b, t)  # fmt: skip
-            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            # made on `device` from the lengths alone (no [B, T, T] host mask copied over, no
+            # stream sync: a non-blocking copy of the lengths, repeat_interleave's output_size)
+            lengths = torch.tensor(self.lengths, device="cpu").to(device, non_blocking=True)
+            seg = torch.repeat_interleave(torch.arange(len(self.lengths), device=device), lengths,
+                                          output_size=b * t).view(b, t)  # fmt: skip
+            causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
             mask = (seg[:, :, None] == seg[:, None, :]) & causal
-            self._cache["dense"] = mask[:, None].to(device)
+            self._cache["dense"] = mask[:, None]
         return self._cache["dense"]
 
     def block_mask(self, n_heads: int) -> Any:
@@ -145,6 +151,12 @@ def segment_kwargs(model: Any, batch: Any) -> dict[str, Any]:
     return {"segments": Segments((b, t), lengths, tree_mask)}
 
 
+# Opaque to torch.compile (`backend.fsdp.compile_layers`): traced, the layout's Python values
+# (the number of samples, their lengths, the cache of masks) became guards and every micro-batch
+# with another sample count recompiled the layers; disabled, each layer breaks its graph once
+# here, the same way for every batch. FlexAttention stays compiled (`_compiled_flex` compiles
+# itself wherever it is called), and the kernel calls are single ops, so nothing is lost.
+@torch.compiler.disable
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None,

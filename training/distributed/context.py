@@ -208,12 +208,13 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     return model
 
 
-def compile_layers(layers: list[torch.nn.Module]) -> None:
+def compile_layers(layers: list[torch.nn.Module], backend: str = "inductor") -> None:
     """`torch.compile` each decoder layer in place (torchtitan's `apply_compile`): Inductor fuses
     its norms, RoPE, SwiGLU, residual adds and casts into a few kernels. Shapes are dynamic, so
-    micro-batches of other sizes do not recompile; FSDP's hooks stay outside the graphs."""
+    micro-batches of other sizes do not recompile; FSDP's hooks stay outside the graphs.
+    `backend`: another Dynamo backend (the tests trace with "eager")."""
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
 
 
 def _checkpoint_layers(model: torch.nn.Module) -> None:

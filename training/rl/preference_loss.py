@@ -84,20 +84,16 @@ def pairwise_preference_loss(
     worst_G = rewards_GN.argmin(dim=1, keepdim=True)
     keep_G = rewards_GN.amax(dim=1) > rewards_GN.amin(dim=1)
     margin_G = beta * (implicit_GN.gather(1, best_G) - implicit_GN.gather(1, worst_G)).squeeze(1)
-    margin_K = margin_G[keep_G]
-    if margin_K.numel() == 0:
-        loss = (seq_logprob_B * 0.0).sum()
-        return loss, {
-            "policy_loss": 0.0,
-            "num_pairs": 0.0,
-            "preference_accuracy": 0.0,
-            "reward_margin": 0.0,
-        }
-    loss = -F.logsigmoid(margin_K).mean()
+    # The kept pairs as weights, not as a selection (`margin_G[keep_G]` would make the host wait
+    # for the device to learn how many there are); with none, every sum is a (differentiable) 0.
+    keep_G = keep_G.to(margin_G.dtype)
+    n_pairs = keep_G.sum()
+    over = n_pairs.clamp(min=1.0)
+    loss = -(F.logsigmoid(margin_G) * keep_G).sum() / over
     metrics = {
         "policy_loss": loss.detach(),
-        "num_pairs": float(margin_K.numel()),
-        "preference_accuracy": (margin_K > 0).float().mean(),
-        "reward_margin": margin_K.detach().mean(),
+        "num_pairs": n_pairs,
+        "preference_accuracy": ((margin_G > 0) * keep_G).sum() / over,
+        "reward_margin": (margin_G.detach() * keep_G).sum() / over,
     }
     return loss, metrics
