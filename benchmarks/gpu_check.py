@@ -225,12 +225,15 @@ def sync(device: str) -> None:
 
 
 async def measure(plan: Plan, tmp: Path, profile: Path | None = None,
-                  budget: Budget | None = None) -> dict:  # fmt: skip
+                  budget: Budget | None = None, checkpoint=None) -> dict:  # fmt: skip
     """Rank 0's run (world size 1), the most valuable rows first: SFT, then GRPO with the
     engine and weight syncs (its batches are the variants'), then, while `budget` allows, the
     +large micro-batch row, the peer (benchmarks/gpu_peer.py), the other variants, fused AdamW
     and +compile last. With `profile`, one more SFT step and GRPO update under torch.profiler,
-    after the measured ones (the figures do not include them), written to `profile`."""
+    after the measured ones (the figures do not include them), written to `profile`.
+    `checkpoint(figures)`, if given, is called before +compile with every row so far (the
+    others say they were still to run): a compile that outlasts the device call's `timeout`
+    then loses its own row only."""
     from training.backend.pytorch import load_model, load_tokenizer
 
     budget = budget or Budget(math.inf, 0.0)
@@ -288,6 +291,11 @@ async def measure(plan: Plan, tmp: Path, profile: Path | None = None,
             await variant(v)
     figures["sft_fused"] = await optional_row(budget, "SFT step, fused AdamW", "sft_fused",
                                               partial(fused_row, plan, tmp, build, tok, n_matmul))  # fmt: skip
+    if checkpoint is not None:
+        pending = {"error": "skipped: still to run when this table was written"}
+        checkpoint(
+            {**figures, "variants": {v.name: rows.get(v.name, pending) for v in GPU_VARIANTS}}
+        )
     for v in GPU_VARIANTS:
         if v.compile_layers:
             await variant(v)
@@ -458,7 +466,8 @@ def phase_figures(plan: Plan, times: list[float], tokens: list[int], flops: list
             "peak_memory_gib": peak_memory_gib(plan), "loss": loss}  # fmt: skip
 
 
-def run(plan: Plan, profile: Path | None = None, budget: Budget | None = None) -> dict:
+def run(plan: Plan, profile: Path | None = None, budget: Budget | None = None,
+        checkpoint=None) -> dict:  # fmt: skip
     """Join a process group of one (NCCL on CUDA, gloo on CPU) and run `measure` on rank 0."""
     import trio
 
@@ -476,7 +485,7 @@ def run(plan: Plan, profile: Path | None = None, budget: Budget | None = None) -
         ctx = current()
         assert ctx is not None and ctx.world == 1, "expected a process group of one"
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-            figures = trio.run(measure, plan, Path(tmp), profile, budget)
+            figures = trio.run(measure, plan, Path(tmp), profile, budget, checkpoint)
         import torch.distributed as dist
 
         figures["process_group"] = dist.get_backend()
@@ -588,15 +597,26 @@ def main() -> int:
     budget = Budget(
         started_mono + budget_s - RESERVE_S, COMPILE_S if plan.device == "cuda" else 0.0
     )
-    figures = run(plan, args.profile, budget)
-    figures["peer_ratio"], figures["peer_ratio_ours"] = ratio(figures)
-    parts, notes = report(plan, figures, peak, peak_text)
     smoke = "Dry run (`--dry-run`: CPU, tiny model): checks the code path; not GPU figures." if args.dry_run else ""  # fmt: skip
     title = "GPU check: SFT, GRPO, FSDP2, local engine and weight sync on one GPU"
-    print(f"\n{title}\n" + "\n".join(parts) + "\n" + "\n".join(notes))
-    harness.write_section("gpu_check", title, "\n\n".join(parts) + "\n\n" + "\n".join(notes),
-                          quick=args.dry_run, started=started, path=args.results,
-                          smoke=smoke)  # fmt: skip
+
+    def write(figures: dict, final: bool = True) -> None:
+        """The section from `figures` (before +compile too: a kill then keeps the rest)."""
+        import torch.distributed as dist
+
+        figures.setdefault("process_group", dist.get_backend() if dist.is_initialized() else "")
+        figures["peer_ratio"], figures["peer_ratio_ours"] = ratio(figures)
+        parts, notes = report(plan, figures, peak, peak_text)
+        if final:
+            print(f"\n{title}\n" + "\n".join(parts) + "\n" + "\n".join(notes))
+        harness.write_section("gpu_check", title, "\n\n".join(parts) + "\n\n" + "\n".join(notes),
+                              quick=args.dry_run, started=started, path=args.results,
+                              smoke=smoke)  # fmt: skip
+        print(f"gpu_check: wrote the section{'' if final else ' so far (before +compile)'}",
+              flush=True)  # fmt: skip
+
+    figures = run(plan, args.profile, budget, partial(write, final=False))
+    write(figures)
     harness.emit({k: v for k, v in figures.items() if k != "process_group"})
     # a change's failure on the GPU is its row's text and a failed check (CPU skips compile)
     optional = {**figures["variants"], "peer": figures["peer"]}
