@@ -21,7 +21,7 @@ from test_rl_empty_batches import failing_first
 from engines import SGLangEngine, launch_engine
 from engines.local import open_local_engine
 from rollouts.config import RolloutConfig, SamplingConfig
-from training.loops.colocate import colocated_weights_dir
+from training.loops.colocate import colocated_weights_dir, ranks_give_back
 from training.loops.weight_push import push_weights
 from training.rl.algorithms import reinforce
 from training.rl_config import RLRunConfig
@@ -122,9 +122,15 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records
         ):  # fmt: skip
             engine_at_give_back: list[float] = []  # the engine's weights when the trainer gives
 
-            def give_back(engine=engine, seen=engine_at_give_back) -> None:  # its cached
-                info = trio.from_thread.run(engine.server_info)  # memory back (a loop thread)
-                seen.append(info["internal_states"][0]["memory_usage"]["weight"])
+            def give_back(backend, engine=engine, seen=engine_at_give_back):  # its cached memory
+                every_rank = ranks_give_back(backend)  # back: the recipe's, probed first
+
+                async def probed() -> list[dict[str, float]]:
+                    info = await engine.server_info()
+                    seen.append(info["internal_states"][0]["memory_usage"]["weight"])
+                    return await every_rank()
+
+                return probed
 
             run = await run_loop(engine, tiny_model_dir, tmp_path / str(colocate), max_steps=3,
                                  rollout=rollout, algorithm=reinforce(),
@@ -142,6 +148,7 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records
                     assert m["memory_resumed_engines_weight_gib"] == pytest.approx(
                         weights_gib, 0.01
                     )
+                    assert m["memory_resumed_trainer_ranks_given_back"] == 1  # one process
         figures[colocate] = [(m["loss"], m["grad_norm"], m["reward_mean"]) for m in run.history]
         print(f"colocate={colocate}: (loss, grad_norm, reward_mean) per step {figures[colocate]}")
         assert min(m["grad_norm"] for m in run.history) > 1e-2

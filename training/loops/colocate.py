@@ -16,6 +16,10 @@ message naming the cause), so the recipe resumes and pushes at the start of a ru
 Before the engines resume, the trainer gives its cached, unused GPU blocks back to the device
 (`device_memory.give_back`): freed activations stay reserved by the caching allocator
 otherwise, and the engines would resume into what is left beside the trainer's training peak.
+Under torchrun every rank holds its own, so every rank does it (`ranks_give_back(backend)`:
+one backend operation, in queue order after the step's training, on every rank) and the
+resume waits for all of them; `memory_resumed_trainer_ranks_given_back` counts the ranks that
+did, `memory_resumed_trainer_reserved_max_gib` (CUDA) is the most any rank still reserves.
 
 What each phase holds is added to the step's metrics (issue 47: peak GPU memory per
 phase): the engines' `memory_usage` summed (`/get_server_info`; the local engine's "weight"
@@ -37,7 +41,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -145,15 +149,44 @@ async def phase_memory(engines: Sequence[Any], phase: str) -> dict[str, float]:
     return out
 
 
+GiveBack = Callable[[], Awaitable[list[dict[str, float]]]]  # -> each rank's give_back() report
+
+
+def ranks_give_back(backend: Any) -> GiveBack:
+    """The trainer's give-back on every rank of `backend` (its `on_every_rank`), after the
+    work queued before it: under torchrun each rank's allocator holds its own activations."""
+
+    async def every_rank() -> list[dict[str, float]]:
+        return await backend.on_every_rank(give_back).result()
+
+    return every_rank
+
+
+async def give_back_here() -> list[dict[str, float]]:
+    """This process's give-back only (a trainer of one process; its report in a list)."""
+    return [await trio.to_thread.run_sync(give_back)]
+
+
+def given_back_figures(reports: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The give-back's metrics (module docstring) from every rank's report."""
+    out = {"memory_resumed_trainer_ranks_given_back": len({r["rank"] for r in reports})}
+    reserved = [r["reserved_gib"] for r in reports if "reserved_gib" in r]
+    if reserved:
+        out["memory_resumed_trainer_reserved_max_gib"] = max(reserved)
+    return out
+
+
 class ColocatedRollouts:
     """A rollout manager whose engines rest while the trainer trains (the module docstring);
-    everything else is the wrapped manager's. `give_back` returns the trainer's cached GPU
-    memory before the engines resume."""
+    everything else is the wrapped manager's. Before the engines resume, every rank of
+    `trainer` (the policy's backend) gives its cached GPU memory back (`ranks_give_back`);
+    without a trainer, this process does. `give_back` replaces either (a test's probe)."""
 
-    def __init__(self, manager: Any, engines: Sequence[Any], *,
-                 give_back: Any = give_back) -> None:  # fmt: skip
+    def __init__(self, manager: Any, engines: Sequence[Any], *, trainer: Any = None,
+                 give_back: GiveBack | None = None) -> None:  # fmt: skip
         self._manager, self._engines = manager, list(engines)
-        self._give_back = give_back
+        here = give_back_here if trainer is None else ranks_give_back(trainer)
+        self._give_back = give_back or here
         self._resumed: dict[str, float] = {}  # the last resume's figures, for the next batch
 
     async def generate_batch(self) -> Any:
@@ -170,9 +203,9 @@ class ColocatedRollouts:
         settle = getattr(self._manager, "settle", None)
         if settle is not None:
             await settle()
-        await trio.to_thread.run_sync(self._give_back)  # the trainer's cache, then the engines'
-        await resume_engines(self._engines)
-        self._resumed = await phase_memory(self._engines, "resumed")
+        given = given_back_figures(await self._give_back())  # the trainer's cache, every rank's
+        await resume_engines(self._engines)  # then the engines'
+        self._resumed = given | await phase_memory(self._engines, "resumed")
 
     async def __aenter__(self) -> ColocatedRollouts:
         await self._manager.__aenter__()
