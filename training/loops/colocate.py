@@ -30,15 +30,23 @@ and the whole GPU's used memory seen from the trainer (`gpu_used`), as
 the push that preceded this batch's generation; absent at the first step). An engine that
 does not answer is left out of the sums: a measurement never fails a step.
 
-Engines the pool knows are down are skipped (it gives them the current weights when they come
-back); an engine that refuses (busy: the release needs an idle engine) is asked again for a
-few seconds, then the step fails naming it. Every call has the engine's control deadline.
+Engines the pool knows are down are asked too, once, and skipped if that fails (never failing
+the step): one marked down while released (a transient fault during training) would otherwise
+stay released for the rest of the run, since it refuses to generate while released, and the
+pool's probe cannot see it back. Resumed, its client probes it with `/model_info` until weights
+are loaded (engines/client_control.py), so the pool's rejoin gives it the current weights
+(the push after the resume skips it, recording them); a down engine still holding its memory
+after a step's batch gives it back while the trainer trains. Any other engine that refuses
+(busy: the release needs an idle engine) is asked again for a few seconds, then the step fails
+naming it; one that cannot be reached is skipped (the pool's rejoin gives it the weights).
+Every call has the engine's control deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
 from collections.abc import Awaitable, Callable, Sequence
@@ -56,6 +64,7 @@ log = logging.getLogger("rollouts.rl")
 
 _RETRY_S = 0.2
 _BUSY_WAIT_S = 10.0  # how long a release waits for an engine still finishing aborted requests
+_DOWN_TRY_S = 10.0  # how long a release or resume waits for an engine known down (asked once)
 _EXPORTS = 3  # a push's export beside the 2 kept (weight_push.py) while it is written
 _MEASURE_S = 5.0  # how long a phase's memory figures may take (then what answered is kept)
 # memory_usage keys in GiB: SGLang's ("weight", "kvcache", "graph") and the local engine's
@@ -63,13 +72,14 @@ _GIB_KEYS = ("weight", "kvcache", "graph", "allocated", "reserved", "peak_alloca
 
 
 async def release_engines(engines: Sequence[Any]) -> None:
-    """Every engine (not known down) releases its memory; raises WeightSyncError naming those
-    that refused."""
+    """Every engine releases its memory (one known down: if it can); raises WeightSyncError
+    naming those that refused."""
     await _on_every_engine(engines, "release_memory_occupation", "releasing the memory of")
 
 
 async def resume_engines(engines: Sequence[Any]) -> None:
-    """Every engine (not known down) takes its memory back (no weights until the next push)."""
+    """Every engine takes its memory back (no weights until the next push; one known down: if
+    it can, and the pool's rejoin gives it the weights)."""
     await _on_every_engine(engines, "resume_memory_occupation", "resuming the memory of")
 
 
@@ -77,17 +87,22 @@ async def _on_every_engine(engines: Sequence[Any], method: str, what: str) -> No
     failures: dict[str, str] = {}
 
     async def one(engine: Any) -> None:
-        if getattr(engine, "known_down", False):
-            return
+        down = getattr(engine, "known_down", False)
         deadline = trio.current_time() + _BUSY_WAIT_S
         while True:
             try:
-                await getattr(engine, method)()
+                with trio.fail_after(_DOWN_TRY_S if down else math.inf):
+                    await getattr(engine, method)()
+                if down:
+                    log.info("%s %s (known down): done", what, engine.url)
                 return
             except EngineUnavailableError as exc:  # down: the pool's rejoin gives it weights
                 log.warning("%s %s skipped: it is down (%s)", what, engine.url, exc)
                 return
-            except EngineError as exc:
+            except (EngineError, trio.TooSlowError) as exc:
+                if down:  # asked once: never fails the step (module docstring)
+                    log.warning("%s %s, known down, failed: %s", what, engine.url, exc)
+                    return
                 if trio.current_time() >= deadline:
                     failures[engine.url] = str(exc)
                     return
