@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.distributed_launch import launch
 from tests.torchrun_exit import rl_args
 
 STEPS = 3
 
 
+@pytest.mark.slow  # ~40 s: 3 recipe steps at 2 ranks and an engine
 def test_every_rank_gives_its_cached_memory_back_before_the_colocated_engines_resume(
     tiny_model_dir, tmp_path, warm_python
 ):
