@@ -17,7 +17,9 @@ Contract:
 - Weight paths are sent absolute (SGLang resolves relative ones in its own cwd);
   `no_stop_trim: true` unless the caller sets it, so `text` decodes all of `output_ids`.
 - While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
-  `/health_generate` waits behind the pause and answers 503 after 20 s.
+  `/health_generate` waits behind the pause and answers 503 after 20 s. It does too from a
+  memory resume until weights are loaded, and says False while the memory is released
+  (colocated mode: client_control.py).
 - Every `/generate` (and `score`) carries `extra_key = self.kv_namespace`, SGLang's prefix-cache
   namespace, and every `pause()` moves the client to a fresh namespace first. So a request sent
   after a pause never reuses prefix KV computed before it, i.e. by older weights, even when the
@@ -91,6 +93,9 @@ class SGLangEngine(ControlRoutesMixin, RefitRoutesMixin, LoraClientMixin):
         self.paused = False  # this client paused the engine and has not resumed it yet
         # another process paused it (`mark_paused_elsewhere`), and how many times it has
         self.paused_elsewhere, self.pauses_elsewhere = False, 0
+        # colocated mode: "released" once this client released the engine's memory, "resumed"
+        # from its resume until weights are loaded (the local engine serves nothing meanwhile)
+        self.resting: str | None = None
         # each pause carries this lease (engines/pause_renewal.py); None: SGLang's plain pause
         self.pause_lease_s: float | None = pause_lease_s
         self._lease_lock = trio.Lock()  # a renewal never reaches the server after the resume

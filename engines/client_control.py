@@ -12,6 +12,11 @@ reads and writes the attributes `SGLangEngine.__init__` sets; it is not used on 
   deprecated `get_` forms on a 404.
 - While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
   `/health_generate` waits behind the pause and answers 503 after 20 s.
+- Colocated mode: while this client has the engine's memory released, `is_healthy()` is False
+  without asking (it can neither serve nor load weights until resumed, so a pool's rejoin
+  must wait for the resume); from the resume until a weight load it asks `/model_info` (the
+  local engine refuses generation then, `/health_generate` included), so that an engine a
+  pool marked down while it was released rejoins once resumed: the rejoin loads the weights.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class ControlRoutesMixin:
     _pauses: int
     _info_paths: dict[str, str]
     _aborts_in_pause: list[str]
+    resting: str | None
 
     async def update_weights_from_disk(
         self,
@@ -86,6 +92,7 @@ class ControlRoutesMixin:
                 url=self._url,
                 body=str(result),
             )
+        self.resting = None  # weights in: it serves again
         return str(result.get("message", "")) if isinstance(result, Mapping) else ""
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True
@@ -161,6 +168,7 @@ class ControlRoutesMixin:
         body = {} if tags is None else {"tags": list(tags)}
         await self._http.json("POST", "/release_memory_occupation", body=body, admin=True,
                               timeout=self.timeouts.control_s, retries=0)  # fmt: skip
+        self.resting = "released"
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """`/resume_memory_occupation`: the memory is taken again; released weights hold
@@ -168,6 +176,7 @@ class ControlRoutesMixin:
         body = {} if tags is None else {"tags": list(tags)}
         await self._http.json("POST", "/resume_memory_occupation", body=body, admin=True,
                               timeout=self.timeouts.control_s, retries=0)  # fmt: skip
+        self.resting = "resumed"  # until weights are loaded
 
     async def abort(self, rid: str) -> None:
         """Abort one request; it returns with `finish_reason.type == "abort"`. Unknown rids are
@@ -240,10 +249,13 @@ class ControlRoutesMixin:
         `/health_generate` normally; `/model_info` while this client has the engine paused, or
         was told another process has (`mark_paused_elsewhere`: a rollout worker's client while
         the trainer pushes), since SGLang's generation probe waits behind the pause and answers
-        503 after 20 s.
+        503 after 20 s, and from a memory resume until weights are loaded; False while this
+        client has its memory released (the module docstring).
         """
+        if self.resting == "released":
+            return False
         try:
-            if self.paused or self.paused_elsewhere:
+            if self.paused or self.paused_elsewhere or self.resting == "resumed":
                 await self._http.request(
                     "GET", "/model_info", timeout=self.timeouts.health_s, retries=0
                 )

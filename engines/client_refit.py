@@ -30,6 +30,7 @@ class RefitRoutesMixin:
     _http: EngineHTTP
     _url: str
     timeouts: EngineTimeouts
+    resting: str | None
 
     async def _refit_call(self, path: str, body: dict[str, Any], timeout: float) -> str:
         # a 400 (refused) raises EngineError with the server's body; an engine that cannot be
@@ -39,6 +40,8 @@ class RefitRoutesMixin:
         if isinstance(result, Mapping) and result.get("success") is False:
             raise EngineError(f"{path.lstrip('/')} failed: {result.get('message')}",
                               url=self._url, body=str(result))  # fmt: skip
+        if path in ("/update_weights_from_distributed", "/end_weight_update"):
+            self.resting = None  # weights in (a colocated engine's resume awaited them)
         return str(result.get("message", "")) if isinstance(result, Mapping) else ""
 
     async def init_weights_update_group(self, master_address: str, master_port: int,

@@ -77,15 +77,16 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
                    rollout: RolloutConfig | None = None, max_empty_batches: int | None = None,
                    hooks: RLHooks = RLHooks(), loop: dict[str, Any] | None = None,
                    generate_fn=None, lr: float = 1e-3, colocate: bool = False,
-                   give_back=None, **objective: Any) -> SimpleNamespace:  # fmt: skip
+                   give_back=None, engines=None, **objective: Any) -> SimpleNamespace:  # fmt: skip
     """Run `run_rl_training` for `max_steps` on the in-process engine (2 prompts x 2 samples of
     at most 4 tokens by default); return its history, the policy, reference and manager.
 
     `objective` holds more `RLObjective` fields (advantage_fn, policy_loss_fn, kl_fn,
     reference_update, ...); `loop` more `RLLoopConfig` fields (resume, ema_decay, ...);
     `generate_fn` replaces the single-turn rollout (e.g. `with_teacher(...)`); `lr` the
-    policy's constant learning rate; `give_back` the colocated trainer's memory give-back
-    (`ColocatedRollouts`; its own by default)."""
+    policy's constant learning rate; `give_back(backend)` the colocated trainer's memory
+    give-back (`ColocatedRollouts`; the policy backend's every rank by default); `engines` the
+    engines the weights are pushed to (and colocated), `[engine]` by default."""
     model, tok = load_model_and_tokenizer(model_dir)
     buffer = DataBuffer(prompts(tok), seed=0)
     backend = PyTorchTrainingBackend(
@@ -101,15 +102,15 @@ async def run_loop(engine, model_dir: Path, tmp_path: Path, *, max_steps: int = 
         manager = AsyncRolloutManager(engine, buffer, rollout, reward_fn=reward_fn,
                                       current_version=lambda: backend.weight_version,
                                       **extra)  # fmt: skip
-        if colocate:  # engines.colocate: the engine rests while the trainer trains
-            manager = ColocatedRollouts(
-                manager, [engine], **({} if give_back is None else {"give_back": give_back})
-            )
+        engines = list(engines or [engine])
+        if colocate:  # engines.colocate: the engines rest while the trainer trains
+            manager = ColocatedRollouts(manager, engines, trainer=backend,
+                                        give_back=give_back and give_back(backend))  # fmt: skip
         async with contextlib.AsyncExitStack() as stack:
             if rollout.mode != "sync":  # its background generation lives in the manager's nursery
                 await stack.enter_async_context(manager)
             history = await run_rl_training(
-                backend, buffer, manager, [engine],
+                backend, buffer, manager, engines,
                 RLLoopConfig(max_steps=max_steps, checkpoint_every=checkpoint_every,
                              **({} if max_empty_batches is None else
                                 {"max_empty_batches": max_empty_batches}), **(loop or {})),

@@ -18,10 +18,11 @@ from rl_helpers import rl_backend, run_loop
 from test_push_faults import train_step
 from test_rl_empty_batches import failing_first
 
-from engines import SGLangEngine, launch_engine
+from engines import EnginePool, SGLangEngine, launch_engine
 from engines.local import open_local_engine
+from engines.testing.fault_proxy import FaultPlan, FaultProxy
 from rollouts.config import RolloutConfig, SamplingConfig
-from training.loops.colocate import colocated_weights_dir
+from training.loops.colocate import colocated_weights_dir, ranks_give_back
 from training.loops.weight_push import push_weights
 from training.rl.algorithms import reinforce
 from training.rl_config import RLRunConfig
@@ -67,6 +68,7 @@ async def test_a_released_engine_gives_its_weights_memory_back_and_serves_the_tr
             export = await backend.export_weights(tmp_path / "w" / "v1")
             load = await http.post("/update_weights_from_disk", json={"model_path": str(export)})
             assert "resume_memory_occupation" in load.text and not load.json().get("success")
+            assert (await http.get("/health_generate")).status_code == 503  # not a 500
             bad = await http.post("/release_memory_occupation", json={"tags": ["kv", "weights"]})
             assert bad.status_code == 400 and "unknown memory tags ['kv']" in bad.text
 
@@ -122,9 +124,15 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records
         ):  # fmt: skip
             engine_at_give_back: list[float] = []  # the engine's weights when the trainer gives
 
-            def give_back(engine=engine, seen=engine_at_give_back) -> None:  # its cached
-                info = trio.from_thread.run(engine.server_info)  # memory back (a loop thread)
-                seen.append(info["internal_states"][0]["memory_usage"]["weight"])
+            def give_back(backend, engine=engine, seen=engine_at_give_back):  # its cached memory
+                every_rank = ranks_give_back(backend)  # back: the recipe's, probed first
+
+                async def probed() -> list[dict[str, float]]:
+                    info = await engine.server_info()
+                    seen.append(info["internal_states"][0]["memory_usage"]["weight"])
+                    return await every_rank()
+
+                return probed
 
             run = await run_loop(engine, tiny_model_dir, tmp_path / str(colocate), max_steps=3,
                                  rollout=rollout, algorithm=reinforce(),
@@ -142,6 +150,7 @@ async def test_a_colocated_rl_run_computes_what_a_plain_run_computes_and_records
                     assert m["memory_resumed_engines_weight_gib"] == pytest.approx(
                         weights_gib, 0.01
                     )
+                    assert m["memory_resumed_trainer_ranks_given_back"] == 1  # one process
         figures[colocate] = [(m["loss"], m["grad_norm"], m["reward_mean"]) for m in run.history]
         print(f"colocate={colocate}: (loss, grad_norm, reward_mean) per step {figures[colocate]}")
         assert min(m["grad_norm"] for m in run.history) > 1e-2
@@ -168,6 +177,61 @@ async def test_a_colocated_run_generates_again_after_an_empty_batch_on_engines_i
                              max_empty_batches=2)  # fmt: skip
     assert run.history[0]["empty_batches_skipped"] == 1
     assert run.history[0]["memory_released_engines_weight_gib"] == 0.0
+
+
+async def test_a_colocated_engine_marked_down_while_released_rejoins_at_the_next_resume(
+    tiny_model_dir, tmp_path
+):
+    # engine b's /model_info goes through a fault proxy: while the trainer trains (b released),
+    # the pool's version probe fails and marks b down, then the fault passes. Released, b
+    # refused /health_generate and the resume skipped engines known down, so b stayed released
+    # and down for the rest of the run, on step 1's weights.
+    plain = FaultPlan(paths=("/model_info",))
+    async with (
+        trio.open_nursery() as nursery,
+        open_local_engine(tiny_model_dir, num_threads=1) as a_server,
+        open_local_engine(tiny_model_dir, num_threads=1) as b_server,
+    ):  # fmt: skip
+        proxy = FaultProxy(b_server.url, plain)
+        b_url = await nursery.start(proxy.serve)
+        async with (
+            SGLangEngine(a_server.url, max_retries=0) as a,
+            SGLangEngine(b_url, max_retries=0) as b,
+            EnginePool([a, b], probe_interval_s=0.1) as pool,
+        ):  # fmt: skip
+            settles = 0
+
+            def fault_while_released(backend):
+                every_rank = ranks_give_back(backend)
+
+                async def give_back() -> list[dict[str, float]]:
+                    nonlocal settles
+                    settles += 1
+                    if settles == 2:  # step 2's training: a push (step 1's) gave b a version
+                        proxy.replan(FaultPlan(rates={"reset": 1.0}, paths=("/model_info",)))
+                        with trio.fail_after(10):
+                            while pool.statistics().engines[1].healthy:
+                                await trio.sleep(0.05)
+                        assert b.resting == "released"
+                        proxy.replan(plain)  # a transient fault: b answers again
+                    return await every_rank()
+
+                return give_back
+
+            run = await run_loop(pool, tiny_model_dir, tmp_path, max_steps=3, colocate=True,
+                                 give_back=fault_while_released, engines=[a, b])  # fmt: skip
+            assert settles == 3 and len(run.history) == 3
+            still_down = await pool.rejoin_down(10.0)
+            stats = pool.statistics().engines[1]
+            version = (await b.model_info()).weight_version
+            print(f"b: down after the run {still_down}, rejoined {stats.rejoined} time(s), serves "
+                  f"weights {version}; proxy {dict(proxy.counts)}")  # fmt: skip
+            assert still_down == () and stats.rejoined == 1
+            assert version == (await a.model_info()).weight_version == "3"
+            greedy = {"max_new_tokens": 4, "temperature": 0}
+            assert (await b.generate(PROMPT, greedy)).output_ids == (
+                await a.generate(PROMPT, greedy)).output_ids  # fmt: skip
+        nursery.cancel_scope.cancel()
 
 
 def answer_reward(sample) -> float:

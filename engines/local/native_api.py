@@ -81,10 +81,13 @@ def register_native_routes(app: App, state: EngineState) -> None:
         # As in SGLang 0.5.23, the probe request queues behind a pause like any request, so a
         # paused engine answers 503 after the timeout.
         with trio.move_on_after(health_check_timeout_s()):
-            async with scheduler.submit([item], lock=False) as seqs:
-                await wait_finished(seqs)
-                if seqs[0].error is None:
-                    return Response(200, b"", "")
+            try:
+                async with scheduler.submit([item], lock=False) as seqs:
+                    await wait_finished(seqs)
+                    if seqs[0].error is None:
+                        return Response(200, b"", "")
+            except BadRequestError:  # memory released, or no weights since (colocated): 503
+                pass
         return Response(503, b"", "")
 
     async def model_info(request: Request) -> Response:

@@ -10,6 +10,9 @@ Contract:
   new requests join at the next step and never wait for the running ones to finish.
 - Padding is masked and positions are counted per row, so a row's logits equal those of the
   same tokens run alone (up to float rounding, ~1e-6 in float32).
+- Prompt logprobs (`return_logprob`) are read from the logits of the kept positions
+  `input_logprob_chunk` (1,024) positions at a time (sampling.input_logprobs): one chunk's
+  float32 [positions x vocab] at a time, not the prompt's; the logits stay in the model dtype.
 - `load_weights` validates every tensor (names, shapes) before copying any, so a failed update
   leaves the old weights in place.
 - With LoRA (`enable_lora`, lora_runner.py) every forward passes each row's adapter through
@@ -49,8 +52,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from .prefix_cache import PrefixCache, cache_prompts, max_prefix_len, prefill_layout
-from .sampling import Sampled, sample, scaled_logprobs, top_logprobs
-from .sequence import Prefilled, Sequence, StepOutput, TopLogprobs
+from .sampling import INPUT_LOGPROB_CHUNK, Sampled, input_logprobs, sample
+from .sequence import Prefilled, Sequence, StepOutput
 from .weights_io import WeightLoadError, check_tensors, read_checkpoint
 
 __all__ = ["ModelRunner", "WeightLoadError"]
@@ -104,6 +107,7 @@ class ModelRunner:
         self._mask: torch.Tensor | None = None
         self.prefix = PrefixCache(max_prefix_cache_tokens)
         self._row_ns: dict[Sequence, Any] = {}  # cache namespace of each row's prefill
+        self.input_logprob_chunk = INPUT_LOGPROB_CHUNK  # prompt positions per fp32 chunk
 
     # ----- LoRA (lora_runner.py) ------------------------------------------------------------
 
@@ -358,23 +362,10 @@ class ModelRunner:
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, kept: int):
         """Entries for prompt positions start..len-1; entry 0 is None (SGLang's alignment)."""
         prompt, start = seq.item.input_ids, seq.item.logprob_start_len
-        length = len(prompt)
-        # logits[j] is position length - kept + j of the (unpadded) prompt
-        first = start - (length - kept)
-        scored = logits[first : kept - 1]  # predicts prompt[start + 1 :]
-        # SGLang 0.5.23: input logprobs are log-softmax of the raw logits, whatever the
-        # request's temperature (only sampled output logprobs are temperature-scaled)
-        logprobs = scaled_logprobs(scored, [1.0] * scored.shape[0])
-        targets = torch.tensor(prompt[start + 1 :], device=logits.device)
-        values = (
-            logprobs.gather(1, targets[:, None]).flatten().clamp(min=torch.finfo(torch.float32).min)
-        )
-        input_lp: list[float | None] = [None, *values.tolist()]
-        input_top: list[TopLogprobs | None] | None = None
-        k = seq.item.top_logprobs_num
-        if k:
-            input_top = [None, *(top_logprobs(row, k) for row in logprobs)]
-        return input_lp, input_top
+        first = start - (len(prompt) - kept)  # logits[j] is prompt position len - kept + j
+        values, tops = input_logprobs(logits[first : kept - 1], prompt[start + 1 :],
+                                      seq.item.top_logprobs_num, self.input_logprob_chunk)  # fmt: skip
+        return [None, *values], None if tops is None else [None, *tops]
 
     # ----- weights --------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import torch
 from .sequence import Sequence, TopLogprobs
 
 _MIN_LOGPROB = torch.finfo(torch.float32).min
+INPUT_LOGPROB_CHUNK = 1024  # prompt positions whose float32 logprobs exist at once
 
 
 @dataclass
@@ -95,6 +96,31 @@ def top_logprobs(logprobs_row: torch.Tensor, k: int) -> TopLogprobs:
 def scaled_logprobs(logits: torch.Tensor, temperatures: Seq[float]) -> torch.Tensor:
     temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
     return torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+
+
+def input_logprobs(scored: torch.Tensor, targets: Seq[int], top_k: int, chunk: int
+                   ) -> tuple[list[float], list[TopLogprobs] | None]:  # fmt: skip
+    """Prompt logprobs: log-softmax of the raw logits `scored` ([n, V], row i predicting
+    `targets[i]`; SGLang 0.5.23 applies no temperature to input logprobs) read at the
+    targets, and each row's `top_k` best (None when 0), `chunk` rows at a time.
+
+    Why in chunks: the float32 logprobs of a whole prompt are [prompt tokens x vocab] (~5 GB
+    for 8,192 tokens of a 152k vocabulary: a teacher's scoring, `logprob_start_len` 0); only
+    one chunk's exist at a time here. Log-softmax, gather and top-k are per row, so the values
+    are bit for bit those of the whole prompt at once.
+    """
+    ids = torch.tensor(list(targets), dtype=torch.long, device=scored.device)
+    values: list[float] = []
+    tops: list[TopLogprobs] | None = [] if top_k else None
+    for at in range(0, len(ids), chunk):
+        rows = scored[at : at + chunk]
+        logprobs = scaled_logprobs(rows, [1.0] * rows.shape[0])
+        picked = logprobs.gather(1, ids[at : at + chunk, None]).flatten()
+        values += picked.clamp(min=_MIN_LOGPROB).tolist()
+        if tops is not None:
+            tops += [top_logprobs(row, top_k) for row in logprobs]
+        del logprobs, picked  # freed before the next chunk's are made
+    return values, tops
 
 
 def sample(

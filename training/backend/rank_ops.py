@@ -4,7 +4,8 @@ and the one rule that keeps FSDP's collectives matched across ranks.
 A mixin of `PyTorchTrainingBackend` (training/backend/pytorch.py), which keeps construction,
 the ordered queue and the public operations; the passes they execute are here. `_dispatch`
 sends an op with each rank's rows; `run_local` calls the method named `_local_<op>` on every
-rank, in the same order everywhere.
+rank, in the same order everywhere; `on_every_rank(fn)` runs a function of the process (not of
+the model) on every rank in queue order.
 
 The rule for every op that runs forward passes (loss, forward-backward, logprobs, values,
 greedy decoding, anything added later): FSDP all-gathers the parameters in each forward (and
@@ -32,7 +33,7 @@ import torch
 from training.backend import lora as lo
 from training.backend import model_io
 from training.backend import state as st
-from training.backend.futures import BackendError
+from training.backend.futures import BackendError, TrainFuture
 from training.data.logprob_head import forward_scores
 from training.data.packing import forward_logits, pack_balanced, prepare_sft_batch
 from training.data.prefix_sharing import split_rows_by_budget
@@ -81,6 +82,21 @@ class RankOps:
         fn = getattr(self, f"_local_{op}")
         with self._watching(op):
             return fn(rows, **args) if rows is not None else fn(**args)
+
+    def on_every_rank(self, fn: Callable[[], T]) -> TrainFuture[list[T]]:
+        """Queue `fn()` on every rank, in queue order; every rank's result, in rank order.
+
+        For work of the process rather than of the model, which every rank must do for its own
+        (e.g. `device_memory.give_back`: each rank's caching allocator holds its own freed
+        activations). `fn` crosses to the other ranks by import path (a module-level function,
+        or a partial of one) and its result back as the wire encodes it (training/distributed/
+        wire.py). At world size 1: `[fn()]`, on the trainer thread.
+        """
+        return self._submit(lambda: self._dispatch("on_every_rank", None, {"fn": fn},
+                                                   gather=True)[0])  # fmt: skip
+
+    def _local_on_every_rank(self, fn: Callable[[], T]) -> T:
+        return fn()
 
     # -- batching -------------------------------------------------------------------------------
 

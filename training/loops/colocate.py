@@ -16,6 +16,10 @@ message naming the cause), so the recipe resumes and pushes at the start of a ru
 Before the engines resume, the trainer gives its cached, unused GPU blocks back to the device
 (`device_memory.give_back`): freed activations stay reserved by the caching allocator
 otherwise, and the engines would resume into what is left beside the trainer's training peak.
+Under torchrun every rank holds its own, so every rank does it (`ranks_give_back(backend)`:
+one backend operation, in queue order after the step's training, on every rank) and the
+resume waits for all of them; `memory_resumed_trainer_ranks_given_back` counts the ranks that
+did, `memory_resumed_trainer_reserved_max_gib` (CUDA) is the most any rank still reserves.
 
 What each phase holds is added to the step's metrics (issue 47: peak GPU memory per
 phase): the engines' `memory_usage` summed (`/get_server_info`; the local engine's "weight"
@@ -26,18 +30,26 @@ and the whole GPU's used memory seen from the trainer (`gpu_used`), as
 the push that preceded this batch's generation; absent at the first step). An engine that
 does not answer is left out of the sums: a measurement never fails a step.
 
-Engines the pool knows are down are skipped (it gives them the current weights when they come
-back); an engine that refuses (busy: the release needs an idle engine) is asked again for a
-few seconds, then the step fails naming it. Every call has the engine's control deadline.
+Engines the pool knows are down are asked too, once, and skipped if that fails (never failing
+the step): one marked down while released (a transient fault during training) would otherwise
+stay released for the rest of the run, since it refuses to generate while released, and the
+pool's probe cannot see it back. Resumed, its client probes it with `/model_info` until weights
+are loaded (engines/client_control.py), so the pool's rejoin gives it the current weights
+(the push after the resume skips it, recording them); a down engine still holding its memory
+after a step's batch gives it back while the trainer trains. Any other engine that refuses
+(busy: the release needs an idle engine) is asked again for a few seconds, then the step fails
+naming it; one that cannot be reached is skipped (the pool's rejoin gives it the weights).
+Every call has the engine's control deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +64,7 @@ log = logging.getLogger("rollouts.rl")
 
 _RETRY_S = 0.2
 _BUSY_WAIT_S = 10.0  # how long a release waits for an engine still finishing aborted requests
+_DOWN_TRY_S = 10.0  # how long a release or resume waits for an engine known down (asked once)
 _EXPORTS = 3  # a push's export beside the 2 kept (weight_push.py) while it is written
 _MEASURE_S = 5.0  # how long a phase's memory figures may take (then what answered is kept)
 # memory_usage keys in GiB: SGLang's ("weight", "kvcache", "graph") and the local engine's
@@ -59,13 +72,14 @@ _GIB_KEYS = ("weight", "kvcache", "graph", "allocated", "reserved", "peak_alloca
 
 
 async def release_engines(engines: Sequence[Any]) -> None:
-    """Every engine (not known down) releases its memory; raises WeightSyncError naming those
-    that refused."""
+    """Every engine releases its memory (one known down: if it can); raises WeightSyncError
+    naming those that refused."""
     await _on_every_engine(engines, "release_memory_occupation", "releasing the memory of")
 
 
 async def resume_engines(engines: Sequence[Any]) -> None:
-    """Every engine (not known down) takes its memory back (no weights until the next push)."""
+    """Every engine takes its memory back (no weights until the next push; one known down: if
+    it can, and the pool's rejoin gives it the weights)."""
     await _on_every_engine(engines, "resume_memory_occupation", "resuming the memory of")
 
 
@@ -73,17 +87,22 @@ async def _on_every_engine(engines: Sequence[Any], method: str, what: str) -> No
     failures: dict[str, str] = {}
 
     async def one(engine: Any) -> None:
-        if getattr(engine, "known_down", False):
-            return
+        down = getattr(engine, "known_down", False)
         deadline = trio.current_time() + _BUSY_WAIT_S
         while True:
             try:
-                await getattr(engine, method)()
+                with trio.fail_after(_DOWN_TRY_S if down else math.inf):
+                    await getattr(engine, method)()
+                if down:
+                    log.info("%s %s (known down): done", what, engine.url)
                 return
             except EngineUnavailableError as exc:  # down: the pool's rejoin gives it weights
                 log.warning("%s %s skipped: it is down (%s)", what, engine.url, exc)
                 return
-            except EngineError as exc:
+            except (EngineError, trio.TooSlowError) as exc:
+                if down:  # asked once: never fails the step (module docstring)
+                    log.warning("%s %s, known down, failed: %s", what, engine.url, exc)
+                    return
                 if trio.current_time() >= deadline:
                     failures[engine.url] = str(exc)
                     return
@@ -145,15 +164,44 @@ async def phase_memory(engines: Sequence[Any], phase: str) -> dict[str, float]:
     return out
 
 
+GiveBack = Callable[[], Awaitable[list[dict[str, float]]]]  # -> each rank's give_back() report
+
+
+def ranks_give_back(backend: Any) -> GiveBack:
+    """The trainer's give-back on every rank of `backend` (its `on_every_rank`), after the
+    work queued before it: under torchrun each rank's allocator holds its own activations."""
+
+    async def every_rank() -> list[dict[str, float]]:
+        return await backend.on_every_rank(give_back).result()
+
+    return every_rank
+
+
+async def give_back_here() -> list[dict[str, float]]:
+    """This process's give-back only (a trainer of one process; its report in a list)."""
+    return [await trio.to_thread.run_sync(give_back)]
+
+
+def given_back_figures(reports: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The give-back's metrics (module docstring) from every rank's report."""
+    out = {"memory_resumed_trainer_ranks_given_back": len({r["rank"] for r in reports})}
+    reserved = [r["reserved_gib"] for r in reports if "reserved_gib" in r]
+    if reserved:
+        out["memory_resumed_trainer_reserved_max_gib"] = max(reserved)
+    return out
+
+
 class ColocatedRollouts:
     """A rollout manager whose engines rest while the trainer trains (the module docstring);
-    everything else is the wrapped manager's. `give_back` returns the trainer's cached GPU
-    memory before the engines resume."""
+    everything else is the wrapped manager's. Before the engines resume, every rank of
+    `trainer` (the policy's backend) gives its cached GPU memory back (`ranks_give_back`);
+    without a trainer, this process does. `give_back` replaces either (a test's probe)."""
 
-    def __init__(self, manager: Any, engines: Sequence[Any], *,
-                 give_back: Any = give_back) -> None:  # fmt: skip
+    def __init__(self, manager: Any, engines: Sequence[Any], *, trainer: Any = None,
+                 give_back: GiveBack | None = None) -> None:  # fmt: skip
         self._manager, self._engines = manager, list(engines)
-        self._give_back = give_back
+        here = give_back_here if trainer is None else ranks_give_back(trainer)
+        self._give_back = give_back or here
         self._resumed: dict[str, float] = {}  # the last resume's figures, for the next batch
 
     async def generate_batch(self) -> Any:
@@ -170,9 +218,9 @@ class ColocatedRollouts:
         settle = getattr(self._manager, "settle", None)
         if settle is not None:
             await settle()
-        await trio.to_thread.run_sync(self._give_back)  # the trainer's cache, then the engines'
-        await resume_engines(self._engines)
-        self._resumed = await phase_memory(self._engines, "resumed")
+        given = given_back_figures(await self._give_back())  # the trainer's cache, every rank's
+        await resume_engines(self._engines)  # then the engines'
+        self._resumed = given | await phase_memory(self._engines, "resumed")
 
     async def __aenter__(self) -> ColocatedRollouts:
         await self._manager.__aenter__()

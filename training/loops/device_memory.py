@@ -3,7 +3,8 @@
 Why: a colocated run (training/loops/colocate.py) shares one GPU between the trainer and the
 engines, and what each phase holds decides whether it fits (issue 47: peak GPU memory per
 phase). The trainer's backends (policy, reference, critic) run on threads of this process at
-world size 1, so its caching allocator's figures are theirs; under torchrun they are rank 0's.
+world size 1, so its caching allocator's figures are theirs; under torchrun `TrainerMemory`'s
+are rank 0's only (`memory_train_*`: the ranks hold equal shards, so rank 0's stand for each).
 
 - `TrainerMemory(device).start()` before a phase, `.metrics(prefix)` after it: the most
   allocated on the trainer's `device` during the phase (`{prefix}_peak_gib`) and what is
@@ -13,7 +14,10 @@ world size 1, so its caching allocator's figures are theirs; under torchrun they
   when this process has not used CUDA.
 - `give_back()`: the trainer's cached, unused blocks returned to the device, so that an engine
   resuming on the same GPU can take them (the caching allocator keeps freed activations
-  otherwise: a colocated engine would find the trainer's training peak still reserved).
+  otherwise: a colocated engine would find the trainer's training peak still reserved). It
+  returns what it did: this process's `rank` (0 without torchrun) and, on CUDA, the
+  `reserved_gib` left. Under torchrun each rank's allocator holds its own activations, so a
+  colocated run has every rank run it (`backend.on_every_rank(give_back)`: colocate.py).
 """
 
 from __future__ import annotations
@@ -38,14 +42,20 @@ def gpu_used_gib() -> float | None:
     return round((total - free) / GIB, 4)
 
 
-def give_back() -> None:
-    """Return the trainer's unused cached GPU blocks to the device (no-op without CUDA)."""
+def give_back() -> dict[str, float]:
+    """Return this process's unused cached GPU blocks to the device (only a garbage collection
+    without CUDA); what it did (module docstring)."""
     import gc
 
+    import torch.distributed as dist
+
     gc.collect()
+    report = {"rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}
     cuda = _cuda()
     if cuda is not None:
         cuda.empty_cache()
+        report["reserved_gib"] = round(cuda.memory_reserved() / GIB, 4)
+    return report
 
 
 class TrainerMemory:

@@ -354,7 +354,7 @@ async def run_rl_recipe(config: RLRunConfig, *, on_step: Logger | None = None,
                 generate_fn=teacher.wrap(episodes.generate_fn) if teacher else None,
             )  # fmt: skip
             if config.engines.colocate:  # the engines rest while the trainer trains
-                manager = ColocatedRollouts(manager, clients)
+                manager = ColocatedRollouts(manager, clients, trainer=backend)
 
             watch = EngineWatch(engine)  # the engines lost, for the summary
             extra = [x for x in (prometheus, on_step) if x is not None]
