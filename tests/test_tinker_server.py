@@ -282,10 +282,14 @@ def test_a_restarted_server_resumes_a_saved_state_on_the_same_loss_curve(service
     assert [f.result().metrics["loss:sum"] for f in rewound] == pytest.approx(after, rel=1e-6)
     assert path in [c.tinker_path for c in tinker.RestClient(base_url=server.url, api_key="tml-local")
                     .list_checkpoints(tc.model_id).result().checkpoints]  # fmt: skip
-    # a new server process state on the same run directory (the engine is reused: cheaper)
-    with tinker_server_thread(tiny_model_dir, server.service.run_root,
-                              engine_url=server.service.engine.url) as restarted:  # fmt: skip
-        client = tinker.ServiceClient(base_url=restarted.url, api_key="tml-local")
+    # a new server process state on the same run directory (the engine is reused: cheaper); the
+    # client is closed before the server stops: an open client's session heartbeat thread would
+    # go on failing against the stopped server for the rest of the test process
+    with (
+        tinker_server_thread(tiny_model_dir, server.service.run_root,
+                             engine_url=server.service.engine.url) as restarted,
+        tinker.ServiceClient(base_url=restarted.url, api_key="tml-local") as client,
+    ):  # fmt: skip
         resumed = client.create_training_client_from_state_with_optimizer(path).result()
         again = []
         for _ in range(2):
