@@ -46,7 +46,7 @@ from training.data.prefix_sharing import split_rows_by_budget
 from training.data.scores import ReadsScores, TokenScores
 from training.distributed import watchdog
 from training.distributed.accumulation import gathered_for_op
-from training.distributed.split import rank_shares
+from training.distributed.split import even_shares, rank_shares
 from training.distributed.worker import gather_results, issue
 
 if TYPE_CHECKING:
@@ -102,12 +102,12 @@ class RankOps:
         if not samples:
             return []
         if self.pack_length is not None:
+            # the fewest micro-batches of `rows_per_mb` rows, as equal as whole rows allow (16
+            # rows at 15 per micro-batch: 8 + 8, not 15 + 1); the rows hold equal tokens
             rows = pack_balanced(samples, self.pack_length)
             rows_per_mb = max(1, self.micro_batch_tokens // self.pack_length)
-            return [
-                [samples[i] for row in rows[k : k + rows_per_mb] for i in row]
-                for k in range(0, len(rows), rows_per_mb)
-            ]
+            parts = even_shares(len(rows), -(-len(rows) // rows_per_mb))
+            return [[samples[i] for r in part for i in rows[r]] for part in parts]
         # One row per sample, or per run of samples sharing a prompt (RL examples with
         # `shared_prefix_len`); samples sharing a `unit` (e.g. a DPO pair) stay together.
         # Micro-batches are consecutive whole rows, so collating one re-plans the same rows.
