@@ -9,7 +9,7 @@ from rollouts.tasks.arithmetic import make_problems
 from training.backend.checkpoint import LATEST, find_latest_checkpoint, list_checkpoints
 from training.backend.pytorch import BackendError, PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
-from training.data.tokenize import tokenize_conversation
+from training.data.tokenize import TokenizedSample, tokenize_conversation
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,19 @@ async def test_gradient_does_not_depend_on_micro_batch_size(tiny_model_dir, tmp_
     for key in metrics[0].keys() - split:
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_packed_rows_are_split_into_equal_micro_batches(tiny_model_dir, tmp_path):
+    """16 packed rows at 15 rows per micro-batch are 8 + 8, not 15 + 1: as few micro-batches
+    as filling each, as equal as whole rows allow (a 1-row pass costs a pass of per-micro-batch
+    kernel launches, and a shape of its own to compile)."""
+    sample = TokenizedSample(tuple(range(5, 21)), (0,) * 4 + (1,) * 12, "equal")
+    with make_backend(tiny_model_dir, tmp_path, pack_length=64,
+                      micro_batch_tokens=15 * 64) as backend:  # fmt: skip
+        assert [len(mb) for mb in backend.split_microbatches([sample] * 64)] == [32, 32]
+        for n in range(1, 80):
+            sizes = [len(mb) for mb in backend.split_microbatches([sample] * n)]
+            assert len(sizes) == -(-n // 60) and max(sizes) - min(sizes) <= 4, (n, sizes)
 
 
 async def test_failed_operation_refuses_later_ones(tiny_model_dir, tmp_path, samples):

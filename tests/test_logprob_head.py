@@ -537,3 +537,37 @@ async def test_every_rl_loss_reads_no_value_from_the_device_inside_its_micro_bat
         reads, _ = await _device_reads(backend, examples, rl_loss_fn(algorithm, temperature=0.7),
                                        loss_weight_fn(algorithm))  # fmt: skip
     assert reads == [], "\n".join(reads)
+
+
+async def test_compute_logprobs_reads_no_value_from_the_device_inside_its_micro_batches(
+    tiny_model_dir, tmp_path
+):
+    """Reference / old logprobs stay on the device through the op's micro-batches and come back
+    in one transfer at its end: a read per micro-batch (a gather by a boolean mask, a copy to
+    the host) would drain the GPU's queue at every micro-batch boundary. The values are those
+    of the logits path, sample by sample."""
+    from training.backend import model_io
+    from training.data.logprob_head import TemperedLogprobs
+
+    algorithm = grpo(kl_coef=0.1)
+    batch = batch_of([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]], n_response=lambda g, i: 5 + i)
+    examples = build_examples(batch, algorithm)
+    with rl_backend(tiny_model_dir, tmp_path, name="rl", micro_batch_tokens=40) as backend:
+
+        def logprobs():
+            fn = TemperedLogprobs(0.7)
+            with DeviceReads() as mode:
+                got = backend.run_local("per_trained_token", examples, {"fn": fn})
+            want = []  # each micro-batch's values at its trained positions, read one by one
+            with torch.no_grad(), model_io.eval_mode(backend.model):
+                for mb in backend.split_microbatches(examples):
+                    rows = backend._collate(mb)
+                    values_BT = fn(backend._forward_for(rows, fn), rows)
+                    trained = rows.target_ids != -100
+                    want += [values_BT[i][trained[i]].float() for i in range(len(mb))]
+            return mode.reads, got, want, len(backend.split_microbatches(examples))
+
+        reads, got, want, n_mb = await backend.call(logprobs).result()
+    assert n_mb > 1 and reads == [], "\n".join(reads)
+    assert [len(g) for g in got] == [e.n_trained for e in examples]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))  # bit-identical

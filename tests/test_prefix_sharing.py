@@ -11,7 +11,7 @@ import torch
 from rollouts.errors import ConfigError
 from rollouts.types import RolloutBatch, Sample
 from training.data.packing import IGNORE_INDEX, forward_logits, token_logprobs
-from training.data.prefix_sharing import plan_rows, split_rows_by_budget
+from training.data.prefix_sharing import plan_rows, row_blocks, split_rows_by_budget
 from training.rl.algorithms import grpo
 from training.rl.batch import RLExample, build_examples, collate_rl, loss_weight_fn, rl_loss_fn
 
@@ -225,3 +225,56 @@ def test_micro_batches_hold_whole_rows_and_pairs_within_the_budget():
             assert slots <= budget or len(mbs) == 1 or len(rows) == 1 or mb[-1].unit == 99
         assert any(mb[-2:] == examples[-2:] for mb in mbs)
     assert len(split_rows_by_budget(examples, 10_000)) == 1
+
+
+def fill_to_the_budget(samples, budget):
+    """The split `split_rows_by_budget` replaces: each micro-batch filled with whole blocks
+    while they fit, so the last one may hold a single row."""
+    out, begin, n_rows, widest = [], 0, 0, 0
+    for start, widths in row_blocks(samples):
+        wide = max(widest, *widths)
+        if n_rows and (n_rows + len(widths)) * wide > budget:
+            out.append(samples[begin:start])
+            begin, n_rows, wide = start, 0, max(widths)
+        n_rows, widest = n_rows + len(widths), wide
+    return out + ([samples[begin:]] if begin < len(samples) else [])
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_micro_batches_are_as_few_as_filling_each_and_no_larger_within_the_budget(seed):
+    """Any mix of shared groups, rows of their own and pairs, at any budget: the samples in
+    order, each micro-batch within the budget (or one row or pair that alone exceeds it), as
+    many micro-batches as filling each to the budget, and the largest no larger in tokens."""
+    rng = random.Random(seed)
+    batch = rollout_batch(seed, groups=rng.randint(1, 8), n=rng.randint(2, 6),
+                          same_prompt=rng.random() < 0.7)  # fmt: skip
+    examples = build_examples(batch, grpo())
+    if rng.random() < 0.3:
+        examples = unshared(examples)
+    if rng.random() < 0.5:  # a pair: one block of two rows
+        at = rng.randint(0, len(examples))
+        pair = [replace(e, unit=99) for e in unshared(examples[:2])]
+        examples = examples[:at] + pair + examples[at:]
+    budget = rng.choice([1, rng.randint(10, 60), rng.randint(60, 400), 10_000])
+    mbs, greedy = split_rows_by_budget(examples, budget), fill_to_the_budget(examples, budget)
+
+    def tokens(mb):
+        return sum(row.width for row in plan_rows(mb))
+
+    assert [e for mb in mbs for e in mb] == examples
+    for mb in mbs:
+        rows = plan_rows(mb)
+        assert len(rows) * max(r.width for r in rows) <= budget or len(row_blocks(mb)) == 1
+    assert len(mbs) == len(greedy)
+    assert max(map(tokens, mbs)) <= max(map(tokens, greedy))
+
+
+def test_equal_rows_are_split_into_equal_micro_batches():
+    """16 rows at a budget of 15 are 8 + 8, not 15 + 1 (a pass of per-micro-batch kernel
+    launches, and a shape of its own to compile, for one row); any count differs by <= 1."""
+    example = RLExample((5,) * 12, (0,) * 6 + (1,) * 6, 1.0, ())
+    assert [len(mb) for mb in split_rows_by_budget([example] * 16, 15 * 12)] == [8, 8]
+    for n in range(1, 40):
+        for per in range(1, 12):
+            sizes = [len(mb) for mb in split_rows_by_budget([example] * n, per * 12)]
+            assert len(sizes) == -(-n // per) and max(sizes) - min(sizes) <= 1, (n, per, sizes)

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 
 from training.backend import lora as lo
@@ -35,12 +36,18 @@ from training.backend import model_io
 from training.backend import state as st
 from training.backend.futures import BackendError, TrainFuture
 from training.data.logprob_head import forward_scores
-from training.data.packing import forward_logits, pack_balanced, prepare_sft_batch
+from training.data.packing import (
+    IGNORE_INDEX,
+    forward_logits,
+    move_to,
+    pack_balanced,
+    prepare_sft_batch,
+)
 from training.data.prefix_sharing import split_rows_by_budget
 from training.data.scores import ReadsScores, TokenScores
 from training.distributed import watchdog
 from training.distributed.accumulation import gathered_for_op
-from training.distributed.split import rank_shares
+from training.distributed.split import even_shares, rank_shares
 from training.distributed.worker import gather_results, issue
 
 if TYPE_CHECKING:
@@ -111,12 +118,12 @@ class RankOps:
         if not samples:
             return []
         if self.pack_length is not None:
+            # the fewest micro-batches of `rows_per_mb` rows, as equal as whole rows allow (16
+            # rows at 15 per micro-batch: 8 + 8, not 15 + 1); the rows hold equal tokens
             rows = pack_balanced(samples, self.pack_length)
             rows_per_mb = max(1, self.micro_batch_tokens // self.pack_length)
-            return [
-                [samples[i] for row in rows[k : k + rows_per_mb] for i in row]
-                for k in range(0, len(rows), rows_per_mb)
-            ]
+            parts = even_shares(len(rows), -(-len(rows) // rows_per_mb))
+            return [[samples[i] for r in part for i in rows[r]] for part in parts]
         # One row per sample, or per run of samples sharing a prompt (RL examples with
         # `shared_prefix_len`); samples sharing a `unit` (e.g. a DPO pair) stay together.
         # Micro-batches are consecutive whole rows, so collating one re-plans the same rows.
@@ -265,8 +272,15 @@ class RankOps:
 
     def _local_per_trained_token(self, samples: list[Any], fn,
                                  base_model: bool = False) -> list[torch.Tensor]:  # fmt: skip
-        """`fn(logits, batch)` → [B, T], read at each sample's trained positions (no grad)."""
-        out: list[torch.Tensor] = []
+        """`fn(logits, batch)` → [B, T], read at each sample's trained positions (no grad).
+
+        Each micro-batch's trained values stay on the device (gathered at positions the host
+        computes from its own copy of the batch); the op reads them back in one transfer after
+        its last pass, then splits them per sample on the host: a read per micro-batch would
+        drain the GPU's queue at every micro-batch boundary (issue 43).
+        """
+        parts: list[torch.Tensor] = []  # per micro-batch: its trained values, sample by sample
+        counts: list[int] = []  # trained values per sample, in sample order
         mbs = self.split_microbatches(samples)
         n_passes, _ = self._agree_passes(len(mbs))
         idle = lambda: self._idle_pass(backward=False)  # noqa: E731
@@ -276,12 +290,14 @@ class RankOps:
                 host = self._collate(mb)
                 batch = host.to(self.device)
                 values_BT = fn(self._forward_for(batch, fn), batch)
-                # one transfer per micro-batch, split into samples on the host
-                trained = host.target_ids != -100
-                values_N = values_BT[trained.to(values_BT.device)].float().cpu()
-                segments_N = host.segment_ids[trained]
-                out += [values_N[segments_N == i] for i in range(len(mb))]
-        return out
+                index_N, mb_counts = trained_by_sample(host, len(mb))
+                index_N = move_to(torch.from_numpy(index_N), values_BT.device)
+                parts.append(values_BT.flatten().index_select(0, index_N).float())
+                counts += mb_counts
+        if not parts:
+            return []
+        values_N = torch.cat(parts).cpu()  # the op's one read
+        return [v.clone() for v in values_N.split(counts)]  # own storage (pickled, saved)
 
     def _local_generate_greedy(self, prompts: list[list[int]], max_new_tokens: int,
                                batch_size: int) -> list[list[int]]:  # fmt: skip
@@ -302,3 +318,15 @@ class RankOps:
         for chunk in self._passes(chunks, n_passes, lambda: generate(pad)):
             out += generate(chunk)
         return out
+
+
+def trained_by_sample(host: Any, n_samples: int) -> tuple[np.ndarray, list[int]]:
+    """(flat positions in [B*T] of the trained targets, grouped by sample in sample order and
+    in position order within one; the count of each sample's), from a batch still on the host.
+
+    Numpy on the host copy: no op here reads a value of the device.
+    """
+    flat = np.flatnonzero(host.target_ids.numpy().ravel() != IGNORE_INDEX)
+    segments = host.segment_ids.numpy().ravel()[flat]
+    order = np.argsort(segments, kind="stable")  # packed rows hold samples out of order
+    return flat[order], np.bincount(segments, minlength=n_samples).tolist()

@@ -44,6 +44,7 @@ Pure: imports torch only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -143,24 +144,82 @@ def row_blocks(samples: Sequence[Any]) -> list[tuple[int, list[int]]]:
 
 
 def split_rows_by_budget(samples: Sequence[Any], max_slots: int) -> list[list[Any]]:
-    """Consecutive micro-batches of whole rows, each at most `max_slots` padded slots.
+    """Consecutive micro-batches of whole rows, each at most `max_slots` padded slots, as few
+    as fit and about equally many tokens each.
 
     A micro-batch of R rows padded to the widest costs R × width slots. Samples with the same
     non-None `unit` (a DPO pair) stay in one micro-batch; a row or unit wider than the budget
-    gets a micro-batch of its own.
+    gets a micro-batch of its own. Filling each micro-batch to the budget would leave a short
+    last one (16 rows at a budget of 15: 15 + 1, a whole pass of per-micro-batch kernel
+    launches, and a shape of its own to compile, for one row); the same count cut evenly is
+    8 + 8. The loss normaliser is the op's, so the cut changes no gradient.
     """
     blocks = row_blocks(samples)
-    out: list[list[Any]] = []
-    begin = n_rows = widest = 0
-    for start, widths in blocks:
-        wide = max(widest, *widths)
-        if n_rows and (n_rows + len(widths)) * wide > max_slots:
-            out.append(list(samples[begin:start]))
-            begin, n_rows, wide = start, 0, max(widths)
-        n_rows, widest = n_rows + len(widths), wide
-    if begin < len(samples):
-        out.append(list(samples[begin:]))
-    return out
+    cuts = balanced_cuts([len(w) for _, w in blocks], [max(w) for _, w in blocks],
+                         [sum(w) for _, w in blocks], max_slots)  # fmt: skip
+    starts = [start for start, _ in blocks] + [len(samples)]
+    return [list(samples[starts[a] : starts[b]]) for a, b in itertools.pairwise(cuts)]
+
+
+def balanced_cuts(rows: Sequence[int], widths: Sequence[int], tokens: Sequence[int],
+                  max_slots: int) -> list[int]:  # fmt: skip
+    """Cut points 0 = c0 < c1 < ... = n of consecutive blocks (block i: `rows[i]` rows, the
+    widest `widths[i]`, `tokens[i]` tokens) into the fewest parts within `max_slots` (a part
+    of one block may exceed it), with about equal tokens.
+
+    Of the cuts into that many parts: those whose largest part has the fewest tokens, and
+    among them, left to right, each part ending where its tokens are nearest an equal share
+    of the tokens left. The fewest parts blocks i.. need is the number of parts of the greedy
+    cut from the right that they meet (greedy is optimal for costs that grow with the range).
+    """
+    n = len(rows)
+
+    def needs(cap: float) -> list[int]:  # the fewest parts of blocks i.. (and of none: 0)
+        out, b = [0] * (n + 1), n
+        while b > 0:  # the greedy part ending at b: as far left as the budget and cap allow
+            a, n_rows, widest, taken = b - 1, rows[b - 1], widths[b - 1], tokens[b - 1]
+            while a > 0:
+                n_rows, widest = n_rows + rows[a - 1], max(widest, widths[a - 1])
+                taken += tokens[a - 1]
+                if n_rows * widest > max_slots or taken > cap:
+                    break
+                a -= 1
+            out[a:b] = [out[b] + 1] * (b - a)
+            b = a
+        return out
+
+    total = sum(tokens)
+    greedy = needs(total)
+    k = greedy[0]
+    # the smallest cap that keeps k parts: at least the largest block and an equal share, at
+    # most the largest part of the greedy cut
+    lo = max([*tokens, -(-total // max(k, 1))])
+    hi = max([lo] + [sum(tokens[a:b]) for a, b in itertools.pairwise(_starts(greedy))])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if needs(mid)[0] <= k else (mid + 1, hi)
+    fewest = needs(lo)
+    cuts, left = [0], total
+    for parts in range(k, 0, -1):
+        a, best = cuts[-1], None
+        n_rows = widest = taken = 0
+        for b in range(a + 1, n + 1):  # the ends of the parts from a within budget and cap
+            n_rows, widest = n_rows + rows[b - 1], max(widest, widths[b - 1])
+            taken += tokens[b - 1]
+            if b > a + 1 and (n_rows * widest > max_slots or taken > lo):
+                break
+            off = abs(taken - left / parts)
+            if fewest[b] < parts and (best is None or off < best[0]):
+                best = (off, b, taken)
+        assert best is not None  # the greedy part from `a` ends where `fewest` drops by one
+        cuts.append(best[1])
+        left -= best[2]
+    return cuts
+
+
+def _starts(needs: Sequence[int]) -> list[int]:
+    """Where the parts of a greedy cut from the right begin (with the end), from its `needs`."""
+    return [i for i in range(len(needs)) if i == 0 or needs[i] != needs[i - 1]]
 
 
 def pack_trees(widths: Sequence[int], *, pairs_per_token: int = ATTENTION_PAIRS_PER_TOKEN
