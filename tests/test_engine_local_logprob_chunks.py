@@ -11,9 +11,7 @@ records allocations sees its tensors.
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from vocab_rows import VocabRows
 
 from engines.local.params import GenerateItem
 from engines.local.runner import ModelRunner
@@ -53,34 +51,12 @@ def test_prompt_logprobs_in_chunks_are_bit_identical_to_the_whole_prompt_at_once
     assert late[0][1:] == whole[0][41:]
 
 
-class Float32VocabRows(TorchDispatchMode):
-    """The most rows of any new float32 tensor whose last dimension is the vocabulary (views of
-    an input are not new), as tests/test_logprob_head.py records the trainer's."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab, self.most_rows = vocab, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0]}
-        for t in tree_flatten(out)[0]:
-            is_fp32 = isinstance(t, torch.Tensor) and t.dtype == torch.float32
-            if is_fp32 and t.dim() >= 1 and t.shape[-1] == self.vocab and _storage(t) not in inputs:
-                self.most_rows = max(self.most_rows, t.numel() // self.vocab)
-        return out
-
-
-def _storage(t) -> int | None:
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
-
-
 @pytest.mark.parametrize("chunk", [1, 8, 16])
 def test_prompt_scoring_holds_at_most_a_chunk_of_float32_vocab_rows(tiny_model_dir, chunk):
     # bfloat16, as a GPU engine serves: the model's own logits are not float32, so every
     # float32 [rows, vocab] tensor of the request is the scoring's
     runner = ModelRunner(str(tiny_model_dir), dtype="bfloat16")
-    with Float32VocabRows(runner.vocab_size) as mode:
+    with VocabRows(runner.vocab_size) as mode:
         values, tops = prompt_logprobs(runner, chunk)
     print(f"chunk {chunk}: at most {mode.most_rows} float32 vocab rows for "
           f"{len(PROMPT) - 1} scored positions")  # fmt: skip

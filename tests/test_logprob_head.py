@@ -19,7 +19,7 @@ import torch
 from rl_helpers import batch_of, rl_backend
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from vocab_rows import VocabRows
 
 from tests.distributed_launch import GRAD_MODES
 from training.data.logprob_head import chunked_logprobs, forward_scores
@@ -356,28 +356,6 @@ async def test_head_at_world_1_and_2_equals_a_full_log_softmax(distributed_grads
 
 
 # --- memory: no [tokens × vocab] fp32 tensor --------------------------------------------------------
-
-
-class VocabRows(TorchDispatchMode):
-    """Records the most rows of any new float32 tensor whose last dimension is the vocabulary
-    (views of an input, e.g. the transposed output weight, are not new)."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab, self.most_rows = vocab, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0]}
-        for t in tree_flatten(out)[0]:
-            is_fp32 = isinstance(t, torch.Tensor) and t.dtype == torch.float32
-            if is_fp32 and t.dim() >= 1 and t.shape[-1] == self.vocab and _storage(t) not in inputs:
-                self.most_rows = max(self.most_rows, t.numel() // self.vocab)
-        return out
-
-
-def _storage(t: Any) -> int | None:
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
 
 
 async def _largest_vocab_rows(backend, samples, loss_fn, weight_fn) -> tuple[int, int]:
