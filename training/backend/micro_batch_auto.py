@@ -5,7 +5,8 @@
   holds unused, read after the model is built (so its parameters are already in use).
 - On CPU: 8,192 tokens (`CPU_TOKENS`), the fixed budget every CPU test and figure was made with.
 - Under torchrun every rank chooses from its own device and all take the smallest choice (one
-  all-reduce MIN, issued while the backend is built, on every rank alike), so they split alike.
+  all-reduce of every rank's choice, `state.agree_counts`, issued while the backend is built,
+  on every rank alike), so they split alike.
 - `ROLLOUTS_FREE_MEMORY_BYTES` (bytes), when set, stands in for the device's free memory, on
   CPU too: what `auto` would choose with that much memory (tests give ranks different figures).
 """
@@ -127,12 +128,10 @@ def resolve(setting: int | str, model: Any, *, device: torch.device, dist: Any,
         chosen = mbs.choose_micro_batch_tokens(free, per_token=per_token, fixed_bytes=fixed,
                                                multiple_of=pack_length or mbs.UNPACKED_GRANULE)  # fmt: skip
     local = chosen
-    if dist is not None:
-        import torch.distributed as tdist
+    if dist is not None:  # every rank's choice in the backend's one agreeing collective
+        from training.backend.state import agree_counts
 
-        t = torch.tensor([chosen], dtype=torch.int64, device=dist.device)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MIN, group=dist.group)
-        chosen = int(t.item())
+        chosen = min(agree_counts(chosen, 0.0, dist)[0])
     ranks = f", the least over {dist.world} ranks (this rank's: {local:,})" if dist else ""
     if free is None:
         log.info("backend.micro_batch_tokens=auto: %s tokens (on %s: the fixed CPU budget)%s",
