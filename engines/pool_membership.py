@@ -211,15 +211,19 @@ class PoolMembershipMixin:
         with trio.move_on_after(timeout_s):
             while down := [s for s in self._slots if not s.healthy]:
                 for slot in down:  # one at a time: a rejoin pauses, loads and resumes one
-                    if not slot.rejoining and await _probe(slot.engine, self.probe_interval_s):
+                    if slot.healthy or slot.rejoining:  # another path rejoined it meanwhile
+                        continue
+                    if await _probe(slot.engine, self.probe_interval_s):
                         await self._rejoin(slot)
                 if any(not s.healthy for s in self._slots):
                     await trio.sleep(min(self.probe_interval_s, 0.5))
         return tuple(s.engine.url for s in self._slots if not s.healthy)
 
     async def _rejoin(self, slot: _Slot) -> None:
-        """A down engine answers again: give it the current weights, then let it serve."""
-        if slot.rejoining:
+        """A down engine answers again: give it the current weights, then let it serve. A
+        rejoin that starts after another path's marked it up (its probe answered meanwhile) has
+        nothing to do: it would give the weights and count the return twice."""
+        if slot.rejoining or slot.healthy:
             return
         if self.follows_weights:
             await self._rejoin_follower(slot)
@@ -271,6 +275,8 @@ class PoolMembershipMixin:
 
     async def _rejoin_follower(self, slot: _Slot) -> None:
         """`follows_weights`: up once the engine serves the expected version (no sync here)."""
+        if slot.healthy:
+            return
         slot.rejoining = True
         try:
             expected = getattr(slot.engine, "expected_weights", None)

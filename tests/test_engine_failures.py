@@ -364,3 +364,58 @@ async def test_the_run_end_gives_the_final_weights_to_each_engine_that_answers_a
             end = await leave_engines_on_final_weights(pool, [a, b], 3, export, timeout_s=1.0)
             assert end == (b.url,)
         nursery.cancel_scope.cancel()
+
+
+class HeldHealthCheck(SGLangEngine):
+    """Once `held` is set, its next /health_generate answer waits until `release` is set: the
+    pool's run-end rejoin probes it, and another path (a supervisor's "up") rejoins it
+    meanwhile."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, max_retries=0)
+        self.held, self.release = False, trio.Event()
+        self.loads = 0
+
+    async def is_healthy(self) -> bool:
+        if self.held:
+            self.held = False
+            await self.release.wait()
+        return await super().is_healthy()
+
+    async def update_weights_from_disk(self, *args, **kwargs):
+        self.loads += 1
+        return await super().update_weights_from_disk(*args, **kwargs)
+
+
+async def test_an_engine_back_once_is_given_the_weights_and_counted_once_whichever_paths_find_it(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # CI found rejoined == 2 after one outage: a rejoin that began after another had already
+    # marked the engine up (its probe answered meanwhile) gave it the weights again and counted
+    # a second return
+    send, recv = trio.open_memory_channel[tuple[str, str]](10)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = HeldHealthCheck(live.url)
+        async with engine, EnginePool([engine], probe_interval_s=60, engine_events=recv) as pool:
+            await sync_weights_to_engines([engine], tiny_model_dir_seed1, "1")
+            loads_before = engine.loads
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            left: list[tuple[str, ...]] = []
+
+            async def run_end() -> None:
+                left.append(await pool.rejoin_down(30.0))
+
+            engine.held = True
+            nursery.start_soon(run_end)  # its probe of the engine waits...
+            await wait_for(lambda: not engine.held, 5)
+            await send.send(("up", live.url))  # ...while the supervisor's word rejoins it
+            await wait_for(lambda: pool.statistics().engines[0].rejoined >= 1, 10)
+            engine.release.set()  # then the probe answers
+            await wait_for(lambda: bool(left), 10)
+            await trio.sleep(0.2)  # a second rejoin, if any, has run by now
+            stats = pool.statistics().engines[0]
+            assert left == [()] and stats.healthy
+            assert (stats.rejoined, engine.loads - loads_before) == (1, 1)
+        nursery.cancel_scope.cancel()
