@@ -188,7 +188,10 @@ class PoolMembershipMixin:
             if not getattr(engine, "paused", False):
                 self._mark_down(slot, EngineUnavailableError(f"probe failed: {exc}"))
             return
-        if version != expected[1] and not getattr(engine, "paused", False):
+        # a push may have landed while the probe waited: the answer is right if it names the
+        # weights expected before or after (the engine answered before or after that load)
+        now = getattr(engine, "expected_weights", None)
+        if version not in (expected[1], now and now[1]) and not getattr(engine, "paused", False):
             self._mark_down(slot, StaleWeightsError(
                 f"serves weight_version {version!r}, the last sync gave it {expected[1]!r}"))  # fmt: skip
 

@@ -419,3 +419,39 @@ async def test_an_engine_back_once_is_given_the_weights_and_counted_once_whichev
             assert left == [()] and stats.healthy
             assert (stats.rejoined, engine.loads - loads_before) == (1, 1)
         nursery.cancel_scope.cancel()
+
+
+class HeldVersionProbe(SGLangEngine):
+    """Once `held` is set, its next /model_info answer waits until `release` is set."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, max_retries=0)
+        self.held, self.release = False, trio.Event()
+
+    async def model_info(self):
+        if self.held:
+            self.held = False
+            await self.release.wait()
+        return await super().model_info()
+
+
+async def test_a_push_that_lands_while_a_probe_waits_for_its_answer_marks_nothing_down(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # the probe read the expected version before its /model_info, the push moved both the
+    # engine and the expectation meanwhile: comparing the new answer with the old expectation
+    # marked a healthy engine on the right weights down as restarted
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = HeldVersionProbe(live.url)
+        async with engine:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            engine.held = True
+            async with EnginePool([engine], probe_interval_s=10) as pool:
+                await wait_for(lambda: not engine.held, 5)  # the first round's probe waits
+                await sync_weights_to_engines([engine], tiny_model_dir_seed1, "2")
+                engine.release.set()
+                await trio.sleep(0.5)  # the probe has compared by now
+                stats = pool.statistics().engines[0]
+                assert (stats.healthy, stats.down_reason) == (True, None)
+        nursery.cancel_scope.cancel()
