@@ -152,7 +152,8 @@ async def collect_groups(
     cap = max_launches if max_launches is not None else 4 * n_groups + extra_groups
     result = CollectResult(accepted=[], partial=[])
     send, recv = trio.open_memory_channel[tuple[int, str, PromptItem, list[Sample]]](math.inf)
-    running: dict[int, tuple[PromptItem, list[Sample], GenerateContext]] = {}
+    # launched, not reported yet: (prompt, its samples, the context of its request in flight)
+    running: dict[int, tuple[PromptItem, list[Sample], GenerateContext | None]] = {}
     slot_lock = trio.Lock()
     threads = reward_threads or RewardThreads()
 
@@ -183,6 +184,7 @@ async def collect_groups(
             log.warning("group %d dropped after an engine error: %s", gid, error)
             result.failures[describe_engine_failure(error)] += 1
             outcome = "failed"
+        running.pop(gid, None)  # before the send: a group reported is never also cut off
         await send.send((gid, outcome, prompt, done))
 
     async def generate_samples(gid: int, attempt: int, prompt: PromptItem, done: list[Sample],
@@ -230,20 +232,22 @@ async def collect_groups(
                 for sample in await generate_fn(prompt, len(missing), ctx):
                     report(sample)
         finally:
-            running.pop(gid, None)  # before the send: a finished group is never also "partial"
+            running[gid] = (prompt, done, None)  # no request in flight
 
     async with trio.open_nursery() as nursery:
         ctx_engine = (CoalescingEngine(engine, nursery)  # concurrent groups: one request
                       if hasattr(engine, "generate_batch") else engine)  # fmt: skip
 
         def launch() -> None:
-            prompt, done = source.next_prompt()
-            nursery.start_soon(run_group, result.n_launched, prompt, list(done))
+            prompt, held = source.next_prompt()
+            gid, done = result.n_launched, list(held)
+            running[gid] = (prompt, done, None)  # cut off with the others if not started yet
+            nursery.start_soon(run_group, gid, prompt, done)
             result.n_launched += 1
 
         for _ in range(min(cap, n_groups + extra_groups)):
             launch()
-        n_received = 0  # groups whose outcome came back (`running` misses unstarted tasks)
+        n_received = 0  # groups whose outcome came back
         while len(result.accepted) < n_groups:
             if n_received == result.n_launched and result.n_launched >= cap:
                 if warn_at_cap:
@@ -284,6 +288,8 @@ async def collect_groups(
         # Full: cut the surplus short. Finished samples of unfinished groups are kept.
         cut = dict(running)
         for _, _, ctx in cut.values():
+            if ctx is None:
+                continue
             with trio.move_on_after(5) as scope:
                 scope.shield = True
                 for rid in list(ctx.in_flight):
