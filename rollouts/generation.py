@@ -151,8 +151,9 @@ async def collect_groups(
     started = time.perf_counter()
     cap = max_launches if max_launches is not None else 4 * n_groups + extra_groups
     result = CollectResult(accepted=[], partial=[])
-    send, recv = trio.open_memory_channel[tuple[str, PromptItem, list[Sample]]](math.inf)
-    running: dict[int, tuple[PromptItem, list[Sample], GenerateContext]] = {}
+    send, recv = trio.open_memory_channel[tuple[int, str, PromptItem, list[Sample]]](math.inf)
+    # launched, not reported yet: (prompt, its samples, the context of its request in flight)
+    running: dict[int, tuple[PromptItem, list[Sample], GenerateContext | None]] = {}
     slot_lock = trio.Lock()
     threads = reward_threads or RewardThreads()
 
@@ -183,7 +184,8 @@ async def collect_groups(
             log.warning("group %d dropped after an engine error: %s", gid, error)
             result.failures[describe_engine_failure(error)] += 1
             outcome = "failed"
-        await send.send((outcome, prompt, done))
+        running.pop(gid, None)  # before the send: a group reported is never also cut off
+        await send.send((gid, outcome, prompt, done))
 
     async def generate_samples(gid: int, attempt: int, prompt: PromptItem, done: list[Sample],
                                missing: list[int]) -> None:  # fmt: skip
@@ -230,26 +232,28 @@ async def collect_groups(
                 for sample in await generate_fn(prompt, len(missing), ctx):
                     report(sample)
         finally:
-            running.pop(gid, None)  # before the send: a finished group is never also "partial"
+            running[gid] = (prompt, done, None)  # no request in flight
 
     async with trio.open_nursery() as nursery:
         ctx_engine = (CoalescingEngine(engine, nursery)  # concurrent groups: one request
                       if hasattr(engine, "generate_batch") else engine)  # fmt: skip
 
         def launch() -> None:
-            prompt, done = source.next_prompt()
-            nursery.start_soon(run_group, result.n_launched, prompt, list(done))
+            prompt, held = source.next_prompt()
+            gid, done = result.n_launched, list(held)
+            running[gid] = (prompt, done, None)  # cut off with the others if not started yet
+            nursery.start_soon(run_group, gid, prompt, done)
             result.n_launched += 1
 
         for _ in range(min(cap, n_groups + extra_groups)):
             launch()
-        n_received = 0  # groups whose outcome came back (`running` misses unstarted tasks)
+        n_received = 0  # groups whose outcome came back
         while len(result.accepted) < n_groups:
             if n_received == result.n_launched and result.n_launched >= cap:
                 if warn_at_cap:
                     _log_cap_reached(cap, len(result.accepted), n_groups)
                 break
-            kind, prompt, samples = await recv.receive()
+            _, kind, prompt, samples = await recv.receive()
             n_received += 1
             group = tuple(sorted(samples, key=lambda s: (s.index_in_group, s.sub_index)))
             if kind == "done" and any(s.status == "aborted" for s in group):
@@ -282,20 +286,25 @@ async def collect_groups(
             if result.n_launched < cap:
                 launch()
         # Full: cut the surplus short. Finished samples of unfinished groups are kept.
-        for prompt, done, ctx in list(running.values()):
-            result.partial.append((prompt, list(done)))
+        cut = dict(running)
+        for _, _, ctx in cut.values():
+            if ctx is None:
+                continue
             with trio.move_on_after(5) as scope:
                 scope.shield = True
                 for rid in list(ctx.in_flight):
                     await _abort_quietly(engine, rid)
         nursery.cancel_scope.cancel()
+    # A group cut off may have finished (and reported) while the aborts above were under way:
+    # it is held once, with every sample it finished, never also as a surplus group below.
+    result.partial += [(prompt, _finished(done)) for prompt, done, _ in cut.values()]
     # groups that finished between the last receive and the cancel are surplus too
     while True:
         try:
-            kind, prompt, samples = recv.receive_nowait()
+            gid, kind, prompt, samples = recv.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):
             break
-        if kind == "done":
+        if kind == "done" and gid not in cut:
             result.partial.append((prompt, _finished(samples)))
     result.wall_time_s = time.perf_counter() - started
     return result

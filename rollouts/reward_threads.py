@@ -12,7 +12,8 @@ Contract:
   is counted as hung until it returns (`statistics()`), so a hung reward costs its own sample
   and nothing else. trio's shared limiter is never used.
 - Hung threads are bounded too: once `max_hung` are still running, the next call raises
-  `RewardThreadsExhausted` (a `RewardError`) naming the reward, instead of letting threads pile up without end.
+  `RewardThreadsExhausted` (a `RewardError`) naming the reward, instead of letting threads pile up without end;
+  so does a call that was waiting for a slot meanwhile (checked again once it has one).
 
 Not covered: killing a hung thread (impossible in CPython); it ends when its call returns.
 """
@@ -71,13 +72,7 @@ class RewardThreads:
         Raises:
             RewardThreadsExhausted: `max_hung` threads of abandoned calls are still running.
         """
-        with self._lock:
-            if self._hung >= self.max_hung:
-                raise RewardThreadsExhausted(
-                    f"reward {name}: {self._hung} calls are still running past their timeout "
-                    f"(rollout.reward_max_hung={self.max_hung}); threads cannot be killed, so "
-                    "the reward must return: give it its own timeout, or make it async"
-                )
+        self._check_hung(name)
         state = {"done": False, "abandoned": False}
 
         def call() -> Any:
@@ -90,6 +85,7 @@ class RewardThreads:
                         self._hung -= 1
 
         async with self._slots:
+            self._check_hung(name)  # again: calls ahead of it may have hung while it waited
             if on_start is not None:
                 on_start()
             try:
@@ -102,3 +98,12 @@ class RewardThreads:
                         self._hung += 1
                         self._hung_total += 1
                 raise
+
+    def _check_hung(self, name: str) -> None:
+        with self._lock:
+            if self._hung >= self.max_hung:
+                raise RewardThreadsExhausted(
+                    f"reward {name}: {self._hung} calls are still running past their timeout "
+                    f"(rollout.reward_max_hung={self.max_hung}); threads cannot be killed, so "
+                    "the reward must return: give it its own timeout, or make it async"
+                )

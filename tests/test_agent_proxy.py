@@ -11,6 +11,7 @@ import json
 
 import pytest
 import trio
+import trio.testing
 
 from rollouts.agent import AgentConfig, agent_generate, open_agent_proxy, python_harness
 from rollouts.chat_turns import ChatTurns
@@ -262,3 +263,30 @@ async def test_a_session_refused_for_its_body_size_fails_instead_of_training_its
     assert refused.value.status_code == 413
     sample = session_sample(session, prompt, HarnessOutcome(reward=1.0))
     assert sample.status == "failed" and "413" in sample.error and "4096 bytes" in sample.error
+
+
+async def test_a_call_whose_session_closes_while_its_body_arrives_is_answered_not_open(
+    tiny_tokenizer,
+):
+    """The headers' check finds the session open; it is closed (its harness timed out) while
+    the body is still on its way: the call is answered 404 "not open", as any call of a closed
+    session, not with a 500 and a logged traceback."""
+    async with open_agent_proxy(ChatTurns.from_tokenizer(tiny_tokenizer)) as proxy:
+        ctx = GenerateContext(None, {}, trio.CapacityLimiter(1), "closing", 0, tiny_tokenizer)
+        session = proxy.open_session(ctx, 0)
+        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+        host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+        path = session.base_url.removeprefix(proxy.url) + "/chat/completions"
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer "
+                f"{session.api_key}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+        answer = b""
+        with trio.fail_after(30):
+            async with await trio.open_tcp_stream(host, int(port)) as stream:
+                await stream.send_all(head.encode())
+                await trio.testing.wait_all_tasks_blocked()  # checked; the body is awaited
+                proxy.close_session(session)
+                await stream.send_all(body.encode())
+                while b"\r\n" not in answer:
+                    answer += await stream.receive_some()
+    assert answer.startswith(b"HTTP/1.1 404"), answer

@@ -227,7 +227,8 @@ async def test_max_turns_and_token_budget_end_the_episode_as_truncated(
 
 
 async def test_an_aborted_request_ends_the_episode_as_aborted(local_engine, tiny_tokenizer):
-    _, engine = local_engine
+    server, engine = local_engine
+    scheduler = server.state.scheduler
     tok = tiny_tokenizer
     ctx = make_ctx(engine, tok, max_new_tokens=400, min_new_tokens=400)
     tools = [calculator_tool()]
@@ -242,7 +243,11 @@ async def test_an_aborted_request_ends_the_episode_as_aborted(local_engine, tiny
         while not ctx.in_flight:
             await trio.sleep(0.01)
         assert ctx.in_flight == {"mt-1-t0."}  # rids end with "." (never a prefix of another)
-        await trio.sleep(0.2)
+        # at the engine (an abort of a rid it has not seen yet does nothing); not a fixed
+        # sleep: on a loaded machine the request may not have arrived after one
+        with trio.fail_after(60):
+            while not (scheduler.waiting or scheduler.running):
+                await trio.sleep(0.005)
         await engine.abort("mt-1-t0.")
     (sample,) = result
     assert sample.status == "aborted" and sample.finish_reason == "abort"

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.manager import AsyncRolloutManager
@@ -118,3 +119,36 @@ async def test_an_async_reward_that_blocks_the_event_loop_is_named_in_a_warning(
     name = ("async reward test_an_async_reward_that_blocks_the_event_loop_is_named_in_a_warning"
             ".<locals>.blocking_judge")  # fmt: skip
     assert any(name in w and "has not yielded" in w for w in warnings), warnings
+
+
+async def test_a_call_that_waited_for_a_slot_is_refused_once_max_hung_calls_are_running(release):
+    # the bound is checked when the call starts, and again once its slot is free: a call that
+    # queued while another held the only slot must not run after that one was abandoned
+    threads = RewardThreads(1, max_hung=1)
+    outcomes: list[str] = []
+    first, second = trio.CancelScope(), trio.CancelScope()
+
+    def stuck() -> float:
+        release.wait(30)
+        return 1.0
+
+    async def call(scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await threads.run_sync(stuck, name="stuck")
+            except RewardThreadsExhausted:
+                outcomes.append("refused")
+                return
+        outcomes.append("ran")
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, first)
+            await trio.testing.wait_all_tasks_blocked()  # its thread runs: it holds the slot
+            nursery.start_soon(call, second)
+            await trio.testing.wait_all_tasks_blocked()  # queued for the slot
+            first.cancel()  # abandoned (its timeout): one hung thread, the bound
+            await trio.testing.wait_all_tasks_blocked()
+            second.cancel()  # if it ran
+    assert outcomes == ["ran", "refused"]
+    assert threads.statistics().hung == 1

@@ -444,3 +444,33 @@ def test_gspo_and_dro_are_tinkers_formulas_in_value_and_gradient(service_client,
     for loss_fn, key in (("gspo", "clip_low_threshold"), ("dro", "beta")):
         with pytest.raises(tinker.RequestFailedError, match=key):
             tc.forward(data, loss_fn).result()
+
+
+async def test_a_model_id_asked_for_twice_at_once_is_built_once(tiny_model_dir, tmp_path):
+    # an SDK that resends create_model (its answer was lost) asks for the same model_id while
+    # the first build runs in its thread: the second must be refused as for a model that
+    # exists, not build another and replace the first (its queue, its trained state)
+    from rollouts.tinker_server.service import TinkerService
+    from rollouts.tinker_server.trainer import TinkerModel
+    from rollouts.tinker_server.wire import TinkerRequestError
+
+    outcomes: list[object] = []
+    async with trio.open_nursery() as nursery:
+        service = TinkerService(str(tiny_model_dir), tmp_path, None, nursery,
+                                model_names=("tiny",))  # fmt: skip
+
+        async def create() -> None:
+            try:
+                outcomes.append(await service.create_model("s:train:0", "tiny", None, 0))
+            except TinkerRequestError as exc:
+                outcomes.append(exc)
+
+        async with trio.open_nursery() as creating:
+            creating.start_soon(create)
+            creating.start_soon(create)
+        nursery.cancel_scope.cancel()
+    built = [o for o in outcomes if isinstance(o, TinkerModel)]
+    refused = [o for o in outcomes if isinstance(o, TinkerRequestError)]
+    assert len(built) == len(refused) == 1
+    assert "exists already" in refused[0].message
+    assert service.models["s:train:0"] is built[0]

@@ -208,6 +208,16 @@ class AgentProxy:
     async def models(self, request: Request) -> Response:
         return json_response(model_list([self.model_name]))
 
+    def _session(self, request: Request) -> AgentSession | Response:
+        """The call's session, or its 404: the headers' check found it open, but it may have
+        been closed (its harness timed out) while the body was read."""
+        sid = request.path_params["session"]
+        session = self.sessions.get(sid)
+        if session is None:
+            return _error(404, f"session {sid!r} is not open", path=request.path,
+                          code="no_session")  # fmt: skip
+        return session
+
     @staticmethod
     def _bad_body(session: AgentSession, exc: ValueError) -> AgentRequestError:
         """A body that could not be read (not JSON, or a dialect's check): the session's fault."""
@@ -215,7 +225,9 @@ class AgentProxy:
         return exc if isinstance(exc, AgentRequestError) else AgentRequestError(str(exc))
 
     async def chat_completions(self, request: Request) -> Response | StreamingResponse:
-        session = self.sessions[request.path_params["session"]]
+        session = self._session(request)
+        if isinstance(session, Response):
+            return session
         try:
             req = read_chat_request(request.json())
         except ValueError as exc:  # AgentRequestError, or the body is not JSON
@@ -239,7 +251,9 @@ class AgentProxy:
 
     async def messages(self, request: Request) -> Response | StreamingResponse:
         """Anthropic's `POST /v1/messages` (`rollouts.agent.anthropic_dialect`)."""
-        session = self.sessions[request.path_params["session"]]
+        session = self._session(request)
+        if isinstance(session, Response):
+            return session
         try:
             req = read_messages_request(request.json())
         except ValueError as exc:
@@ -257,7 +271,9 @@ class AgentProxy:
 
     async def responses(self, request: Request) -> Response | StreamingResponse:
         """OpenAI's `POST /v1/responses` (`rollouts.agent.responses_dialect`)."""
-        session = self.sessions[request.path_params["session"]]
+        session = self._session(request)
+        if isinstance(session, Response):
+            return session
         try:
             req = read_responses_request(request.json(), session.responses.get)
         except ValueError as exc:

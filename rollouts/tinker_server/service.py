@@ -59,6 +59,7 @@ class TinkerService:
         self.table = table or FutureTable()
         self.sessions: set[str] = set()
         self.models: dict[str, TinkerModel] = {}
+        self._building: set[str] = set()  # model ids whose create_model is under way
         self.queues: dict[str, ModelQueue] = {}
         self.samplers: dict[str, Sampler] = {}
         self.sampler_paths: dict[str, Sampler] = {}
@@ -122,14 +123,20 @@ class TinkerService:
                 f"LoRA rank {lora_rank}: this server takes 1..{self.max_lora_rank} "
                 "(`rollouts tinker-serve --max-lora-rank` raises the bound)"
             )
-        if model_id in self.models:
+        # taken from the start of its build: a create_model sent again (the SDK resends one
+        # whose answer was lost) would build a second model and replace the first
+        if model_id in self.models or model_id in self._building:
             raise TinkerRequestError(f"model_id {model_id!r} exists already")
         spec = ModelSpec(model_id, self.base_name, lora_rank, seed or 0)
         self._adapters += 1
         adapter = f"tinker{self._adapters}-{uuid.uuid4().hex[:6]}"
-        model = await trio.to_thread.run_sync(lambda: TinkerModel.build(
-            spec, self.model_path, self.run_root / model_id, adapter_name=adapter,
-            lora_keep=self.lora_keep, device=self.device, dtype=self.dtype))  # fmt: skip
+        self._building.add(model_id)
+        try:
+            model = await trio.to_thread.run_sync(lambda: TinkerModel.build(
+                spec, self.model_path, self.run_root / model_id, adapter_name=adapter,
+                lora_keep=self.lora_keep, device=self.device, dtype=self.dtype))  # fmt: skip
+        finally:
+            self._building.discard(model_id)
         self.models[model_id] = model
         self.queues[model_id] = ModelQueue(self.nursery, self.table, f"model {model_id}",
                                            next_seq=next_seq)  # fmt: skip
