@@ -54,7 +54,7 @@ async def test_hung_sync_rewards_leave_trios_shared_thread_pool_free(
         return float(sample.index_in_group)
 
     manager, batch = await one_batch(engine, tiny_tokenizer, hangs_on_the_first_sample,
-                                     batch_size=4, n_samples_per_prompt=4, reward_timeout_s=0.2,
+                                     batch_size=4, n_samples_per_prompt=4, reward_timeout_s=1.0,
                                      reward_failure_value=0.0)  # fmt: skip
     hung = int(batch.metrics["reward_failed"])
     assert hung == 4  # every group had one hung sample, scored with the failure reward
@@ -62,7 +62,7 @@ async def test_hung_sync_rewards_leave_trios_shared_thread_pool_free(
     assert trio.to_thread.current_default_thread_limiter().borrowed_tokens == 0
     assert manager.reward_threads.statistics().hung == hung
     assert batch.metrics["reward_threads_hung"] == hung
-    assert set(batch.failures) == {"reward hangs_on_the_first_sample timed out after 0.2 s"}
+    assert set(batch.failures) == {"reward hangs_on_the_first_sample timed out after 1.0 s"}
 
 
 async def test_more_hung_calls_than_pool_threads_still_score_every_other_sample(release):
@@ -75,7 +75,7 @@ async def test_more_hung_calls_than_pool_threads_still_score_every_other_sample(
 
     with trio.fail_after(30):
         for g in range(3):
-            scored = await score_samples(reward, make_batch(2, g), timeout_s=0.1, threads=threads)
+            scored = await score_samples(reward, make_batch(2, g), timeout_s=0.5, threads=threads)
             assert [s.status for s in scored] == ["failed", "completed"]
         assert threads.statistics().hung == 3
         scored = await score_samples(reward, make_batch(4, 9), timeout_s=5, threads=threads)

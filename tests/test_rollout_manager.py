@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from rollouts import coalesce
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.errors import DropSample, EngineError
 from rollouts.generation import (
@@ -402,8 +403,11 @@ class FailingForPromptZero:
         await self.engine.abort(rid)
 
 
-async def test_engine_error_without_fail_fast_drops_only_that_group(local_engine, tiny_tokenizer):
+async def test_engine_error_without_fail_fast_drops_only_that_group(
+    local_engine, tiny_tokenizer, monkeypatch
+):
     _, engine = local_engine
+    monkeypatch.setattr(coalesce, "MAX_WAIT_S", 5.0)  # a stall on a loaded machine splits no merge
     prompts = make_prompts(tiny_tokenizer, 8)
     cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none",
                  engine_fail_fast=False, max_failed_group_rate=0.5)  # fmt: skip
@@ -418,8 +422,9 @@ async def test_engine_error_without_fail_fast_drops_only_that_group(local_engine
     assert failing.batch_sizes == [4, 2, 2, 2]
 
 
-async def test_a_batch_of_groups_goes_out_as_one_request(local_engine, tiny_tokenizer):
+async def test_a_batch_of_groups_goes_out_as_one_request(local_engine, tiny_tokenizer, monkeypatch):
     _, engine = local_engine
+    monkeypatch.setattr(coalesce, "MAX_WAIT_S", 5.0)  # a stall on a loaded machine splits no merge
     counting = FailingForPromptZero(engine, [])  # fails nothing; records each request's size
     cfg = config(batch_size=6, n_samples_per_prompt=3, filter_groups="none")
     manager = AsyncRolloutManager(counting, DataBuffer(make_prompts(tiny_tokenizer, 6)), cfg,

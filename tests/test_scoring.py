@@ -59,12 +59,12 @@ async def test_stalled_sync_reward_fails_only_its_sample_and_the_others_keep_the
 
     try:
         with trio.fail_after(5):  # the test itself must not hang if abandonment broke
-            scored = await score_samples(reward, make_batch(5), timeout_s=0.2)
+            scored = await score_samples(reward, make_batch(5), timeout_s=1.0)
     finally:
         release.set()  # let the abandoned thread finish
     assert [s.status for s in scored] == ["completed", "completed", "failed", "completed",
                                           "completed"]  # fmt: skip
-    assert "reward reward timed out after 0.2 s" in scored[2].error
+    assert "reward reward timed out after 1.0 s" in scored[2].error
     for i in (0, 1, 3, 4):  # scored before and after the stall, components included
         assert (scored[i].reward, dict(scored[i].reward_components)) == (1.0, {"index": float(i)})
     assert [s.index_in_group for s in scored] == list(range(5))
