@@ -227,9 +227,10 @@ class AsyncRolloutManager:
         groups: list[tuple[Sample, ...]] = []
         merged = CollectResult(accepted=[], partial=[])
         dropped_here = 0
+        drawn: dict[int, PromptItem] = {}  # a group's prompt as drawn (its messages), to hold
         while len(groups) < self.config.batch_size:
             result: CollectResult = await self._prefetch.receive()
-            self._unserved.served(result.accepted)  # each is served, held or dropped below
+            drawn |= self._unserved.served(result.accepted)  # each served, held or dropped below
             _accumulate(merged, result)
             oldest_ok = self.current_version() - self.config.max_staleness
             for group in result.accepted:
@@ -246,13 +247,14 @@ class AsyncRolloutManager:
                         "weights being pushed to the engines?"
                     )
                 if self.config.stale_policy == "regenerate":
-                    self.data_buffer.hold([held_record(prompt_of(group), [])],
-                                          self.current_version())  # fmt: skip
+                    self._hold(drawn.get(id(group)) or prompt_of(group), [])
         merged.accepted = groups[: self.config.batch_size]
         for group in groups[self.config.batch_size :]:
-            self.data_buffer.hold([held_record(prompt_of(group), list(group))],
-                                  self.current_version())  # fmt: skip
+            self._hold(drawn.get(id(group)) or prompt_of(group), list(group))
         return self._to_batch(merged)
+
+    def _hold(self, prompt: PromptItem, samples: list[Sample]) -> None:
+        self.data_buffer.hold([held_record(prompt, samples)], self.current_version())
 
     async def _collect(self, n_groups: int) -> CollectResult:
         cfg = self.config

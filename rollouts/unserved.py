@@ -43,13 +43,17 @@ class UnservedGroups:
         self._collecting.clear()
         self._collected.extend((prompts.get(g[0].prompt_ids) or prompt_of(g), g) for g in accepted)
 
-    def served(self, groups: Sequence[tuple[Sample, ...]] | None = None) -> None:
-        """These accepted groups (None: every one) left the manager."""
+    def served(self, groups: Sequence[tuple[Sample, ...]] | None = None
+               ) -> dict[int, PromptItem]:  # fmt: skip
+        """These accepted groups (None: every one) left the manager; their prompts as drawn
+        (messages and source included), by `id(group)`, for a caller that holds one again."""
         if groups is None:
             self._collected.clear()
-            return
+            return {}
         gone = {id(g) for g in groups}
+        prompts = {id(g): p for p, g in self._collected if id(g) in gone}
         self._collected = [(p, g) for p, g in self._collected if id(g) not in gone]
+        return prompts
 
     def records(self) -> list[dict[str, Any]]:
         """Holding-area records (`held_record`) of every group still owed, oldest first."""
@@ -63,6 +67,7 @@ def held_record(prompt: PromptItem, samples: list[Sample]) -> dict[str, Any]:
 
 
 def prompt_of(group: Sequence[Sample]) -> PromptItem:
-    """The prompt of a finished group (its token ids and metadata; no messages)."""
+    """The prompt of a finished group (its token ids and metadata; no messages): only where
+    the prompt as drawn is gone (an agent's or environment's episode needs its messages)."""
     s = group[0]
     return PromptItem(s.prompt_ids, (), s.metadata, "")

@@ -126,10 +126,22 @@ async def test_surplus_groups_are_aborted_and_held_then_served_first_after_resum
     assert set(served) <= {int(p.metadata["answer"]) // 2 for p in held_prompts}
 
 
+class HoldsRecorded(DataBuffer):
+    """A DataBuffer that keeps a copy of every record put in its holding area."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.held_records: list[dict] = []
+
+    def hold(self, items, weight_version: int) -> None:
+        self.held_records += [dict(item) for item in items]
+        super().hold(items, weight_version)
+
+
 async def test_stale_groups_are_dropped_and_regenerated_in_async_mode(local_engine, tiny_tokenizer):
     _, engine = local_engine
     prompts = make_prompts(tiny_tokenizer, 60)
-    buffer = DataBuffer(prompts, seed=2)
+    buffer = HoldsRecorded(prompts, seed=2)
     trainer_version = 0
     cfg = config(batch_size=2, n_samples_per_prompt=2, mode="async", max_staleness=0,
                  filter_groups="none")  # fmt: skip
@@ -148,6 +160,11 @@ async def test_stale_groups_are_dropped_and_regenerated_in_async_mode(local_engi
         second = await manager.generate_batch()
     assert second.metrics["stale_groups_dropped"] >= 2
     assert all(s.weight_version >= 1 for s in second.samples)
+    # a prompt held to be generated again keeps its messages (an agent's or environment's
+    # episode starts from them) and source: they were dropped, leaving the token ids only
+    drawn = {p.prompt_ids: p for p in prompts}
+    again = [PromptItem.from_dict(r["prompt"]) for r in buffer.held_records]
+    assert len(again) >= 2 and all(p == drawn[p.prompt_ids] for p in again)
 
 
 async def test_generate_batch_in_overlap_mode_needs_the_manager_entered(

@@ -25,6 +25,7 @@ from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import PromptItem
 from rollouts.workers.manager import WorkerRolloutManager
 from tests.rl_helpers import prompts
+from tests.test_rollout_manager import HoldsRecorded
 from tests.worker_rewards import answer_reward
 from training.backend.pytorch import PyTorchTrainingBackend, load_model_and_tokenizer
 from training.config import OptimConfig
@@ -458,3 +459,23 @@ async def test_groups_a_pause_cuts_short_in_a_worker_are_held_in_the_checkpoint_
     drawn = Counter(range(state["sample_offset"]))
     assert drawn == Counter(index[g[0].prompt_ids] for g in batch.groups) + Counter(held)
     assert "over-sampling cap" not in capfd.readouterr().err  # the workers' stderr is ours
+
+
+async def test_surplus_groups_a_worker_returns_are_held_with_their_messages(
+    tiny_model_dir, tiny_tokenizer
+):
+    """Over-sampling (`extra_groups`): the finished groups past the batch are held for a later
+    batch with their prompts as drawn. They were held as token ids and metadata only, so an
+    agent's or environment's episode generated from them again started with no messages."""
+    items = prompts(tiny_tokenizer, N_PROMPTS)
+    config = ROLLOUT.model_copy(update={"workers": 1, "extra_groups": 2})
+    buffer = HoldsRecorded(items, shuffle=False)
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server:
+        manager = WorkerRolloutManager([server.url], buffer, config, reward=REWARD)
+        async with manager:
+            with trio.fail_after(120):
+                batch = await manager.generate_batch()
+    held = [PromptItem.from_dict(r["prompt"]) for r in buffer.held_records]
+    assert len(batch.groups) == 2 and len(held) == batch.metrics["groups_returned_partial"] == 2
+    drawn = {p.prompt_ids: p for p in items}
+    assert all(p == drawn[p.prompt_ids] and p.messages for p in held)

@@ -60,7 +60,6 @@ from rollouts.manager import AsyncRolloutManager, _accumulate
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RolloutAlgorithm
 from rollouts.types import RolloutBatch, Sample
-from rollouts.unserved import prompt_of
 from rollouts.workers.frames import decode_groups
 from rollouts.workers.process import WorkerLost, WorkerProcess
 from rollouts.workers.worker import stats_result
@@ -172,9 +171,11 @@ class WorkerRolloutManager(AsyncRolloutManager):
         cap = math.ceil(cfg.max_launch_factor * n_groups) + cfg.extra_groups
         total = CollectResult(accepted=[], partial=[])
         accepted: list[tuple[int, Group]] = []
+        prompts: dict[int, PromptItem] = {}  # each draw's prompt as drawn (its messages)
         want, drawn = n_groups + cfg.extra_groups, 0
         while len(accepted) < n_groups and total.n_launched < cap:
             draws = [(drawn + i, *self._next_prompt()) for i in range(min(want, cap - drawn))]
+            prompts |= {order: prompt for order, prompt, _ in draws}
             drawn += len(draws)
             for part, groups, partial in await self._fan_out(draws):
                 _accumulate(total, part)
@@ -188,7 +189,7 @@ class WorkerRolloutManager(AsyncRolloutManager):
             want = n_groups - len(accepted)
         accepted.sort(key=lambda og: og[0])
         total.accepted = [g for _, g in accepted[:n_groups]]
-        total.partial += [(prompt_of(g), list(g)) for _, g in accepted[n_groups:]]
+        total.partial += [(prompts[o], list(g)) for o, g in accepted[n_groups:]]
         return total
 
     async def _fan_out(self, draws: list[Draw]
