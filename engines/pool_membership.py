@@ -27,7 +27,8 @@ Contract (the membership half of `EnginePool`'s):
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
-  that finds it answering would), without waiting for the next probe.
+  that finds it answering would), without waiting for the next probe. A version probe
+  answered before a rejoin (by the initial weights) marks nothing down.
 - `follows_weights=True` (a rollout worker's pool, rollouts/workers/worker.py): another process
   (the trainer) pushes the weights; this pool only generates with them. `expect_weights(v)`
   names the version the trainer's last push gave the engines (None: no push yet); an answer
@@ -182,12 +183,15 @@ class PoolMembershipMixin:
         expected = getattr(engine, "expected_weights", None)
         if expected is None or self.follows_weights:
             return
+        rejoined = slot.rejoined
         try:  # a probe still unanswered when its round ends is cancelled, not counted
             version = (await engine.model_info()).weight_version
         except EngineError as exc:
             if not getattr(engine, "paused", False):
                 self._mark_down(slot, EngineUnavailableError(f"probe failed: {exc}"))
             return
+        if slot.rejoined != rejoined:  # it went down and was given the weights meanwhile: the
+            return  # answer may predate that (its initial weights), it says nothing of now
         # a push may have landed while the probe waited: the answer is right if it names the
         # weights expected before or after (the engine answered before or after that load)
         now = getattr(engine, "expected_weights", None)

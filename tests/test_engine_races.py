@@ -1,0 +1,76 @@
+"""Check-then-act races of an `EnginePool`'s membership across `await` points, made
+deterministic: a real local engine over loopback, and a client (`SGLangEngine` subclass) that
+holds one of its calls on a `trio.Event` while another path runs (the technique of the last
+tests of tests/test_engine_failures.py)."""
+
+from __future__ import annotations
+
+import trio
+from test_engine_pool import run_engine, wait_for
+
+from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+
+
+class Held(SGLangEngine):
+    """Once `held` names a method ("model_info", "resume", "update_weights_from_disk"), its
+    next call waits for `release`: before the request (`before=True`) or once it has its
+    answer. `returned` is set once that call returns (the caller then runs on without a
+    checkpoint until its next await)."""
+
+    def __init__(self, url: str, **kw) -> None:
+        super().__init__(url, max_retries=0, **kw)
+        self.held: str | None = None
+        self.before = False
+        self.release = trio.Event()
+        self.returned = False
+
+    async def _hold(self, name: str, call):
+        if self.held != name:
+            return await call()
+        self.held = None
+        if self.before:
+            await self.release.wait()
+            out = await call()
+        else:
+            out = await call()
+            await self.release.wait()
+        self.returned = True
+        return out
+
+    async def model_info(self):
+        return await self._hold("model_info", super().model_info)
+
+    async def resume(self):
+        return await self._hold("resume", super().resume)
+
+    async def update_weights_from_disk(self, *args, **kwargs):
+        call = super().update_weights_from_disk
+        return await self._hold("update_weights_from_disk", lambda: call(*args, **kwargs))
+
+
+async def test_a_probe_answer_from_before_a_rejoin_does_not_mark_the_rejoined_engine_down(
+    tiny_model_dir,
+):
+    # A version probe got its answer from the engine restarted on its initial weights, then a
+    # supervisor's "down" and "up" had it rejoin with the current weights before the probe
+    # compared: the old answer marked the engine, now right, down as restarted, so one outage
+    # gave the weights twice and counted rejoined == 2.
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url)
+        async with engine:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            await engine.update_weight_version("0", abort_all_requests=False)  # as restarted
+            engine.held = "model_info"
+            async with EnginePool([engine], probe_interval_s=10, engine_events=events) as pool:
+                await wait_for(lambda: engine.held is None, 5)  # the probe has "0", and waits
+                await send.send(("down", live.url))
+                await send.send(("up", live.url))
+                await wait_for(lambda: pool.statistics().engines[0].rejoined == 1, 10)
+                assert (await engine.model_info()).weight_version == "1"
+                engine.release.set()
+                await wait_for(lambda: engine.returned, 5)  # the probe has compared
+                stats = pool.statistics().engines[0]
+                assert (stats.healthy, stats.down_reason, stats.rejoined) == (True, None, 1)
+        nursery.cancel_scope.cancel()
