@@ -27,8 +27,9 @@ Contract (the membership half of `EnginePool`'s):
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
-  that finds it answering would), without waiting for the next probe. A version probe
-  answered before a rejoin (by the initial weights) marks nothing down.
+  that finds it answering would), without waiting for the next probe. A "down" while a rejoin
+  gives it the weights (to the process that exited) keeps it down: the relaunch's "up" rejoins
+  it. A version probe answered before a rejoin (by the initial weights) marks nothing down.
 - `follows_weights=True` (a rollout worker's pool, rollouts/workers/worker.py): another process
   (the trainer) pushes the weights; this pool only generates with them. `expect_weights(v)`
   names the version the trainer's last push gave the engines (None: no push yet); an answer
@@ -100,6 +101,7 @@ class _Slot:
         self.failures: Counter[str] = Counter()
         self.rejoined = 0
         self.rejoining = False
+        self.exited_in_rejoin = False  # its supervisor saw it exit while a rejoin ran
         self.samples_sent = 0
         self.samples_received = 0
         self.last_pick = 0
@@ -205,6 +207,9 @@ class PoolMembershipMixin:
         async for what, url in events:
             for slot in (s for s in self._slots if s.engine.url == url):
                 if what == "down":
+                    # a rejoin under way gives the weights to the process that exited: it must
+                    # not mark the engine up (the relaunch's "up" rejoins it)
+                    slot.exited_in_rejoin = slot.exited_in_rejoin or slot.rejoining
                     self._mark_down(slot, EngineUnavailableError("its supervisor saw it exit",
                                                                  url=url))  # fmt: skip
                 elif not slot.healthy:
@@ -235,7 +240,7 @@ class PoolMembershipMixin:
         if self.follows_weights:
             await self._rejoin_follower(slot)
             return
-        slot.rejoining = True
+        slot.rejoining, slot.exited_in_rejoin = True, False
         engine = slot.engine
         expected = getattr(engine, "expected_weights", None)
         lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
@@ -284,7 +289,7 @@ class PoolMembershipMixin:
         """`follows_weights`: up once the engine serves the expected version (no sync here)."""
         if slot.healthy:
             return
-        slot.rejoining = True
+        slot.rejoining, slot.exited_in_rejoin = True, False
         try:
             expected = getattr(slot.engine, "expected_weights", None)
             with trio.move_on_after(max(self.probe_interval_s, 1.0)):
@@ -301,6 +306,10 @@ class PoolMembershipMixin:
 
     def _mark_up(self, slot: _Slot, expected: tuple[str | None, str] | None) -> None:
         engine = slot.engine
+        if slot.exited_in_rejoin:  # its supervisor saw it exit during the rejoin: still down
+            logger.debug("engine %s exited while it was given the weights: it stays down until "
+                         "its relaunch answers", engine.url)  # fmt: skip
+            return
         _set_known_down(engine, False)  # weight syncs reach it again
         slot.healthy = True  # the one WARNING of its return (the pair of the mark-down's)
         logger.warning("engine %s is back%s (%d of %d engines serve)", engine.url,

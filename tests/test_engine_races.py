@@ -74,3 +74,32 @@ async def test_a_probe_answer_from_before_a_rejoin_does_not_mark_the_rejoined_en
                 stats = pool.statistics().engines[0]
                 assert (stats.healthy, stats.down_reason, stats.rejoined) == (True, None, 1)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_supervisors_down_during_a_rejoin_keeps_the_engine_down(tiny_model_dir):
+    # The rejoin had given the weights (its last call answered) when the supervisor saw the
+    # process exit: that "down" found the engine already down and did nothing, and the rejoin
+    # then marked the dead engine up, so requests went to it (and its relaunch's "up", finding
+    # it up, was ignored: the relaunch served its initial weights until a request failed).
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url)
+        async with engine, EnginePool([engine], probe_interval_s=60, engine_events=events) as pool:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            engine.held = "resume"  # the rejoin's last call answers, and it waits
+            await send.send(("up", live.url))
+            await wait_for(lambda: engine.held is None, 10)
+            await send.send(("down", live.url))  # the process exits now
+            await wait_for(lambda: send.statistics().current_buffer_used == 0, 5)
+            engine.release.set()
+            await wait_for(lambda: not pool._slots[0].rejoining, 10)  # the rejoin is over
+            stats = pool.statistics().engines[0]
+            assert (stats.healthy, stats.rejoined) == (False, 0)
+            assert "supervisor" in (stats.down_reason or "")
+            await send.send(("up", live.url))  # its relaunch answers: given the weights
+            await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
+            assert pool.statistics().engines[0].rejoined == 1
+        nursery.cancel_scope.cancel()
