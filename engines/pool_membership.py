@@ -242,6 +242,7 @@ class PoolMembershipMixin:
             return
         slot.rejoining, slot.exited_in_rejoin = True, False
         engine = slot.engine
+        _set_rejoining(engine, True)  # a push that skips it leaves its pause to this rejoin
         expected = getattr(engine, "expected_weights", None)
         lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
         if expected is not None and expected[0] is None and lora is None \
@@ -249,6 +250,7 @@ class PoolMembershipMixin:
             # the last push went by broadcast (engines/refit.py): no copy on disk to give it;
             # it stays down, and the next push writes one for it (an engine out of the group)
             slot.rejoining = False
+            _set_rejoining(engine, False)
             return
         try:
             with trio.fail_after(self.rejoin_timeout_s):
@@ -284,6 +286,7 @@ class PoolMembershipMixin:
                        engine.url, exc)  # fmt: skip
         finally:
             slot.rejoining = False
+            _set_rejoining(engine, False)
 
     async def _rejoin_follower(self, slot: _Slot) -> None:
         """`follows_weights`: up once the engine serves the expected version (no sync here)."""
@@ -334,6 +337,13 @@ def _set_known_down(engine: InferenceEngine, down: bool) -> None:
     """`engine.known_down`: weight syncs skip it at once instead of paying its retries."""
     with contextlib.suppress(AttributeError):
         engine.known_down = down  # type: ignore[attr-defined]
+
+
+def _set_rejoining(engine: InferenceEngine, rejoining: bool) -> None:
+    """`engine.rejoining`: the pool's rejoin holds its pause, not a push that skips it
+    (engines/sync_steps.py `leave_known_down`)."""
+    with contextlib.suppress(AttributeError):
+        engine.rejoining = rejoining  # type: ignore[attr-defined]
 
 
 async def _probe(engine: InferenceEngine, timeout_s: float) -> bool:

@@ -103,3 +103,35 @@ async def test_a_supervisors_down_during_a_rejoin_keeps_the_engine_down(tiny_mod
             await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
             assert pool.statistics().engines[0].rejoined == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_push_that_skips_an_engine_being_rejoined_leaves_the_rejoins_pause_held(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # A push skips an engine the pool knows is down and drops this client's hold of its
+    # pause (it was held by a push before it died, issue 49): but the pool's rejoin held that
+    # pause, loading the weights. Its lease was then no longer renewed, and the engine resumed
+    # generation, in the middle of the load, one lease later.
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    lease_s = 0.6
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        other = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url, pause_lease_s=lease_s)
+        async with engine, SGLangEngine(other.url) as b, \
+                EnginePool([engine, b], probe_interval_s=60, engine_events=events) as pool:  # fmt: skip
+            await sync_weights_to_engines([engine, b], tiny_model_dir, "1")
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            engine.held, engine.before = "update_weights_from_disk", True
+            await send.send(("up", live.url))
+            await wait_for(lambda: engine.held is None, 10)  # the rejoin has it paused, loading
+            await sync_weights_to_engines([engine, b], tiny_model_dir_seed1, "2")  # skips it
+            assert engine.paused  # the rejoin still holds its pause...
+            await trio.sleep(3 * lease_s)  # ...and renews it: the lease does not run out
+            assert live.state.scheduler.paused
+            engine.release.set()
+            await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
+            assert (await engine.model_info()).weight_version == "2"  # the push's, meanwhile
+            assert not engine.paused and not live.state.scheduler.paused
+        nursery.cancel_scope.cancel()
