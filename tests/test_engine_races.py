@@ -5,6 +5,9 @@ tests of tests/test_engine_failures.py)."""
 
 from __future__ import annotations
 
+import threading
+
+import httpx
 import trio
 from test_engine_pool import run_engine, wait_for
 
@@ -134,4 +137,40 @@ async def test_a_push_that_skips_an_engine_being_rejoined_leaves_the_rejoins_pau
             await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
             assert (await engine.model_info()).weight_version == "2"  # the push's, meanwhile
             assert not engine.paused and not live.state.scheduler.paused
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_that_arrives_while_the_memory_is_being_released_is_refused_not_failed(
+    tiny_model_dir,
+):
+    # The release checked the engine idle, then waited for the model thread: a /generate that
+    # came meanwhile (a pool's health probe, a late request) still found the memory in place,
+    # was queued, and its step ran on the released weights: a 500 "Internal error in the model
+    # step" (and a traceback in the log) instead of the 400 naming the release.
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        scheduler = live.state.scheduler
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as http:
+            answers: dict[str, httpx.Response] = {}
+
+            async def post(name: str, path: str, body: dict) -> None:
+                answers[name] = await http.post(path, json=body)
+
+            async def model_thread_busy() -> None:  # e.g. an adapter load before the release
+                await scheduler.run_on_model_thread(gate.wait)
+
+            nursery.start_soon(model_thread_busy)
+            await wait_for(lambda: scheduler._limiter.borrowed_tokens == 1, 5)
+            nursery.start_soon(post, "release", "/release_memory_occupation", {})
+            await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 1, 5)
+            nursery.start_soon(post, "generate", "/generate",
+                               {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+            await wait_for(lambda: scheduler.busy or "generate" in answers, 5)
+            gate.set()
+            await wait_for(lambda: len(answers) == 2, 10)
+            assert answers["release"].status_code == 200
+            generate = answers["generate"]
+            assert generate.status_code == 400, generate.text
+            assert "/release_memory_occupation" in generate.text
         nursery.cancel_scope.cancel()
