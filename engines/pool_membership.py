@@ -102,6 +102,7 @@ class _Slot:
         self.rejoined = 0
         self.rejoining = False
         self.exited_in_rejoin = False  # its supervisor saw it exit while a rejoin ran
+        self.relaunched_in_rejoin = False  # ...and its relaunch answer: rejoin that one next
         self.samples_sent = 0
         self.samples_received = 0
         self.last_pick = 0
@@ -213,6 +214,7 @@ class PoolMembershipMixin:
                     self._mark_down(slot, EngineUnavailableError("its supervisor saw it exit",
                                                                  url=url))  # fmt: skip
                 elif not slot.healthy:
+                    slot.relaunched_in_rejoin = slot.rejoining and slot.exited_in_rejoin
                     self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
 
     async def rejoin_down(self, timeout_s: float) -> tuple[str, ...]:
@@ -240,7 +242,7 @@ class PoolMembershipMixin:
         if self.follows_weights:
             await self._rejoin_follower(slot)
             return
-        slot.rejoining, slot.exited_in_rejoin = True, False
+        slot.rejoining, slot.exited_in_rejoin, slot.relaunched_in_rejoin = True, False, False
         engine = slot.engine
         _set_rejoining(engine, True)  # a push that skips it leaves its pause to this rejoin
         expected = getattr(engine, "expected_weights", None)
@@ -287,12 +289,13 @@ class PoolMembershipMixin:
         finally:
             slot.rejoining = False
             _set_rejoining(engine, False)
+            self._rejoin_relaunch(slot)
 
     async def _rejoin_follower(self, slot: _Slot) -> None:
         """`follows_weights`: up once the engine serves the expected version (no sync here)."""
         if slot.healthy:
             return
-        slot.rejoining, slot.exited_in_rejoin = True, False
+        slot.rejoining, slot.exited_in_rejoin, slot.relaunched_in_rejoin = True, False, False
         try:
             expected = getattr(slot.engine, "expected_weights", None)
             with trio.move_on_after(max(self.probe_interval_s, 1.0)):
@@ -306,6 +309,14 @@ class PoolMembershipMixin:
             logger.debug("engine %s: its rejoin's /model_info failed: %s", slot.engine.url, exc)
         finally:
             slot.rejoining = False
+            self._rejoin_relaunch(slot)
+
+    def _rejoin_relaunch(self, slot: _Slot) -> None:
+        """A rejoin ended whose engine exited meanwhile and was relaunched: its "up" found the
+        rejoin under way, so the relaunch is rejoined now, not at the next probe."""
+        if slot.relaunched_in_rejoin and not slot.healthy and self._nursery is not None:
+            slot.relaunched_in_rejoin = False
+            self._nursery.start_soon(self._rejoin, slot)
 
     def _mark_up(self, slot: _Slot, expected: tuple[str | None, str] | None) -> None:
         engine = slot.engine

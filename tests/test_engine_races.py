@@ -108,6 +108,47 @@ async def test_a_supervisors_down_during_a_rejoin_keeps_the_engine_down(tiny_mod
         nursery.cancel_scope.cancel()
 
 
+class Loads(Held):
+    """`Held`, counting the weight loads it sends."""
+
+    def __init__(self, url: str, **kw) -> None:
+        super().__init__(url, **kw)
+        self.loads = 0
+
+    async def update_weights_from_disk(self, *args, **kwargs):
+        self.loads += 1
+        return await super().update_weights_from_disk(*args, **kwargs)
+
+
+async def test_a_relaunch_that_answers_during_a_rejoin_of_the_process_before_is_given_the_weights(
+    tiny_model_dir,
+):
+    # The supervisor's "down" and its relaunch's "up" both came while a rejoin gave the weights
+    # to the process that exited: the "up" found a rejoin under way and did nothing, so the
+    # relaunch (on its initial weights) was either marked up by that rejoin or left down
+    # until a probe; it must be given the weights itself, at once.
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Loads(live.url)
+        async with engine, EnginePool([engine], probe_interval_s=60, engine_events=events) as pool:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            loads = engine.loads
+            engine.held = "resume"  # the rejoin's last call answers, and it waits
+            await send.send(("up", live.url))
+            await wait_for(lambda: engine.held is None, 10)
+            await send.send(("down", live.url))  # the process exits...
+            await send.send(("up", live.url))  # ...and its relaunch answers
+            await wait_for(lambda: send.statistics().current_buffer_used == 0, 5)
+            engine.release.set()
+            await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
+            stats = pool.statistics().engines[0]
+            assert (stats.rejoined, engine.loads - loads) == (1, 2)  # the relaunch's own load
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_push_that_skips_an_engine_being_rejoined_leaves_the_rejoins_pause_held(
     tiny_model_dir, tiny_model_dir_seed1
 ):
