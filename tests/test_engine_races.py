@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 import trio
 from test_engine_pool import run_engine, wait_for
 
@@ -15,17 +16,17 @@ from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_en
 
 
 class Held(SGLangEngine):
-    """Once `held` names a method ("model_info", "resume", "update_weights_from_disk"), its
-    next call waits for `release`: before the request (`before=True`) or once it has its
-    answer. `returned` is set once that call returns (the caller then runs on without a
-    checkpoint until its next await)."""
+    """Once `held` names a method ("model_info", "generate", "resume", ...), its next call
+    waits for `release`: before the request (`before=True`) or once it has its answer (then
+    `answered` is set). `returned` is set once that call returns (the caller then runs on
+    without a checkpoint until its next await)."""
 
     def __init__(self, url: str, **kw) -> None:
         super().__init__(url, max_retries=0, **kw)
         self.held: str | None = None
         self.before = False
         self.release = trio.Event()
-        self.returned = False
+        self.answered = self.returned = False
 
     async def _hold(self, name: str, call):
         if self.held != name:
@@ -36,12 +37,17 @@ class Held(SGLangEngine):
             out = await call()
         else:
             out = await call()
+            self.answered = True
             await self.release.wait()
         self.returned = True
         return out
 
     async def model_info(self):
         return await self._hold("model_info", super().model_info)
+
+    async def generate(self, *args, **kwargs):
+        call = super().generate
+        return await self._hold("generate", lambda: call(*args, **kwargs))
 
     async def resume(self):
         return await self._hold("resume", super().resume)
@@ -214,4 +220,52 @@ async def test_a_request_that_arrives_while_the_memory_is_being_released_is_refu
             generate = answers["generate"]
             assert generate.status_code == 400, generate.text
             assert "/release_memory_occupation" in generate.text
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("follows_weights", [False, True])
+async def test_an_answer_from_the_weights_of_when_it_was_sent_is_not_stale_once_a_push_lands(
+    tiny_model_dir, tiny_model_dir_seed1, follows_weights
+):
+    # The pool read the expected version only once the answer was in: a push that landed
+    # between the answer and that check (the trainer's own, or, for a rollout worker's pool,
+    # the trainer's that the worker heard of first) made the answer of the weights the request
+    # was sent to look stale, and marked the healthy engine down.
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url)
+        async with (
+            engine,
+            SGLangEngine(live.url) as trainer,
+            EnginePool(
+                [engine],
+                probe_interval_s=60,
+                unavailable_timeout_s=2,
+                follows_weights=follows_weights,
+            ) as pool,
+        ):
+            await sync_weights_to_engines([trainer if follows_weights else engine],
+                                          tiny_model_dir, "5")  # fmt: skip
+            pool.expect_weights("5") if follows_weights else None
+            answers: list = []
+
+            async def generate() -> None:
+                try:
+                    answers.append(await pool.generate([4, 5, 6], {"max_new_tokens": 2}))
+                except Exception as exc:  # the assertion names it
+                    answers.append(exc)
+
+            engine.held = "generate"
+            nursery.start_soon(generate)
+            await wait_for(lambda: engine.answered, 10)  # answered by "5": it waits
+            if follows_weights:  # the trainer pushes, and tells the worker
+                await sync_weights_to_engines([trainer], tiny_model_dir_seed1, "6")
+                pool.expect_weights("6")
+            else:
+                await sync_weights_to_engines([engine], tiny_model_dir_seed1, "6")
+            engine.release.set()
+            await wait_for(lambda: bool(answers), 10)
+            assert getattr(answers[0], "weight_version", answers[0]) == "5"
+            stats = pool.statistics().engines[0]
+            assert (stats.healthy, stats.failed, stats.down_reason) == (True, 0, None)
         nursery.cancel_scope.cancel()
