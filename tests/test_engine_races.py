@@ -13,6 +13,8 @@ import trio
 from test_engine_pool import run_engine, wait_for
 
 from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+from engines.router import RouterEngine
+from engines.testing.gateway import open_gateway
 
 
 class Held(SGLangEngine):
@@ -268,4 +270,38 @@ async def test_an_answer_from_the_weights_of_when_it_was_sent_is_not_stale_once_
             assert getattr(answers[0], "weight_version", answers[0]) == "5"
             stats = pool.statistics().engines[0]
             assert (stats.healthy, stats.failed, stats.down_reason) == (True, 0, None)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_answer_through_the_gateway_is_not_sent_again_when_a_push_lands_before_its_check(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # RouterEngine read the workers' expected version only once the answer was in: a push
+    # between the two made the answer of the weights it was sent to look stale, and the
+    # request was generated again (up to `max_stale_retries` times, then raised).
+    async with trio.open_nursery() as nursery:
+        worker = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        async with (
+            open_gateway([worker.url]) as (url, stats),
+            SGLangEngine(worker.url, max_retries=0) as client,
+            RouterEngine(Held(url), [client], max_stale_retries=0) as router,
+        ):  # fmt: skip
+            await sync_weights_to_engines([client], tiny_model_dir, "5")
+            gateway: Held = router.gateway  # type: ignore[assignment]
+            answers: list = []
+
+            async def generate() -> None:
+                try:
+                    answers.append(await router.generate([4, 5, 6], {"max_new_tokens": 2}))
+                except Exception as exc:  # the assertion names it
+                    answers.append(exc)
+
+            gateway.held = "generate"
+            nursery.start_soon(generate)
+            await wait_for(lambda: gateway.answered, 10)  # answered by "5": it waits
+            await sync_weights_to_engines([client], tiny_model_dir_seed1, "6")
+            gateway.release.set()
+            await wait_for(lambda: bool(answers), 10)
+            assert getattr(answers[0], "weight_version", answers[0]) == "5"
+            assert sum(stats.forwarded.values()) == 1  # generated once
         nursery.cancel_scope.cancel()
