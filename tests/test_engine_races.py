@@ -305,3 +305,68 @@ async def test_an_answer_through_the_gateway_is_not_sent_again_when_a_push_lands
             assert getattr(answers[0], "weight_version", answers[0]) == "5"
             assert sum(stats.forwarded.values()) == 1  # generated once
         nursery.cancel_scope.cancel()
+
+
+class HeldPause(httpx.AsyncBaseTransport):
+    """The network between a client and its engine: once `armed`, the next pause that is not a
+    lease renewal ("in_place") waits for `release` before it goes out (`holding` meanwhile)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.armed = self.holding = False
+        self.release = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if (
+            self.armed
+            and request.url.path == "/pause_generation"
+            and b"in_place" not in (request.content)
+        ):
+            self.armed, self.holding = False, True
+            await self.release.wait()
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_lease_renewal_sent_while_its_pause_is_on_the_way_does_not_take_its_place(
+    tiny_model_dir,
+):
+    # The client counts the engine paused from the moment it sends the pause: a renewal of the
+    # lease sent before the pause got there paused the engine "in_place" (a renewal's mode),
+    # and the engine took the pause that followed for a renewal: the request it was to abort
+    # kept its place, the flush before the load was refused, and the sync failed.
+    lease_s = 0.3
+    net = HeldPause()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        scheduler = live.state.scheduler
+        async with (
+            SGLangEngine(live.url, max_retries=0, transport=net, pause_lease_s=lease_s) as engine,
+            SGLangEngine(live.url, max_retries=0) as other,
+        ):  # fmt: skip
+            done: dict[str, object] = {}
+
+            async def long_request() -> None:  # another client's, aborted by the push's pause
+                done["request"] = await other.generate(
+                    [4, 5, 6], {"max_new_tokens": 1000, "ignore_eos": True})  # fmt: skip
+
+            async def push() -> None:
+                try:
+                    done["push"] = await sync_weights_to_engines([engine], tiny_model_dir, "1")
+                except Exception as exc:  # the assertion names it
+                    done["push"] = exc
+
+            nursery.start_soon(long_request)
+            await wait_for(lambda: bool(scheduler.running), 10)
+            net.armed = True
+            nursery.start_soon(push)
+            await wait_for(lambda: net.holding, 10)  # the pause is on its way
+            with trio.move_on_after(5 * lease_s):  # renewals are due every lease_s / 3
+                await wait_for(lambda: live.state.pause_lease.held)  # one got there first
+            net.release.set()
+            await wait_for(lambda: len(done) == 2, 30)
+            assert isinstance(done["push"], float), done["push"]
+            assert done["request"].aborted  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
