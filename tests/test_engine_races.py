@@ -165,7 +165,7 @@ async def test_a_push_that_skips_an_engine_being_rejoined_leaves_the_rejoins_pau
     # pause, loading the weights. Its lease was then no longer renewed, and the engine resumed
     # generation, in the middle of the load, one lease later.
     send, events = trio.open_memory_channel[tuple[str, str]](8)
-    lease_s = 0.6
+    lease_s = 1.2  # renewed every 0.4 s; it runs out 1.2 s after the last renewal
     async with trio.open_nursery() as nursery:
         live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
         other = await nursery.start(run_engine, tiny_model_dir, find_free_port())
@@ -180,7 +180,7 @@ async def test_a_push_that_skips_an_engine_being_rejoined_leaves_the_rejoins_pau
             await wait_for(lambda: engine.held is None, 10)  # the rejoin has it paused, loading
             await sync_weights_to_engines([engine, b], tiny_model_dir_seed1, "2")  # skips it
             assert engine.paused  # the rejoin still holds its pause...
-            await trio.sleep(3 * lease_s)  # ...and renews it: the lease does not run out
+            await trio.sleep(2.0)  # ...and renews it: the lease does not run out
             assert live.state.scheduler.paused
             engine.release.set()
             await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
@@ -210,13 +210,15 @@ async def test_a_request_that_arrives_while_the_memory_is_being_released_is_refu
                 await scheduler.run_on_model_thread(gate.wait)
 
             nursery.start_soon(model_thread_busy)
-            await wait_for(lambda: scheduler._limiter.borrowed_tokens == 1, 5)
-            nursery.start_soon(post, "release", "/release_memory_occupation", {})
-            await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 1, 5)
-            nursery.start_soon(post, "generate", "/generate",
-                               {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
-            await wait_for(lambda: scheduler.busy or "generate" in answers, 5)
-            gate.set()
+            try:  # the model thread is freed whatever happens (a thread is not cancellable)
+                await wait_for(lambda: scheduler._limiter.borrowed_tokens == 1, 5)
+                nursery.start_soon(post, "release", "/release_memory_occupation", {})
+                await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 1, 5)
+                nursery.start_soon(post, "generate", "/generate", {
+                    "input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+                await wait_for(lambda: scheduler.busy or "generate" in answers, 5)
+            finally:
+                gate.set()
             await wait_for(lambda: len(answers) == 2, 10)
             assert answers["release"].status_code == 200
             generate = answers["generate"]
@@ -337,7 +339,7 @@ async def test_a_lease_renewal_sent_while_its_pause_is_on_the_way_does_not_take_
     # lease sent before the pause got there paused the engine "in_place" (a renewal's mode),
     # and the engine took the pause that followed for a renewal: the request it was to abort
     # kept its place, the flush before the load was refused, and the sync failed.
-    lease_s = 0.3
+    lease_s = 0.6
     net = HeldPause()
     async with trio.open_nursery() as nursery:
         live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
