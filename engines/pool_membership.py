@@ -102,7 +102,7 @@ class _Slot:
         self.rejoined = 0
         self.rejoining = False
         self.exited_in_rejoin = False  # its supervisor saw it exit while a rejoin ran
-        self.relaunched_in_rejoin = False  # ...and its relaunch answer: rejoin that one next
+        self.relaunched_in_rejoin = False  # ...and its relaunch answered: rejoin that next
         self.samples_sent = 0
         self.samples_received = 0
         self.last_pick = 0

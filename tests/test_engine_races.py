@@ -1,7 +1,8 @@
-"""Check-then-act races of an `EnginePool`'s membership across `await` points, made
-deterministic: a real local engine over loopback, and a client (`SGLangEngine` subclass) that
-holds one of its calls on a `trio.Event` while another path runs (the technique of the last
-tests of tests/test_engine_failures.py)."""
+"""Check-then-act races across `await` points on the engine side (an `EnginePool`'s membership
+and answer checks, `RouterEngine`, a client's pause lease, the local engine's memory release),
+made deterministic: a real local engine over loopback, and a client (`SGLangEngine` subclass)
+or its network (an httpx transport) that holds one call on a `trio.Event` while another path
+runs (the technique of the last tests of tests/test_engine_failures.py)."""
 
 from __future__ import annotations
 
