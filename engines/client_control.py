@@ -112,7 +112,10 @@ class ControlRoutesMixin:
         if self.pause_lease_s is not None:  # ends by itself unless renewed; SGLang ignores it
             body["lease_s"] = self.pause_lease_s
         try:
-            await self._http.json("POST", "/pause_generation", body=body, admin=True)
+            # a renewal (`renew_pause`) waits until this pause got there: sent before it, it
+            # paused "in_place" and the engine took this pause for a renewal (no abort)
+            async with self._lease_lock:
+                await self._http.json("POST", "/pause_generation", body=body, admin=True)
         except EngineUnavailableError:
             self.paused = False  # not reached, or the server is gone: nothing is paused
             raise

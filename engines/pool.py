@@ -4,11 +4,12 @@ Contract:
 - Each request goes to the healthy engine with the fewest outstanding requests (ties: the one
   picked least recently).
 - A request whose engine fails transiently (`EngineUnavailableError`, a 5xx, a timeout, or an
-  answer from weights other than `expected_weights`) is retried on another engine that has not
-  failed it (the failing engine is asked to abort it first). When every engine has failed it,
-  the pool waits for one to be healthy again (the prober brings a down one back; a 5xx or a
-  timeout is retried after a backoff of 0.5 s doubling to `probe_interval_s`) and retries
-  there, a pool of one as a pool of many. All of it is bounded by `unavailable_timeout_s` from
+  answer from weights other than `expected_weights`, now or when the request was sent: a push
+  may land while it runs) is retried on another engine that has not failed it (the failing
+  engine is asked to abort it first). When every engine has failed it, the pool waits for one
+  to be healthy again (the prober brings a down one back; a 5xx or a timeout is retried after
+  a backoff of 0.5 s doubling to `probe_interval_s`) and retries there, a pool of one as a
+  pool of many. All of it is bounded by `unavailable_timeout_s` from
   the request's first failure (and `max_attempts`); past that `NoEngineAvailableError` says how
   long it waited and the last failure. It returns exactly one result or raises, so a sample is
   never lost silently nor duplicated. Any other error is raised at once, and a 4xx too, except
@@ -206,9 +207,10 @@ class EnginePool(PoolMembershipMixin):
             slot.samples_sent += weight
             for r in rids:
                 self._rid_slot[r] = slot
+            sent_to = getattr(slot.engine, "expected_weights", None)  # a push may land meanwhile
             try:
                 result = await call_unless_stalled(partial(fn, slot.engine), slot.engine, stall_s)
-                self._check_weights(slot, result)
+                self._check_weights(slot, result, sent_to)
             except EngineError as exc:
                 if lost_adapter(slot.engine, exc):
                     exc = StaleWeightsError(f"lost its LoRA adapter (restarted?): {exc}",
@@ -255,16 +257,20 @@ class EnginePool(PoolMembershipMixin):
             last=last,
         )
 
-    def _check_weights(self, slot: _Slot, result: Any) -> None:
-        """An answer from other weights than the last sync gave (the engine restarted since)."""
+    def _check_weights(self, slot: _Slot, result: Any, sent_to: tuple[str | None, str] | None
+                       ) -> None:  # fmt: skip
+        """An answer from other weights than the last sync gave (the engine restarted since).
+        The weights expected when the request was sent (`sent_to`) are right too: a push that
+        lands between the answer and this check does not make it stale."""
         engine = slot.engine
         expected = getattr(engine, "expected_weights", None)
         if expected is None or getattr(engine, "paused", False):
             return
+        right = {e[1] for e in (sent_to, expected) if e is not None}
         if self.follows_weights:  # another process syncs: older weights only (a push may land)
-            wrong = [v for v in _versions(result) if older_weights(v, expected[1])]
+            wrong = [v for v in _versions(result) if all(older_weights(v, r) for r in right)]
         else:
-            wrong = [v for v in _versions(result) if v is not None and v != expected[1]]
+            wrong = [v for v in _versions(result) if v is not None and v not in right]
         if wrong:
             raise StaleWeightsError(
                 f"answered from weight_version {wrong[0]!r}, the last sync gave it "

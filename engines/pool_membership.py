@@ -27,7 +27,9 @@ Contract (the membership half of `EnginePool`'s):
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe
-  that finds it answering would), without waiting for the next probe.
+  that finds it answering would), without waiting for the next probe. A "down" while a rejoin
+  gives it the weights (to the process that exited) keeps it down: the relaunch's "up" rejoins
+  it. A version probe answered before a rejoin (by the initial weights) marks nothing down.
 - `follows_weights=True` (a rollout worker's pool, rollouts/workers/worker.py): another process
   (the trainer) pushes the weights; this pool only generates with them. `expect_weights(v)`
   names the version the trainer's last push gave the engines (None: no push yet); an answer
@@ -99,6 +101,8 @@ class _Slot:
         self.failures: Counter[str] = Counter()
         self.rejoined = 0
         self.rejoining = False
+        self.exited_in_rejoin = False  # its supervisor saw it exit while a rejoin ran
+        self.relaunched_in_rejoin = False  # ...and its relaunch answered: rejoin that next
         self.samples_sent = 0
         self.samples_received = 0
         self.last_pick = 0
@@ -182,12 +186,15 @@ class PoolMembershipMixin:
         expected = getattr(engine, "expected_weights", None)
         if expected is None or self.follows_weights:
             return
+        rejoined = slot.rejoined
         try:  # a probe still unanswered when its round ends is cancelled, not counted
             version = (await engine.model_info()).weight_version
         except EngineError as exc:
             if not getattr(engine, "paused", False):
                 self._mark_down(slot, EngineUnavailableError(f"probe failed: {exc}"))
             return
+        if slot.rejoined != rejoined:  # it went down and was given the weights meanwhile: the
+            return  # answer may predate that (its initial weights), it says nothing of now
         # a push may have landed while the probe waited: the answer is right if it names the
         # weights expected before or after (the engine answered before or after that load)
         now = getattr(engine, "expected_weights", None)
@@ -201,9 +208,13 @@ class PoolMembershipMixin:
         async for what, url in events:
             for slot in (s for s in self._slots if s.engine.url == url):
                 if what == "down":
+                    # a rejoin under way gives the weights to the process that exited: it must
+                    # not mark the engine up (the relaunch's "up" rejoins it)
+                    slot.exited_in_rejoin = slot.exited_in_rejoin or slot.rejoining
                     self._mark_down(slot, EngineUnavailableError("its supervisor saw it exit",
                                                                  url=url))  # fmt: skip
                 elif not slot.healthy:
+                    slot.relaunched_in_rejoin = slot.rejoining and slot.exited_in_rejoin
                     self._nursery.start_soon(self._rejoin, slot)  # type: ignore[union-attr]
 
     async def rejoin_down(self, timeout_s: float) -> tuple[str, ...]:
@@ -231,8 +242,9 @@ class PoolMembershipMixin:
         if self.follows_weights:
             await self._rejoin_follower(slot)
             return
-        slot.rejoining = True
+        slot.rejoining, slot.exited_in_rejoin, slot.relaunched_in_rejoin = True, False, False
         engine = slot.engine
+        _set_rejoining(engine, True)  # a push that skips it leaves its pause to this rejoin
         expected = getattr(engine, "expected_weights", None)
         lora = getattr(engine, "expected_lora", None)  # (name, path) of the last LoRA sync
         if expected is not None and expected[0] is None and lora is None \
@@ -240,6 +252,7 @@ class PoolMembershipMixin:
             # the last push went by broadcast (engines/refit.py): no copy on disk to give it;
             # it stays down, and the next push writes one for it (an engine out of the group)
             slot.rejoining = False
+            _set_rejoining(engine, False)
             return
         try:
             with trio.fail_after(self.rejoin_timeout_s):
@@ -275,12 +288,14 @@ class PoolMembershipMixin:
                        engine.url, exc)  # fmt: skip
         finally:
             slot.rejoining = False
+            _set_rejoining(engine, False)
+            self._rejoin_relaunch(slot)
 
     async def _rejoin_follower(self, slot: _Slot) -> None:
         """`follows_weights`: up once the engine serves the expected version (no sync here)."""
         if slot.healthy:
             return
-        slot.rejoining = True
+        slot.rejoining, slot.exited_in_rejoin, slot.relaunched_in_rejoin = True, False, False
         try:
             expected = getattr(slot.engine, "expected_weights", None)
             with trio.move_on_after(max(self.probe_interval_s, 1.0)):
@@ -294,9 +309,21 @@ class PoolMembershipMixin:
             logger.debug("engine %s: its rejoin's /model_info failed: %s", slot.engine.url, exc)
         finally:
             slot.rejoining = False
+            self._rejoin_relaunch(slot)
+
+    def _rejoin_relaunch(self, slot: _Slot) -> None:
+        """A rejoin ended whose engine exited meanwhile and was relaunched: its "up" found the
+        rejoin under way, so the relaunch is rejoined now, not at the next probe."""
+        if slot.relaunched_in_rejoin and not slot.healthy and self._nursery is not None:
+            slot.relaunched_in_rejoin = False
+            self._nursery.start_soon(self._rejoin, slot)
 
     def _mark_up(self, slot: _Slot, expected: tuple[str | None, str] | None) -> None:
         engine = slot.engine
+        if slot.exited_in_rejoin:  # its supervisor saw it exit during the rejoin: still down
+            logger.debug("engine %s exited while it was given the weights: it stays down until "
+                         "its relaunch answers", engine.url)  # fmt: skip
+            return
         _set_known_down(engine, False)  # weight syncs reach it again
         slot.healthy = True  # the one WARNING of its return (the pair of the mark-down's)
         logger.warning("engine %s is back%s (%d of %d engines serve)", engine.url,
@@ -321,6 +348,13 @@ def _set_known_down(engine: InferenceEngine, down: bool) -> None:
     """`engine.known_down`: weight syncs skip it at once instead of paying its retries."""
     with contextlib.suppress(AttributeError):
         engine.known_down = down  # type: ignore[attr-defined]
+
+
+def _set_rejoining(engine: InferenceEngine, rejoining: bool) -> None:
+    """`engine.rejoining`: the pool's rejoin holds its pause, not a push that skips it
+    (engines/sync_steps.py `leave_known_down`)."""
+    with contextlib.suppress(AttributeError):
+        engine.rejoining = rejoining  # type: ignore[attr-defined]
 
 
 async def _probe(engine: InferenceEngine, timeout_s: float) -> bool:

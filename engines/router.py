@@ -11,9 +11,10 @@ per request: a batch or a list of rids is refused. It has no `/pause_generation`
   `workers` (plain `SGLangEngine`s), given or read from the gateway's `GET /workers` (legacy
   `GET /list_workers`);
 - an answer from other weights than the last sync gave the workers (a worker restarted on its
-  initial weights) is re-sent through the gateway, at most `max_stale_retries` times, then
-  raised as `StaleWeightsError`; an `EnginePool` over the workers (the recipe opens one) gives
-  such a worker the current weights.
+  initial weights; those of the sync before count while a sync lands during the request) is
+  re-sent through the gateway, at most `max_stale_retries` times, then raised as
+  `StaleWeightsError`; an `EnginePool` over the workers (the recipe opens one) gives such a
+  worker the current weights.
 
 - `server_info()` is the gateway's `/server_info`; smg's may lack `version`, then one
   worker's is used (directly, or through the RL control plane's fan-out).
@@ -102,9 +103,11 @@ class RouterEngine:
         if "lora_path" not in kwargs:
             kwargs["lora_path"] = self.active_lora
         for _ in range(self.max_stale_retries + 1):
+            sent_to = self._expected_version()  # right too: a push may land before the check
             result = await self.gateway.generate(input_ids, sampling_params, **kwargs)
             expected = self._expected_version()
-            if result.aborted or expected is None or result.weight_version == expected:
+            right = {v for v in (expected, sent_to) if v is not None}
+            if result.aborted or expected is None or result.weight_version in right:
                 return result
         raise StaleWeightsError(
             f"{self.max_stale_retries + 1} answers through the gateway came from weight_version "

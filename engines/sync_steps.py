@@ -53,9 +53,11 @@ def leave_known_down(engine: Any, down: dict[str, str]) -> None:
     down: the pool's probe leaves an engine this client holds paused alone (a sync's own steps
     judge it), so otherwise it would never rejoin, and a sync waiting for an engine to come
     back would wait out its bound (the engine killed during a push, issue 49). A dead server
-    holds no pause; a hung one's lease (local engine) or the pool's rejoin ends it."""
+    holds no pause; a hung one's lease (local engine) or the pool's rejoin ends it. A pause
+    the pool's rejoin holds (`engine.rejoining`: it loads the weights) stays held: dropping
+    it stopped its lease's renewals, and the engine resumed generation mid-load."""
     down[engine.url] = KNOWN_DOWN
-    if getattr(engine, "paused", False):
+    if getattr(engine, "paused", False) and not getattr(engine, "rejoining", False):
         engine.paused = False
 
 

@@ -11,6 +11,8 @@ whose RL users always load new weights after a resume):
   "cuda_graph", accepted: the local engine has none); no tags (or `{}`) means all. Other tags
   are a 400.
 - Release needs an idle engine (no request running or queued): 400 otherwise, nothing done.
+  From that check on (while it waits for the model thread and runs there) requests and loads
+  are refused as when released: one queued meanwhile would run on the freed weights.
   "weights": every parameter's storage is dropped (its shape and dtype kept); "kv_cache": the
   running batch's cache and the prefix cache are dropped. The allocator is then asked to give
   the memory back (CUDA's cache, glibc's `malloc_trim`), so the process's RSS falls.
@@ -35,7 +37,7 @@ import contextlib
 import ctypes
 import gc
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .sampling_params import BadRequestError
@@ -65,14 +67,15 @@ class MemoryOccupation:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.released: set[str] = set()
+        self.releasing: set[str] = set()  # a release checked the engine idle and runs now
         self.awaiting_weights = False  # resumed weights hold nothing until a load
         self._shapes: list[tuple[Any, Any, Any]] = []  # (parameter, shape, dtype) released
 
     def check_serving(self) -> None:
         """Raise BadRequestError when a request cannot be served (released or no weights)."""
-        if self.released:
+        if gone := self.released | self.releasing:
             raise BadRequestError(
-                f"this engine's {' and '.join(sorted(self.released))} memory is released "
+                f"this engine's {' and '.join(sorted(gone))} memory is released "
                 "(/release_memory_occupation): call /resume_memory_occupation and load weights "
                 "before generating"
             )
@@ -84,10 +87,20 @@ class MemoryOccupation:
 
     def load_refused(self) -> str | None:
         """Why a weight load is refused now, or None."""
-        if "weights" in self.released:
+        if "weights" in self.released | self.releasing:
             return ("Failed to update weights: the weights' memory is released "
                     "(/release_memory_occupation); call /resume_memory_occupation first.")  # fmt: skip
         return None
+
+    @contextlib.contextmanager
+    def releasing_now(self, tags: Iterable[str]) -> Iterator[None]:
+        """Around a release, from its idle check to its end (module docstring)."""
+        tags = set(tags)
+        self.releasing |= tags
+        try:
+            yield
+        finally:
+            self.releasing -= tags
 
     def weights_loaded(self) -> None:
         self.awaiting_weights = False

@@ -294,8 +294,11 @@ def register_native_routes(app: App, state: EngineState) -> None:
             if release and scheduler.busy:
                 return error_response("the engine is not idle: requests are running or queued; "
                                       "finish or abort them before releasing its memory")  # fmt: skip
-            do = scheduler.memory.release if release else scheduler.memory.resume
-            await scheduler.run_on_model_thread(do, tags)
+            if release:  # refused from this idle check on, not only once it is done
+                with scheduler.memory.releasing_now(tags):
+                    await scheduler.run_on_model_thread(scheduler.memory.release, tags)
+            else:
+                await scheduler.run_on_model_thread(scheduler.memory.resume, tags)
             return json_response(None)
 
         return route

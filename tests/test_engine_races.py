@@ -1,0 +1,375 @@
+"""Check-then-act races across `await` points on the engine side (an `EnginePool`'s membership
+and answer checks, `RouterEngine`, a client's pause lease, the local engine's memory release),
+made deterministic: a real local engine over loopback, and a client (`SGLangEngine` subclass)
+or its network (an httpx transport) that holds one call on a `trio.Event` while another path
+runs (the technique of the last tests of tests/test_engine_failures.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import trio
+from test_engine_pool import run_engine, wait_for
+
+from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+from engines.router import RouterEngine
+from engines.testing.gateway import open_gateway
+
+
+class Held(SGLangEngine):
+    """Once `held` names a method ("model_info", "generate", "resume", ...), its next call
+    waits for `release`: before the request (`before=True`) or once it has its answer (then
+    `answered` is set). `returned` is set once that call returns (the caller then runs on
+    without a checkpoint until its next await)."""
+
+    def __init__(self, url: str, **kw) -> None:
+        super().__init__(url, max_retries=0, **kw)
+        self.held: str | None = None
+        self.before = False
+        self.release = trio.Event()
+        self.answered = self.returned = False
+
+    async def _hold(self, name: str, call):
+        if self.held != name:
+            return await call()
+        self.held = None
+        if self.before:
+            await self.release.wait()
+            out = await call()
+        else:
+            out = await call()
+            self.answered = True
+            await self.release.wait()
+        self.returned = True
+        return out
+
+    async def model_info(self):
+        return await self._hold("model_info", super().model_info)
+
+    async def generate(self, *args, **kwargs):
+        call = super().generate
+        return await self._hold("generate", lambda: call(*args, **kwargs))
+
+    async def resume(self):
+        return await self._hold("resume", super().resume)
+
+    async def update_weights_from_disk(self, *args, **kwargs):
+        call = super().update_weights_from_disk
+        return await self._hold("update_weights_from_disk", lambda: call(*args, **kwargs))
+
+
+async def test_a_probe_answer_from_before_a_rejoin_does_not_mark_the_rejoined_engine_down(
+    tiny_model_dir,
+):
+    # A version probe got its answer from the engine restarted on its initial weights, then a
+    # supervisor's "down" and "up" had it rejoin with the current weights before the probe
+    # compared: the old answer marked the engine, now right, down as restarted, so one outage
+    # gave the weights twice and counted rejoined == 2.
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url)
+        async with engine:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            await engine.update_weight_version("0", abort_all_requests=False)  # as restarted
+            engine.held = "model_info"
+            async with EnginePool([engine], probe_interval_s=10, engine_events=events) as pool:
+                await wait_for(lambda: engine.held is None, 5)  # the probe has "0", and waits
+                await send.send(("down", live.url))
+                await send.send(("up", live.url))
+                await wait_for(lambda: pool.statistics().engines[0].rejoined == 1, 10)
+                assert (await engine.model_info()).weight_version == "1"
+                engine.release.set()
+                await wait_for(lambda: engine.returned, 5)  # the probe has compared
+                stats = pool.statistics().engines[0]
+                assert (stats.healthy, stats.down_reason, stats.rejoined) == (True, None, 1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_supervisors_down_during_a_rejoin_keeps_the_engine_down(tiny_model_dir):
+    # The rejoin had given the weights (its last call answered) when the supervisor saw the
+    # process exit: that "down" found the engine already down and did nothing, and the rejoin
+    # then marked the dead engine up, so requests went to it (and its relaunch's "up", finding
+    # it up, was ignored: the relaunch served its initial weights until a request failed).
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url)
+        async with engine, EnginePool([engine], probe_interval_s=60, engine_events=events) as pool:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            engine.held = "resume"  # the rejoin's last call answers, and it waits
+            await send.send(("up", live.url))
+            await wait_for(lambda: engine.held is None, 10)
+            await send.send(("down", live.url))  # the process exits now
+            await wait_for(lambda: send.statistics().current_buffer_used == 0, 5)
+            engine.release.set()
+            await wait_for(lambda: not pool._slots[0].rejoining, 10)  # the rejoin is over
+            stats = pool.statistics().engines[0]
+            assert (stats.healthy, stats.rejoined) == (False, 0)
+            assert "supervisor" in (stats.down_reason or "")
+            await send.send(("up", live.url))  # its relaunch answers: given the weights
+            await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
+            assert pool.statistics().engines[0].rejoined == 1
+        nursery.cancel_scope.cancel()
+
+
+class Loads(Held):
+    """`Held`, counting the weight loads it sends."""
+
+    def __init__(self, url: str, **kw) -> None:
+        super().__init__(url, **kw)
+        self.loads = 0
+
+    async def update_weights_from_disk(self, *args, **kwargs):
+        self.loads += 1
+        return await super().update_weights_from_disk(*args, **kwargs)
+
+
+async def test_a_relaunch_that_answers_during_a_rejoin_of_the_process_before_is_given_the_weights(
+    tiny_model_dir,
+):
+    # The supervisor's "down" and its relaunch's "up" both came while a rejoin gave the weights
+    # to the process that exited: the "up" found a rejoin under way and did nothing, so the
+    # relaunch (on its initial weights) was either marked up by that rejoin or left down
+    # until a probe; it must be given the weights itself, at once.
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Loads(live.url)
+        async with engine, EnginePool([engine], probe_interval_s=60, engine_events=events) as pool:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            loads = engine.loads
+            engine.held = "resume"  # the rejoin's last call answers, and it waits
+            await send.send(("up", live.url))
+            await wait_for(lambda: engine.held is None, 10)
+            await send.send(("down", live.url))  # the process exits...
+            await send.send(("up", live.url))  # ...and its relaunch answers
+            await wait_for(lambda: send.statistics().current_buffer_used == 0, 5)
+            engine.release.set()
+            await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
+            stats = pool.statistics().engines[0]
+            assert (stats.rejoined, engine.loads - loads) == (1, 2)  # the relaunch's own load
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_push_that_skips_an_engine_being_rejoined_leaves_the_rejoins_pause_held(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # A push skips an engine the pool knows is down and drops this client's hold of its
+    # pause (it was held by a push before it died, issue 49): but the pool's rejoin held that
+    # pause, loading the weights. Its lease was then no longer renewed, and the engine resumed
+    # generation, in the middle of the load, one lease later.
+    send, events = trio.open_memory_channel[tuple[str, str]](8)
+    lease_s = 1.2  # renewed every 0.4 s; it runs out 1.2 s after the last renewal
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        other = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url, pause_lease_s=lease_s)
+        async with engine, SGLangEngine(other.url) as b, \
+                EnginePool([engine, b], probe_interval_s=60, engine_events=events) as pool:  # fmt: skip
+            await sync_weights_to_engines([engine, b], tiny_model_dir, "1")
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            engine.held, engine.before = "update_weights_from_disk", True
+            await send.send(("up", live.url))
+            await wait_for(lambda: engine.held is None, 10)  # the rejoin has it paused, loading
+            await sync_weights_to_engines([engine, b], tiny_model_dir_seed1, "2")  # skips it
+            assert engine.paused  # the rejoin still holds its pause...
+            await trio.sleep(2.0)  # ...and renews it: the lease does not run out
+            assert live.state.scheduler.paused
+            engine.release.set()
+            await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
+            assert (await engine.model_info()).weight_version == "2"  # the push's, meanwhile
+            assert not engine.paused and not live.state.scheduler.paused
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_that_arrives_while_the_memory_is_being_released_is_refused_not_failed(
+    tiny_model_dir,
+):
+    # The release checked the engine idle, then waited for the model thread: a /generate that
+    # came meanwhile (a pool's health probe, a late request) still found the memory in place,
+    # was queued, and its step ran on the released weights: a 500 "Internal error in the model
+    # step" (and a traceback in the log) instead of the 400 naming the release.
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        scheduler = live.state.scheduler
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as http:
+            answers: dict[str, httpx.Response] = {}
+
+            async def post(name: str, path: str, body: dict) -> None:
+                answers[name] = await http.post(path, json=body)
+
+            async def model_thread_busy() -> None:  # e.g. an adapter load before the release
+                await scheduler.run_on_model_thread(gate.wait)
+
+            nursery.start_soon(model_thread_busy)
+            try:  # the model thread is freed whatever happens (a thread is not cancellable)
+                await wait_for(lambda: scheduler._limiter.borrowed_tokens == 1, 5)
+                nursery.start_soon(post, "release", "/release_memory_occupation", {})
+                await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 1, 5)
+                nursery.start_soon(post, "generate", "/generate", {
+                    "input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+                await wait_for(lambda: scheduler.busy or "generate" in answers, 5)
+            finally:
+                gate.set()
+            await wait_for(lambda: len(answers) == 2, 10)
+            assert answers["release"].status_code == 200
+            generate = answers["generate"]
+            assert generate.status_code == 400, generate.text
+            assert "/release_memory_occupation" in generate.text
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("follows_weights", [False, True])
+async def test_an_answer_from_the_weights_of_when_it_was_sent_is_not_stale_once_a_push_lands(
+    tiny_model_dir, tiny_model_dir_seed1, follows_weights
+):
+    # The pool read the expected version only once the answer was in: a push that landed
+    # between the answer and that check (the trainer's own, or, for a rollout worker's pool,
+    # the trainer's that the worker heard of first) made the answer of the weights the request
+    # was sent to look stale, and marked the healthy engine down.
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url)
+        async with (
+            engine,
+            SGLangEngine(live.url) as trainer,
+            EnginePool(
+                [engine],
+                probe_interval_s=60,
+                unavailable_timeout_s=2,
+                follows_weights=follows_weights,
+            ) as pool,
+        ):
+            await sync_weights_to_engines([trainer if follows_weights else engine],
+                                          tiny_model_dir, "5")  # fmt: skip
+            pool.expect_weights("5") if follows_weights else None
+            answers: list = []
+
+            async def generate() -> None:
+                try:
+                    answers.append(await pool.generate([4, 5, 6], {"max_new_tokens": 2}))
+                except Exception as exc:  # the assertion names it
+                    answers.append(exc)
+
+            engine.held = "generate"
+            nursery.start_soon(generate)
+            await wait_for(lambda: engine.answered, 10)  # answered by "5": it waits
+            if follows_weights:  # the trainer pushes, and tells the worker
+                await sync_weights_to_engines([trainer], tiny_model_dir_seed1, "6")
+                pool.expect_weights("6")
+            else:
+                await sync_weights_to_engines([engine], tiny_model_dir_seed1, "6")
+            engine.release.set()
+            await wait_for(lambda: bool(answers), 10)
+            assert getattr(answers[0], "weight_version", answers[0]) == "5"
+            stats = pool.statistics().engines[0]
+            assert (stats.healthy, stats.failed, stats.down_reason) == (True, 0, None)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_answer_through_the_gateway_is_not_sent_again_when_a_push_lands_before_its_check(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # RouterEngine read the workers' expected version only once the answer was in: a push
+    # between the two made the answer of the weights it was sent to look stale, and the
+    # request was generated again (up to `max_stale_retries` times, then raised).
+    async with trio.open_nursery() as nursery:
+        worker = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        async with (
+            open_gateway([worker.url]) as (url, stats),
+            SGLangEngine(worker.url, max_retries=0) as client,
+            RouterEngine(Held(url), [client], max_stale_retries=0) as router,
+        ):  # fmt: skip
+            await sync_weights_to_engines([client], tiny_model_dir, "5")
+            gateway: Held = router.gateway  # type: ignore[assignment]
+            answers: list = []
+
+            async def generate() -> None:
+                try:
+                    answers.append(await router.generate([4, 5, 6], {"max_new_tokens": 2}))
+                except Exception as exc:  # the assertion names it
+                    answers.append(exc)
+
+            gateway.held = "generate"
+            nursery.start_soon(generate)
+            await wait_for(lambda: gateway.answered, 10)  # answered by "5": it waits
+            await sync_weights_to_engines([client], tiny_model_dir_seed1, "6")
+            gateway.release.set()
+            await wait_for(lambda: bool(answers), 10)
+            assert getattr(answers[0], "weight_version", answers[0]) == "5"
+            assert sum(stats.forwarded.values()) == 1  # generated once
+        nursery.cancel_scope.cancel()
+
+
+class HeldPause(httpx.AsyncBaseTransport):
+    """The network between a client and its engine: once `armed`, the next pause that is not a
+    lease renewal ("in_place") waits for `release` before it goes out (`holding` meanwhile)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.armed = self.holding = False
+        self.release = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if (
+            self.armed
+            and request.url.path == "/pause_generation"
+            and b"in_place" not in (request.content)
+        ):
+            self.armed, self.holding = False, True
+            await self.release.wait()
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_lease_renewal_sent_while_its_pause_is_on_the_way_does_not_take_its_place(
+    tiny_model_dir,
+):
+    # The client counts the engine paused from the moment it sends the pause: a renewal of the
+    # lease sent before the pause got there paused the engine "in_place" (a renewal's mode),
+    # and the engine took the pause that followed for a renewal: the request it was to abort
+    # kept its place, the flush before the load was refused, and the sync failed.
+    lease_s = 0.6
+    net = HeldPause()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        scheduler = live.state.scheduler
+        async with (
+            SGLangEngine(live.url, max_retries=0, transport=net, pause_lease_s=lease_s) as engine,
+            SGLangEngine(live.url, max_retries=0) as other,
+        ):  # fmt: skip
+            done: dict[str, object] = {}
+
+            async def long_request() -> None:  # another client's, aborted by the push's pause
+                done["request"] = await other.generate(
+                    [4, 5, 6], {"max_new_tokens": 1000, "ignore_eos": True})  # fmt: skip
+
+            async def push() -> None:
+                try:
+                    done["push"] = await sync_weights_to_engines([engine], tiny_model_dir, "1")
+                except Exception as exc:  # the assertion names it
+                    done["push"] = exc
+
+            nursery.start_soon(long_request)
+            await wait_for(lambda: bool(scheduler.running), 10)
+            net.armed = True
+            nursery.start_soon(push)
+            await wait_for(lambda: net.holding, 10)  # the pause is on its way
+            with trio.move_on_after(5 * lease_s):  # renewals are due every lease_s / 3
+                await wait_for(lambda: live.state.pause_lease.held)  # one got there first
+            net.release.set()
+            await wait_for(lambda: len(done) == 2, 30)
+            assert isinstance(done["push"], float), done["push"]
+            assert done["request"].aborted  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
