@@ -2,7 +2,7 @@
 and answer checks, `RouterEngine`, a client's pause lease, the local engine's memory release),
 made deterministic: a real local engine over loopback, and a client (`SGLangEngine` subclass)
 or its network (an httpx transport) that holds one call on a `trio.Event` while another path
-runs (the technique of the last tests of tests/test_engine_failures.py)."""
+runs (CI once failed on such a race: one outage gave an engine the weights twice)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ class Held(SGLangEngine):
 
     async def model_info(self):
         return await self._hold("model_info", super().model_info)
+
+    async def is_healthy(self):
+        return await self._hold("is_healthy", super().is_healthy)
 
     async def generate(self, *args, **kwargs):
         call = super().generate
@@ -372,4 +375,60 @@ async def test_a_lease_renewal_sent_while_its_pause_is_on_the_way_does_not_take_
             await wait_for(lambda: len(done) == 2, 30)
             assert isinstance(done["push"], float), done["push"]
             assert done["request"].aborted  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_engine_back_once_is_given_the_weights_and_counted_once_whichever_paths_find_it(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # CI found rejoined == 2 after one outage: a rejoin that began after another had already
+    # marked the engine up (its probe answered meanwhile) gave it the weights again and counted
+    # a second return
+    send, recv = trio.open_memory_channel[tuple[str, str]](10)
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Loads(live.url)
+        async with engine, EnginePool([engine], probe_interval_s=60, engine_events=recv) as pool:
+            await sync_weights_to_engines([engine], tiny_model_dir_seed1, "1")
+            loads_before = engine.loads
+            await send.send(("down", live.url))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 5)
+            left: list[tuple[str, ...]] = []
+
+            async def run_end() -> None:
+                left.append(await pool.rejoin_down(30.0))
+
+            engine.held, engine.before = "is_healthy", True
+            nursery.start_soon(run_end)  # its probe of the engine waits...
+            await wait_for(lambda: engine.held is None, 5)
+            await send.send(("up", live.url))  # ...while the supervisor's word rejoins it
+            await wait_for(lambda: pool.statistics().engines[0].rejoined >= 1, 10)
+            engine.release.set()  # then the probe answers
+            await wait_for(lambda: bool(left), 10)
+            await trio.sleep(0.2)  # a second rejoin, if any, has run by now
+            stats = pool.statistics().engines[0]
+            assert left == [()] and stats.healthy
+            assert (stats.rejoined, engine.loads - loads_before) == (1, 1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_push_that_lands_while_a_probe_waits_for_its_answer_marks_nothing_down(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    # the probe read the expected version before its /model_info, the push moved both the
+    # engine and the expectation meanwhile: comparing the new answer with the old expectation
+    # marked a healthy engine on the right weights down as restarted
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        engine = Held(live.url)
+        async with engine:
+            await sync_weights_to_engines([engine], tiny_model_dir, "1")
+            engine.held, engine.before = "model_info", True
+            async with EnginePool([engine], probe_interval_s=10) as pool:
+                await wait_for(lambda: engine.held is None, 5)  # the first round's probe waits
+                await sync_weights_to_engines([engine], tiny_model_dir_seed1, "2")
+                engine.release.set()
+                await trio.sleep(0.5)  # the probe has compared by now
+                stats = pool.statistics().engines[0]
+                assert (stats.healthy, stats.down_reason) == (True, None)
         nursery.cancel_scope.cancel()
