@@ -24,7 +24,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import trio
@@ -93,6 +93,16 @@ class CollectResult:
             "generate_time_s": self.wall_time_s,
             "rollout_tokens_per_s": self.completion_tokens / max(self.wall_time_s, 1e-9),
         }
+
+    def add_counts(self, part: CollectResult) -> None:
+        """Add `part`'s counts and errors to these (not its groups: the caller sorts those)."""
+        for f in fields(self):
+            if f.name not in ("accepted", "partial"):
+                mine = getattr(self, f.name)
+                if isinstance(mine, Counter):
+                    mine.update(getattr(part, f.name))
+                else:
+                    setattr(self, f.name, mine + getattr(part, f.name))
 
 
 @dataclass(frozen=True)

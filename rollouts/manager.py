@@ -24,7 +24,8 @@ Contract:
 - Lifecycle: `async with manager:` (or `await nursery.start(manager.run)`) ties background
   generation to a nursery the caller owns; leaving it cancels generation and, if that cut a
   batch off, aborts the engine's requests (`abort_all`). A clean exit sends nothing, so an
-  engine shared with other clients keeps their requests.
+  engine shared with other clients keeps their requests. A collection cancelled (the manager
+  left, a host's deadline on `generate_batch`) holds its prompts back: a later one serves them.
 
 Not covered: partial rollouts that continue a cut-short *sample* (only whole samples are kept).
 """
@@ -192,8 +193,11 @@ class AsyncRolloutManager:
         if self._prefetch is None:
             batch = await self._generate_now()
         else:  # generated during the last step: its staleness counts from now
-            batch = await self._prefetch.receive()
-            batch = replace(batch, metrics={**batch.metrics, **self._staleness(batch.samples)})
+            try:
+                batch = await self._prefetch.receive()
+                batch = replace(batch, metrics={**batch.metrics, **self._staleness(batch.samples)})
+            except trio.EndOfChannel:  # cancelled when the manager was left: its prompts are held
+                batch = await self._generate_now()
         send, self._prefetch = trio.open_memory_channel[RolloutBatch](1)
         self._prefetched = trio.Event()
         self._nursery.start_soon(self._prefetch_one, send, self._prefetched)
@@ -231,7 +235,7 @@ class AsyncRolloutManager:
         while len(groups) < self.config.batch_size:
             result: CollectResult = await self._prefetch.receive()
             drawn |= self._unserved.served(result.accepted)  # each served, held or dropped below
-            _accumulate(merged, result)
+            merged.add_counts(result)
             oldest_ok = self.current_version() - self.config.max_staleness
             for group in result.accepted:
                 if min(s.weight_version for s in group) >= oldest_ok:
@@ -261,17 +265,18 @@ class AsyncRolloutManager:
         try:
             async with watch_event_loop(cfg.stall_warning_s):  # names an async reward that blocks
                 result = await self._collect_groups(n_groups)
-        except BaseException:
-            self._cut_off = True
+        except BaseException:  # cancelled (a host's deadline, the manager left) or failed:
+            self._cut_off = True  # its prompts are served by a later collection, not forgotten
+            for prompt, samples in self._unserved.abandoned():
+                self._hold(prompt, samples)
             raise
         _check_failure_rate(result, cfg.max_failed_group_rate)
         line = failure_line(result.reward_errors, result.generation_errors,
                             cfg.reward_failure_value)  # fmt: skip
         if line is not None:  # one line a batch, every cause counted (any try)
             log.warning("%s", line)
-        version = self.current_version()
         for prompt, samples in result.partial:
-            self.data_buffer.hold([held_record(prompt, samples)], version)
+            self._hold(prompt, samples)
         self._unserved.collected(result.accepted)
         return result
 
@@ -368,24 +373,6 @@ def _check_failure_rate(result: CollectResult, max_rate: float) -> None:
         f"{failed} of {result.n_launched} groups failed on engines in one batch, more than "
         f"rollout.max_failed_group_rate={max_rate}: {how}"
     )
-
-
-def _accumulate(total: CollectResult, part: CollectResult) -> None:
-    total.n_launched += part.n_launched
-    total.n_filtered += part.n_filtered
-    total.n_failed_groups += part.n_failed_groups
-    total.n_failed_samples += part.n_failed_samples
-    total.n_retried_samples += part.n_retried_samples
-    total.n_reward_failed += part.n_reward_failed
-    total.n_interrupted += part.n_interrupted
-    total.completion_tokens += part.completion_tokens
-    total.reward_sum += part.reward_sum
-    total.n_scored += part.n_scored
-    total.wall_time_s += part.wall_time_s
-    total.failures.update(part.failures)
-    total.sample_errors.update(part.sample_errors)
-    total.reward_errors.update(part.reward_errors)
-    total.generation_errors.update(part.generation_errors)
 
 
 async def _abort_all(engine: Any) -> None:

@@ -43,6 +43,12 @@ class UnservedGroups:
         self._collecting.clear()
         self._collected.extend((prompts.get(g[0].prompt_ids) or prompt_of(g), g) for g in accepted)
 
+    def abandoned(self) -> list[tuple[PromptItem, list[Sample]]]:
+        """The collection in progress was cancelled: its prompts, with the samples they were
+        drawn with, for the caller to hold back (none of it was served)."""
+        drawn, self._collecting = self._collecting, []
+        return drawn
+
     def served(self, groups: Sequence[tuple[Sample, ...]] | None = None
                ) -> dict[int, PromptItem]:  # fmt: skip
         """These accepted groups (None: every one) left the manager; their prompts as drawn

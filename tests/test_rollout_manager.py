@@ -646,3 +646,56 @@ def first_three_together(finished: list[PromptItem], go: trio.Event):
 
 async def _zero(sample: Sample) -> float:
     return 0.0
+
+
+async def _cancel_once_running(scope: trio.CancelScope, server) -> None:
+    """Cancel `scope` once the engine runs a request (a collection is under way)."""
+    with trio.fail_after(60):
+        while not server.state.scheduler.running:
+            await trio.sleep(0.005)
+    scope.cancel()
+
+
+async def test_the_prompts_of_a_cancelled_generate_batch_are_served_by_the_next_one(
+    local_engine, tiny_tokenizer
+):
+    # a host app that bounds generate_batch (move_on_after) and asks again: the prompts the
+    # cancelled call drew were left "in collection" and the next collection's end forgot them,
+    # so they were neither trained nor held nor in a checkpoint
+    server, engine = local_engine
+    prompts = make_prompts(tiny_tokenizer, 10)
+    buffer = DataBuffer(prompts, shuffle=False)
+    cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none", max_new_tokens=200)
+    manager = AsyncRolloutManager(engine, buffer, cfg, reward_fn=lambda s: 0.0)
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as scope:
+            nursery.start_soon(_cancel_once_running, scope, server)
+            await manager.generate_batch()
+        assert scope.cancelled_caught
+    with trio.fail_after(120):
+        batch = await manager.generate_batch()
+    assert sorted(prompt_index(g[0]) for g in batch.groups) == [0, 1]  # held first
+    assert manager.data_state()["held"] == []
+
+
+async def test_overlap_mode_entered_again_after_a_prefetch_was_cancelled_serves_its_prompts(
+    local_engine, tiny_tokenizer
+):
+    # leaving the manager cancelled the prefetch and left its closed channel behind: the next
+    # generate_batch after entering again raised EndOfChannel
+    server, engine = local_engine
+    prompts = make_prompts(tiny_tokenizer, 10)
+    buffer = DataBuffer(prompts, shuffle=False)
+    cfg = config(batch_size=2, n_samples_per_prompt=2, filter_groups="none", mode="overlap",
+                 max_new_tokens=4)  # fmt: skip
+    manager = AsyncRolloutManager(engine, buffer, cfg, reward_fn=lambda s: 0.0)
+    async with manager:
+        first = await manager.generate_batch()  # the prefetch of prompts 2, 3 starts
+        with trio.fail_after(60):
+            while not server.state.scheduler.running:
+                await trio.sleep(0.005)
+    async with manager:
+        with trio.fail_after(120):
+            second = await manager.generate_batch()
+    assert sorted(prompt_index(g[0]) for g in first.groups) == [0, 1]
+    assert sorted(prompt_index(g[0]) for g in second.groups) == [2, 3]

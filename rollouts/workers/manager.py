@@ -56,7 +56,7 @@ from plumbing.errors import RolloutsError, leaf_errors
 from rollouts.config import RolloutConfig
 from rollouts.generation import CollectResult
 from rollouts.groups import Group, GroupFilter, SampleTransform
-from rollouts.manager import AsyncRolloutManager, _accumulate
+from rollouts.manager import AsyncRolloutManager
 from rollouts.prompts import PromptItem
 from rollouts.rewards import RolloutAlgorithm
 from rollouts.types import RolloutBatch, Sample
@@ -178,7 +178,7 @@ class WorkerRolloutManager(AsyncRolloutManager):
             prompts |= {order: prompt for order, prompt, _ in draws}
             drawn += len(draws)
             for part, groups, partial in await self._fan_out(draws):
-                _accumulate(total, part)
+                total.add_counts(part)
                 total.partial += partial
                 for order, group in groups:
                     if self.group_filter(group):
