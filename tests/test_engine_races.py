@@ -1,8 +1,9 @@
 """Check-then-act races across `await` points on the engine side (an `EnginePool`'s membership
-and answer checks, `RouterEngine`, a client's pause lease, the local engine's memory release),
-made deterministic: a real local engine over loopback, and a client (`SGLangEngine` subclass)
-or its network (an httpx transport) that holds one call on a `trio.Event` while another path
-runs (CI once failed on such a race: one outage gave an engine the weights twice)."""
+and answer checks, `RouterEngine`, a client's pause lease, the local engine's memory release,
+also against a request whose evicted LoRA adapter is being reloaded), made deterministic: a
+real local engine over loopback, and a client (`SGLangEngine` subclass) or its network (an
+httpx transport) that holds one call on a `trio.Event` (or the engine's model thread on a
+`threading.Event`) while another path runs (CI once failed on such a race: one outage gave an engine the weights twice)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import threading
 import httpx
 import pytest
 import trio
+from lora_helpers import GREEDY, LORA, PROMPTS, adapters_fixture  # noqa: F401  (fixture)
 from test_engine_pool import run_engine, wait_for
 
 from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+from engines.local import open_local_engine
 from engines.router import RouterEngine
 from engines.testing.gateway import open_gateway
 
@@ -228,6 +231,53 @@ async def test_a_request_that_arrives_while_the_memory_is_being_released_is_refu
             generate = answers["generate"]
             assert generate.status_code == 400, generate.text
             assert "/release_memory_occupation" in generate.text
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_whose_adapter_is_reloaded_while_the_memory_is_released_is_refused(
+    tiny_model_dir, adapters
+):
+    # A request sent during a pause names an evicted adapter, resolved once the pause ends (as
+    # SGLang does): the scheduler found the memory in place, then awaited the adapter's reload
+    # on the model thread; a release that came meanwhile found the engine idle (the request not
+    # queued yet) and ran first, and the request's step ran on the released weights: a 500
+    # "Internal error in the model step" instead of the 400 naming the release.
+    gate = threading.Event()
+    options = {**LORA, "max_loras_per_batch": 2, "max_loaded_loras": 2}
+    async with open_local_engine(tiny_model_dir, num_threads=1, **options) as server, \
+            SGLangEngine(server.url, max_retries=0) as engine, \
+            httpx.AsyncClient(base_url=server.url, timeout=30) as http, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        scheduler = server.state.scheduler
+        for name in ("a1", "a2", "b1"):  # a third one evicts a1, the least recently used
+            await engine.load_lora_adapter(name, adapters["a2" if name == "b1" else name])
+        answers: dict[str, httpx.Response] = {}
+
+        async def post(name: str, path: str, body: dict) -> None:
+            answers[name] = await http.post(path, json=body)
+
+        async def model_thread_busy() -> None:  # e.g. a step: the reload waits for it
+            await scheduler.run_on_model_thread(gate.wait)
+
+        await engine.pause("abort")
+        nursery.start_soon(model_thread_busy)
+        try:  # the model thread is freed whatever happens (a thread is not cancellable)
+            await wait_for(lambda: scheduler._limiter.borrowed_tokens == 1, 5)
+            nursery.start_soon(post, "generate", "/generate", {
+                "input_ids": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "a1"})  # fmt: skip
+            await wait_for(lambda: len(scheduler.held) == 1, 5)
+            await engine.resume()  # the request goes on: a1 is reloaded, on the model thread
+            await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 1, 5)
+            nursery.start_soon(post, "release", "/release_memory_occupation", {})
+            await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 2
+                           or "release" in answers, 5)  # fmt: skip
+        finally:
+            gate.set()
+        await wait_for(lambda: len(answers) == 2, 30)
+        assert answers["release"].status_code == 200, answers["release"].text
+        generate = answers["generate"]
+        assert generate.status_code == 400, generate.text
+        assert "/release_memory_occupation" in generate.text
         nursery.cancel_scope.cancel()
 
 
