@@ -15,7 +15,13 @@ import trio
 from lora_helpers import GREEDY, LORA, PROMPTS, adapters_fixture  # noqa: F401  (fixture)
 from test_engine_pool import run_engine, wait_for
 
-from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+from engines import (
+    EngineError,
+    EnginePool,
+    SGLangEngine,
+    find_free_port,
+    sync_weights_to_engines,
+)
 from engines.local import open_local_engine
 from engines.router import RouterEngine
 from engines.testing.gateway import open_gateway
@@ -425,6 +431,70 @@ async def test_a_lease_renewal_sent_while_its_pause_is_on_the_way_does_not_take_
             await wait_for(lambda: len(done) == 2, 30)
             assert isinstance(done["push"], float), done["push"]
             assert done["request"].aborted  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+
+
+class HeldContinue(httpx.AsyncBaseTransport):
+    """The network between a client and its engine: `fail` answers the next
+    `/continue_generation` 500 without sending it (it never gets there); once `armed`, the
+    next one waits for `release` before it goes out (`holding` meanwhile)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.fail = self.armed = self.holding = False
+        self.release = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/continue_generation":
+            if self.fail:
+                self.fail = False
+                return httpx.Response(500, json={"error": {"message": "lost on the way"}})
+            if self.armed:
+                self.armed, self.holding = False, True
+                await self.release.wait()
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_retried_resume_that_a_new_pause_overtakes_leaves_the_client_and_engine_paused(
+    tiny_model_dir,
+):
+    # A resume that failed is sent again (a pool's probe: `retry_resume`); a push's pause sent
+    # while that retry is on the way must end paused, and counted so by the client (which would
+    # otherwise send requests that wait behind it, its stall watch and probes thinking it
+    # serves), and a retry after that pause must not end it.
+    net = HeldContinue()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        scheduler = live.state.scheduler
+        async with SGLangEngine(live.url, max_retries=0, transport=net,
+                                pause_lease_s=None) as engine:  # fmt: skip
+            await engine.pause("abort")
+            net.fail = True
+            with pytest.raises(EngineError, match="lost on the way"):
+                await engine.resume()
+            assert engine.paused and engine.resume_wanted and scheduler.paused
+            net.armed = True
+            nursery.start_soon(engine.retry_resume)
+            await wait_for(lambda: net.holding, 10)  # the retry is on its way
+            pausing = trio.Event()
+
+            async def push_pause() -> None:
+                await engine.pause("abort")
+                pausing.set()
+
+            nursery.start_soon(push_pause)
+            await wait_for(lambda: not engine.resume_wanted, 10)  # the pause has begun
+            net.release.set()
+            with trio.fail_after(10):
+                await pausing.wait()
+            assert engine.paused and scheduler.paused
+            await engine.retry_resume()  # nothing to retry: the push's pause holds it
+            assert engine.paused and scheduler.paused
+            await engine.resume()
+            assert not engine.paused and not scheduler.paused
         nursery.cancel_scope.cancel()
 
 
