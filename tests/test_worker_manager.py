@@ -350,7 +350,7 @@ async def test_a_push_that_begins_and_ends_around_a_collect_frame_leaves_the_wor
             engine_weights=engine_weights, paused_engines=paused_engines)  # fmt: skip
         async with manager:
             with trio.fail_after(30):
-                while looks[0] < 2:  # the worker was told: no pause (the first look)
+                while looks[0] < 3:  # the worker was told: no pause (the first look's)
                     await trio.sleep(0.01)
             with trio.fail_after(60):
                 batch = await manager.generate_batch()
