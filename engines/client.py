@@ -91,6 +91,7 @@ class SGLangEngine(ControlRoutesMixin, RefitRoutesMixin, LoraClientMixin):
         # its initial weights; the pool retries elsewhere, or here once it has the weights.
         self._generate_retries = None if retry_generate else 0
         self.paused = False  # this client paused the engine and has not resumed it yet
+        self.resume_wanted = False  # a resume was asked and has not got through yet
         # another process paused it (`mark_paused_elsewhere`), and how many times it has
         self.paused_elsewhere, self.pauses_elsewhere = False, 0
         # colocated mode: "released" once this client released the engine's memory, "resumed"

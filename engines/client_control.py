@@ -12,6 +12,10 @@ reads and writes the attributes `SGLangEngine.__init__` sets; it is not used on 
   deprecated `get_` forms on a 404.
 - While this client has the engine paused, `is_healthy()` asks `/model_info`: SGLang's
   `/health_generate` waits behind the pause and answers 503 after 20 s.
+- A `resume()` that did not get through (an error other than the engine being gone, a
+  timeout or a cancel) leaves `paused` True, as the engine may still be paused (SGLang's pause
+  has no lease), and `resume_wanted` True: `retry_resume()` sends it again (a pool's probe
+  does, engines/pool_membership.py); a `pause()` since makes it do nothing.
 - Colocated mode: while this client has the engine's memory released, `is_healthy()` is False
   without asking (it can neither serve nor load weights until resumed, so a pool's rejoin
   must wait for the resume); from the resume until a weight load it asks `/model_info` (the
@@ -43,6 +47,7 @@ class ControlRoutesMixin:
     _url: str
     timeouts: EngineTimeouts
     paused: bool
+    resume_wanted: bool
     paused_elsewhere: bool
     pauses_elsewhere: int
     pause_lease_s: float | None
@@ -106,6 +111,7 @@ class ControlRoutesMixin:
         Requests sent from now on use a fresh `kv_namespace` (their `extra_key`): the weights
         may change before they run, and none may reuse KV computed before the pause."""
         self.paused = True  # before the call: it may reach the server even if it fails
+        self.resume_wanted = False  # a retry of an earlier resume must not end this pause
         self._pauses += 1
         self.kv_namespace = f"rollouts-{self._kv_id}-{self._pauses}"
         body: dict[str, Any] = {"mode": mode}
@@ -138,13 +144,29 @@ class ControlRoutesMixin:
 
     async def resume(self) -> None:
         """`/continue_generation`, then the aborts sent during the pause, once more: SGLang
-        0.5.23 drops an abort of a request held behind a pause, which then runs."""
+        0.5.23 drops an abort of a request held behind a pause, which then runs. Until it gets
+        through, `resume_wanted` stays True (see `retry_resume`)."""
+        self.resume_wanted = True
+        await self._resume(retry=False)
+
+    async def retry_resume(self) -> None:
+        """`resume()` again if the last one did not get through (an error, a timeout): the
+        engine may still be paused, serving nothing, and a pool does not probe an engine this
+        client has paused. Nothing if it got through or this client paused the engine since."""
+        await self._resume(retry=True)
+
+    async def _resume(self, *, retry: bool) -> None:
         try:
             async with self._lease_lock:
+                if retry and not (self.paused and self.resume_wanted):
+                    return
+                pauses = self._pauses
                 await self._http.json("POST", "/continue_generation", body={}, admin=True)
-                self.paused = False
+                if self._pauses != pauses:  # a pause since holds the engine now, and its
+                    return  # resume re-sends the aborts
+                self.paused = self.resume_wanted = False
         except EngineUnavailableError:
-            self.paused = False  # gone: a restarted server is not paused
+            self.paused = self.resume_wanted = False  # gone: a restarted server is not paused
             self._aborts_in_pause.clear()
             raise
         pending, self._aborts_in_pause = self._aborts_in_pause, []

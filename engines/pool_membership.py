@@ -20,7 +20,9 @@ Contract (the membership half of `EnginePool`'s):
   no batch, so no push, would ever come (issue 49 item D1). It stays `known_down` until then:
   a push meanwhile only records its weights, which the rejoin gives it before it is marked up.
   Engines this client has paused (a weight sync in progress) are never marked down by a
-  probe. A down engine's `known_down` is set: weight syncs skip it without trying (its
+  probe; one whose resume did not get through (an error, a timeout: the sync has ended, the
+  engine may still be paused) is sent the resume again by each probe until it gets through
+  (`retry_resume`), then probed as any other (a down one rejoins). A down engine's `known_down` is set: weight syncs skip it without trying (its
   retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin. A sync that gave
   up on an engine's load (it hangs: engines/sync_steps.py) sets it too, and the next probe marks
   that engine down.
@@ -177,6 +179,8 @@ class PoolMembershipMixin:
             self._mark_down(slot, EngineUnavailableError(
                 "a weight sync gave up on its load (it hangs)", url=engine.url))  # fmt: skip
             return
+        if getattr(engine, "paused", False) and getattr(engine, "resume_wanted", False):
+            await _retry_resume(engine)  # a sync's resume failed: the engine may stay paused
         if getattr(engine, "paused", False):
             return  # a weight sync is in progress: its own steps say whether it failed
         if not slot.healthy:
@@ -368,3 +372,16 @@ async def _probe(engine: InferenceEngine, timeout_s: float) -> bool:
         except EngineError:
             return False
     return False
+
+
+async def _retry_resume(engine: InferenceEngine) -> None:
+    """Send again a resume of `engine` that did not get through (one try, bounded): logged,
+    never raised; the next probe tries again."""
+    with trio.move_on_after(10.0):
+        try:
+            await engine.retry_resume()  # type: ignore[attr-defined]
+        except EngineError as exc:
+            logger.debug("engine %s: its resume failed again: %s", engine.url, exc)
+            return
+    if not getattr(engine, "paused", False):
+        logger.info("engine %s resumed (its resume after a weight sync had failed)", engine.url)

@@ -155,7 +155,9 @@ async def _reports(engine: Any, weight_version: str) -> bool:
 async def resume_noting(engine: Any, is_paused: bool, timeout_s: float, down: dict[str, str],
                         failures: dict[str, list[str]]) -> None:  # fmt: skip
     """Resume `engine` whatever happened (shielded, bounded), noting how that went. An engine
-    the sync gave up on (in `down`) is no longer held paused by this client, resumed or not."""
+    the sync gave up on (in `down`) is no longer held paused by this client, resumed or not;
+    one whose resume failed otherwise stays paused for its client (it may be), which sends the
+    resume again when a pool's probe asks (`retry_resume`, engines/pool_membership.py)."""
     gave_up = engine.url in down
     with trio.CancelScope(shield=True), trio.move_on_after(timeout_s) as scope:
         try:

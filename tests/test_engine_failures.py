@@ -177,6 +177,33 @@ async def test_a_dead_engine_warns_once_going_down_and_once_coming_back_whatever
     assert summary.endswith(f"; finished on 1 of 2 engines; lost {url}: {down} at step 2"), summary
 
 
+async def test_an_engine_whose_resume_failed_after_a_rejoins_sync_is_resumed_and_serves_again(
+    tiny_model_dir, tiny_model_dir_seed1
+):
+    """A down engine's rejoin paused it, gave it the weights, and its `/continue_generation`
+    failed (a 500; a timeout alike): the engine may still be paused (SGLang's pause has no
+    lease), and a pool does not probe an engine its client has paused. Each probe sends the
+    resume again until it gets through; then the engine rejoins and serves (it stayed paused
+    and out of the pool for the rest of the run)."""
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        proxy = FaultProxy(server.url, FaultPlan(paths=()))
+        url = await nursery.start(proxy.serve)
+        async with client(url) as engine, EnginePool([engine], probe_interval_s=0.2) as pool:
+            await sync_weights_to_engines([engine], tiny_model_dir_seed1, "1")
+            proxy.replan(FaultPlan(paths=("/model_info",), rates={"500": 1.0}))
+            await wait_for(lambda: not pool.statistics().engines[0].healthy, 10)  # a probe
+            failed = proxy.counts["500"]
+            proxy.replan(FaultPlan(paths=("/continue_generation",), script=("500",)))
+            await wait_for(lambda: proxy.counts["500"] == failed + 1, 10)  # a rejoin's resume
+            await wait_for(lambda: pool.statistics().engines[0].healthy, 10)
+            assert not server.state.scheduler.paused and not engine.paused
+            result = await pool.generate([3, 4], SHORT)
+            assert result.weight_version == "1"
+            assert proxy.counts["500"] == failed + 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_an_engine_restarted_between_probes_never_has_its_old_weights_used(
     tiny_model_dir, tiny_model_dir_seed1
 ):

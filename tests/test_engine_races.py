@@ -1,8 +1,9 @@
 """Check-then-act races across `await` points on the engine side (an `EnginePool`'s membership
-and answer checks, `RouterEngine`, a client's pause lease, the local engine's memory release),
-made deterministic: a real local engine over loopback, and a client (`SGLangEngine` subclass)
-or its network (an httpx transport) that holds one call on a `trio.Event` while another path
-runs (CI once failed on such a race: one outage gave an engine the weights twice)."""
+and answer checks, `RouterEngine`, a client's pause lease, the local engine's memory release,
+also against a request whose evicted LoRA adapter is being reloaded), made deterministic: a
+real local engine over loopback, and a client (`SGLangEngine` subclass) or its network (an
+httpx transport) that holds one call on a `trio.Event` (or the engine's model thread on a
+`threading.Event`) while another path runs (CI once failed on such a race: one outage gave an engine the weights twice)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ import threading
 import httpx
 import pytest
 import trio
+from lora_helpers import GREEDY, LORA, PROMPTS, adapters_fixture  # noqa: F401  (fixture)
 from test_engine_pool import run_engine, wait_for
 
-from engines import EnginePool, SGLangEngine, find_free_port, sync_weights_to_engines
+from engines import (
+    EngineError,
+    EnginePool,
+    SGLangEngine,
+    find_free_port,
+    sync_weights_to_engines,
+)
+from engines.local import open_local_engine
 from engines.router import RouterEngine
 from engines.testing.gateway import open_gateway
 
@@ -231,6 +240,53 @@ async def test_a_request_that_arrives_while_the_memory_is_being_released_is_refu
         nursery.cancel_scope.cancel()
 
 
+async def test_a_request_whose_adapter_is_reloaded_while_the_memory_is_released_is_refused(
+    tiny_model_dir, adapters
+):
+    # A request sent during a pause names an evicted adapter, resolved once the pause ends (as
+    # SGLang does): the scheduler found the memory in place, then awaited the adapter's reload
+    # on the model thread; a release that came meanwhile found the engine idle (the request not
+    # queued yet) and ran first, and the request's step ran on the released weights: a 500
+    # "Internal error in the model step" instead of the 400 naming the release.
+    gate = threading.Event()
+    options = {**LORA, "max_loras_per_batch": 2, "max_loaded_loras": 2}
+    async with open_local_engine(tiny_model_dir, num_threads=1, **options) as server, \
+            SGLangEngine(server.url, max_retries=0) as engine, \
+            httpx.AsyncClient(base_url=server.url, timeout=30) as http, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        scheduler = server.state.scheduler
+        for name in ("a1", "a2", "b1"):  # a third one evicts a1, the least recently used
+            await engine.load_lora_adapter(name, adapters["a2" if name == "b1" else name])
+        answers: dict[str, httpx.Response] = {}
+
+        async def post(name: str, path: str, body: dict) -> None:
+            answers[name] = await http.post(path, json=body)
+
+        async def model_thread_busy() -> None:  # e.g. a step: the reload waits for it
+            await scheduler.run_on_model_thread(gate.wait)
+
+        await engine.pause("abort")
+        nursery.start_soon(model_thread_busy)
+        try:  # the model thread is freed whatever happens (a thread is not cancellable)
+            await wait_for(lambda: scheduler._limiter.borrowed_tokens == 1, 5)
+            nursery.start_soon(post, "generate", "/generate", {
+                "input_ids": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "a1"})  # fmt: skip
+            await wait_for(lambda: len(scheduler.held) == 1, 5)
+            await engine.resume()  # the request goes on: a1 is reloaded, on the model thread
+            await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 1, 5)
+            nursery.start_soon(post, "release", "/release_memory_occupation", {})
+            await wait_for(lambda: scheduler._limiter.statistics().tasks_waiting == 2
+                           or "release" in answers, 5)  # fmt: skip
+        finally:
+            gate.set()
+        await wait_for(lambda: len(answers) == 2, 30)
+        assert answers["release"].status_code == 200, answers["release"].text
+        generate = answers["generate"]
+        assert generate.status_code == 400, generate.text
+        assert "/release_memory_occupation" in generate.text
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("follows_weights", [False, True])
 async def test_an_answer_from_the_weights_of_when_it_was_sent_is_not_stale_once_a_push_lands(
     tiny_model_dir, tiny_model_dir_seed1, follows_weights
@@ -375,6 +431,70 @@ async def test_a_lease_renewal_sent_while_its_pause_is_on_the_way_does_not_take_
             await wait_for(lambda: len(done) == 2, 30)
             assert isinstance(done["push"], float), done["push"]
             assert done["request"].aborted  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+
+
+class HeldContinue(httpx.AsyncBaseTransport):
+    """The network between a client and its engine: `fail` answers the next
+    `/continue_generation` 500 without sending it (it never gets there); once `armed`, the
+    next one waits for `release` before it goes out (`holding` meanwhile)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.fail = self.armed = self.holding = False
+        self.release = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/continue_generation":
+            if self.fail:
+                self.fail = False
+                return httpx.Response(500, json={"error": {"message": "lost on the way"}})
+            if self.armed:
+                self.armed, self.holding = False, True
+                await self.release.wait()
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_retried_resume_that_a_new_pause_overtakes_leaves_the_client_and_engine_paused(
+    tiny_model_dir,
+):
+    # A resume that failed is sent again (a pool's probe: `retry_resume`); a push's pause sent
+    # while that retry is on the way must end paused, and counted so by the client (which would
+    # otherwise send requests that wait behind it, its stall watch and probes thinking it
+    # serves), and a retry after that pause must not end it.
+    net = HeldContinue()
+    async with trio.open_nursery() as nursery:
+        live = await nursery.start(run_engine, tiny_model_dir, find_free_port())
+        scheduler = live.state.scheduler
+        async with SGLangEngine(live.url, max_retries=0, transport=net,
+                                pause_lease_s=None) as engine:  # fmt: skip
+            await engine.pause("abort")
+            net.fail = True
+            with pytest.raises(EngineError, match="lost on the way"):
+                await engine.resume()
+            assert engine.paused and engine.resume_wanted and scheduler.paused
+            net.armed = True
+            nursery.start_soon(engine.retry_resume)
+            await wait_for(lambda: net.holding, 10)  # the retry is on its way
+            pausing = trio.Event()
+
+            async def push_pause() -> None:
+                await engine.pause("abort")
+                pausing.set()
+
+            nursery.start_soon(push_pause)
+            await wait_for(lambda: not engine.resume_wanted, 10)  # the pause has begun
+            net.release.set()
+            with trio.fail_after(10):
+                await pausing.wait()
+            assert engine.paused and scheduler.paused
+            await engine.retry_resume()  # nothing to retry: the push's pause holds it
+            assert engine.paused and scheduler.paused
+            await engine.resume()
+            assert not engine.paused and not scheduler.paused
         nursery.cancel_scope.cancel()
 
 

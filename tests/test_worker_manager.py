@@ -318,6 +318,48 @@ async def test_a_workers_requests_held_behind_a_trainers_push_longer_than_the_st
     assert len(batch.samples) == 4 and batch.metrics["samples_failed"] == 0
 
 
+async def test_a_push_that_begins_and_ends_around_a_collect_frame_leaves_the_worker_seeing_no_pause(
+    tiny_model_dir,
+):
+    """The trainer's push pauses the engine just as a collect frame is built (its state:
+    paused) and ends before the trainer next looks at its pauses, which it has already told the
+    worker were none: the worker is told the push ended, so its stall watch counts again, and a
+    /generate its engine never answers is given up at the stall bound (~1 s) and sent again,
+    not left until rollout.worker_timeout_s."""
+    config = ROLLOUT.model_copy(update={"workers": 1, "worker_timeout_s": 30.0,
+                                        "worker_restarts": 0})  # fmt: skip
+    stall = {"stall_floor_s": 1.0, "stall_s_per_token": 0.01}  # 1.06 s for 6 tokens
+    items = [PromptItem((11, 12, 13 + i), (), {"answer": str(i)}) for i in range(2)]
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            trio.open_nursery() as nursery:  # fmt: skip
+        proxy = FaultProxy(server.url, FaultPlan(script=("hang",), hang_s=60.0))
+        url = await nursery.start(proxy.serve)
+        pushing, looks = [False], [0]
+
+        def paused_engines():  # one look sees the push: it ends right after
+            looks[0] += 1
+            seen, pushing[0] = pushing[0], False
+            return {url} if seen else set()
+
+        def engine_weights():  # read right before the collect frame's paused state
+            pushing[0] = True
+            return None
+
+        manager = WorkerRolloutManager(
+            [url], DataBuffer(items, seed=0), config, reward=REWARD, engines=stall,
+            engine_weights=engine_weights, paused_engines=paused_engines)  # fmt: skip
+        async with manager:
+            with trio.fail_after(30):
+                while looks[0] < 3:  # the worker was told: no pause (the first look's)
+                    await trio.sleep(0.01)
+            with trio.fail_after(60):
+                batch = await manager.generate_batch()
+        nursery.cancel_scope.cancel()
+    assert proxy.counts["hang"] == 1 and manager.restarts == 0
+    assert proxy.longest_s["/generate"] < 15.0  # given up at the stall bound, not at 30 s
+    assert len(batch.samples) == 4 and batch.metrics["samples_failed"] == 0
+
+
 def _hold(holding: threading.Event, release: threading.Event) -> None:
     """On the engine's model thread: no step runs until `release` (bounded: 60 s)."""
     holding.set()

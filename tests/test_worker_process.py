@@ -3,6 +3,8 @@ scores the groups it is sent and returns them whole; its failures are named."""
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -177,3 +179,49 @@ async def test_a_group_resumed_from_held_samples_of_another_collection_comes_bac
             assert [len({s.group_id for s in g}) for g in groups] == [1, 1]
             assert groups[0][0].response_ids == first.response_ids  # the held one, kept
         nursery.cancel_scope.cancel()
+
+
+async def test_a_workers_view_of_paused_engines_is_the_newest_the_trainer_sent_when_frames_come_together(
+    tiny_model_dir,
+):
+    """A collect frame says no engine is paused (its state taken before a push); the push then
+    pauses the engine and the trainer's "paused" frame reaches the worker in the same read (the
+    worker was busy; here stopped): the worker's view is the newer state, whatever order it reads
+    and applies them in. Its requests wait behind the push three times its stall bound and none
+    is taken for stalled (no abort, no rid sent twice); they finish once the push ends."""
+    config = ROLLOUT.model_copy(update={"sampling": SamplingConfig(temperature=0.0,
+                                                                   max_new_tokens=64)})  # fmt: skip
+    stall = {"stall_floor_s": 2.0, "stall_s_per_token": 0.02}  # 3.28 s for 64 tokens
+    async with open_local_engine(tiny_model_dir, num_threads=1) as server, \
+            SGLangEngine(server.url) as trainer, trio.open_nursery() as nursery:  # fmt: skip
+        proxy = FaultProxy(server.url, FaultPlan())
+        paths: list[str] = []
+        proxy.on_request = paths.append
+        url = await nursery.start(proxy.serve)
+        worker = WorkerProcess(0, [url], config, "tests.worker_rewards:index_reward",
+                               timeout_s=60, engines=stall)  # fmt: skip
+        await worker.start(nursery)
+        answers: list = []
+        request = {**_request(PROMPTS[:2]), "paused": [], "paused_seq": 1}
+        os.kill(worker.pid, signal.SIGSTOP)  # it reads nothing until both frames are there
+        try:
+            async with trio.open_nursery() as asking:
+                asking.start_soon(lambda: _append(answers, worker.ask(request)))
+                await trainer.pause("retract")  # the push (either frame may be written first:
+                # the stopped worker reads both before its collection starts)
+                assert await worker.tell({"kind": "paused", "urls": [url], "paused_seq": 2})
+                os.kill(worker.pid, signal.SIGCONT)
+                await trio.sleep(3 * (2.0 + 0.02 * 64))  # the push's load
+                await trainer.resume()
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        nursery.cancel_scope.cancel()
+    [(header, buffers)] = answers
+    assert "/abort_request" not in paths
+    assert len(proxy.rids) == len(set(proxy.rids)) == 4  # none re-sent
+    assert stats_result(header["stats"]).n_retried_samples == 0
+    assert [len(g) for g in decode_groups(header["groups"], buffers)] == [2, 2]
+
+
+async def _append(into: list, awaitable) -> None:
+    into.append(await awaitable)

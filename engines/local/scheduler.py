@@ -233,6 +233,10 @@ class Scheduler(SchedulerControl):
                     raise BadRequestError("LoRA adapters are not enabled on this server.")
                 await self.lora.resolve(adapters)
                 self.lora.check_loaded(adapters)
+                # again: a release may have found the engine idle while an evicted adapter was
+                # reloaded (the model thread), and these would then run on released weights;
+                # from here to their queueing nothing awaits, so a release sees them busy
+                self.memory.check_serving()
             self.lora_in_use.update(adapters)
             try:
                 self.waiting.extend(s for s in seqs if not s.finished)

@@ -33,6 +33,10 @@ Contract (`rollout.workers: K` > 0):
   trainer has an engine paused for a push (`paused_engines`), its worker is told (a "paused"
   frame, within `PAUSE_POLL_S`): its requests wait behind the push by design, and its pool's
   stall watch does not count that wait (engines/stall.py), as the trainer's own pool does not.
+  Each paused state sent (a collect frame's or a "paused" frame) is numbered (`paused_seq`, in
+  the order the trainer read them), and a worker applies only the newest; a change since the
+  last state sent by either frame is sent within `PAUSE_POLL_S`, so a push that begins and
+  ends between two looks, around a collect frame, does not leave the worker's view paused.
 - Engine settings: each worker builds its clients and pool from `engines`, the run's
   `engines.*` (engines/client_settings.py, as the trainer's own): keys, `generate_timeout_s`,
   the stall bound, `unavailable_timeout_s`.
@@ -44,6 +48,7 @@ does not follow the trainer's pauses; refused by `RLRunConfig`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -108,6 +113,8 @@ class WorkerRolloutManager(AsyncRolloutManager):
                                       timeout_s=config.worker_timeout_s, engines=engines)
                         for i in range(k)]  # fmt: skip
         self.restarts = 0
+        self._pause_seq = itertools.count(1)  # numbers the paused states sent to the workers
+        self._told: list[list[str] | None] = [None] * k  # each worker's last paused state sent
         self._overlong: dict[str, Any] | None = None
         self._workers_ready = trio.Event()  # async mode's producer starts once they answer
 
@@ -140,17 +147,27 @@ class WorkerRolloutManager(AsyncRolloutManager):
         """Tell each worker which of its engines the trainer has paused (a weight push), as that
         changes (looked at every `PAUSE_POLL_S`): a worker's own clients did not pause them, and
         its pool's stall watch must not count the time its requests wait behind the push."""
-        told: list[list[str] | None] = [None] * len(self.workers)
         while True:
-            for i, worker in enumerate(self.workers):
-                urls = self._paused_of(worker)
-                if urls != told[i] and await worker.tell({"kind": "paused", "urls": urls}):
-                    told[i] = urls
+            for worker in self.workers:
+                if self._paused_of(worker) != self._told[worker.index]:
+                    state = self._paused_state(worker)
+                    frame = {"kind": "paused", "urls": state["paused"],
+                             "paused_seq": state["paused_seq"]}  # fmt: skip
+                    if not await worker.tell(frame):
+                        self._told[worker.index] = None  # not sent: sent again next time
             await trio.sleep(PAUSE_POLL_S)
 
     def _paused_of(self, worker: WorkerProcess) -> list[str]:
         paused = set(self.paused_engines())
         return [u for u in worker.engine_urls if u in paused]
+
+    def _paused_state(self, worker: WorkerProcess) -> dict[str, Any]:
+        """The worker's engines the trainer has paused now, numbered after every state read
+        before (the worker applies a state only if newer than the last: frames may be read
+        and applied in another order), and remembered as the state it was last sent."""
+        urls = self._paused_of(worker)
+        self._told[worker.index] = urls
+        return {"paused": urls, "paused_seq": next(self._pause_seq)}
 
     # -- batches --------------------------------------------------------------------------------
 
@@ -228,7 +245,7 @@ class WorkerRolloutManager(AsyncRolloutManager):
                     "kind": "collect", "request": self._n_calls, "prompts": prompts,
                     "rid_prefix": rid_prefix, "overlong": self._overlong,
                     "engine_weights": self.engine_weights(), "abort": left_running,
-                    "paused": self._paused_of(worker)})  # fmt: skip
+                    **self._paused_state(worker)})  # fmt: skip
                 break
             except WorkerLost as err:
                 # its requests may still run: an engine behind a proxy or router does not see

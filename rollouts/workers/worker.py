@@ -13,7 +13,7 @@ stderr (stdout is the frame stream). The protocol, one frame each:
 - trainer → worker: `{"kind": "collect", "request": id, "rid_prefix": str, "prompts":
   [{"prompt": PromptItem dict, "samples": [held Sample dicts]}], "overlong": null | {...},
   "engine_weights": the version of the trainer's last push, or null, "abort": [rid prefixes],
-  "paused": [the worker's engine URLs the trainer has paused now]}`:
+  "paused": [the worker's engine URLs the trainer has paused now], "paused_seq": n}`:
   the worker's pool uses no engine serving older weights (`EnginePool(follows_weights=True)`);
   it first aborts, on its engines, the requests of the `abort` prefixes (those a lost worker
   before it left running).
@@ -23,9 +23,14 @@ stderr (stdout is the frame stream). The protocol, one frame each:
   group i's prompt in the request, `partial` the slots cut short (an engine paused with abort)
   with their finished samples, `stats` the collection's counters.
 - trainer → worker, at any time (also while a collection runs; never answered): `{"kind":
-  "paused", "urls": [...]}`, the worker's engines the trainer has paused now (a weight push, as
-  `"paused"` of a collect frame): requests wait behind that pause by design, so the pool's stall
-  watch does not count that time (engines/stall.py, `mark_paused_elsewhere`).
+  "paused", "urls": [...], "paused_seq": n}`, the worker's engines the trainer has paused now (a
+  weight push, as `"paused"` of a collect frame): requests wait behind that pause by design, so
+  the pool's stall watch does not count that time (engines/stall.py, `mark_paused_elsewhere`).
+  `paused_seq` numbers the trainer's paused states, each newer one higher: the worker applies a
+  state only if it is newer than the last it applied, so its view is the newest the trainer sent
+  whatever order the two kinds of frame are read or applied in (a collect frame's is applied when
+  its collection starts, after a "paused" frame that came right behind it). A state without
+  `paused_seq` is applied as it comes.
 - a failure the trainer must not retry (a reward that raised under `reward_fail_fast`, an
   engine error under `engine_fail_fast`) is answered `{"kind": "error", "message": ...}`.
 - stdin closed (or the process killed): the worker ends. The trainer's nursery owns the process.
@@ -102,6 +107,7 @@ class Worker:
         self.limiter = trio.CapacityLimiter(self.config.max_concurrency)
         self.threads = RewardThreads(self.config.reward_threads,
                                      max_hung=self.config.reward_max_hung)  # fmt: skip
+        self.paused_seq = 0  # the number of the trainer's paused state applied last
 
     async def collect(self, request: Mapping[str, Any]) -> bytes:
         cfg = self.config
@@ -111,7 +117,7 @@ class Worker:
                     [replace(Sample.from_dict(s), group_id=slot) for s in p["samples"]])
                    for slot, p in enumerate(request["prompts"])]  # fmt: skip
         queue = iter(prompts)
-        self.mark_paused(request.get("paused", ()))
+        self.mark_paused(request.get("paused", ()), request.get("paused_seq"))
         self.engine.expect_weights(request.get("engine_weights"))
         await abort_left_running(self.engine, request.get("abort", ()))
         reward = self.task_reward
@@ -139,9 +145,15 @@ class Worker:
                   "stats": result_stats(result)}  # fmt: skip
         return encode_frame(header, buffers)
 
-    def mark_paused(self, urls: Sequence[str]) -> None:
+    def mark_paused(self, urls: Sequence[str], seq: int | None = None) -> None:
         """The trainer has the engines at `urls` paused (a weight push), and no others: their
-        requests wait behind the pause by design, which the stall watch does not count."""
+        requests wait behind the pause by design, which the stall watch does not count. `seq`
+        is the trainer's number of that state: one not newer than the state applied last is
+        stale and ignored (see the module docstring)."""
+        if seq is not None:
+            if seq <= self.paused_seq:
+                return
+            self.paused_seq = seq
         for client in self.clients:
             client.mark_paused_elsewhere(client.url in urls)
 
@@ -199,7 +211,7 @@ async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> N
             async with requests_in:  # closed at the end of stdin: the last answer still goes
                 while (frame := await reader.receive()) is not None:
                     if frame[0].get("kind") == "paused":  # read while a collection runs
-                        worker.mark_paused(frame[0]["urls"])
+                        worker.mark_paused(frame[0]["urls"], frame[0].get("paused_seq"))
                     else:
                         requests_in.send_nowait(frame[0])
 
