@@ -14,8 +14,8 @@ def test_controller_scale_quick_run_prints_the_curve_and_writes_its_section():
     proc = subprocess.run(
         [sys.executable, "benchmarks/controller_scale.py", "--quick", "--engines", "2",
          "--workers", "0,1"],
-        # ~14 CPU s with its child processes: 15 s of wall time at
-        # load 5 on 2 cores, 58 s beside 4 more busy loops; the deadline only catches a hang
+        # ~14 CPU s with its child processes: 15 s of wall time at load 5 on 2 cores, 58 s
+        # beside 4 more busy loops; the deadline only catches a hang
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
