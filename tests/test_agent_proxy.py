@@ -194,7 +194,10 @@ async def test_broken_harnesses_fail_their_sample_with_the_cause_and_the_group_g
         def harness(endpoint, task, kind=kind):
             return python_harness(agent)(endpoint, {**task, "kind": kind})
 
-        fn = agent_generate(harness, tokenizer=tok, config=AgentConfig(timeout_s=2.0))
+        # only the hang is meant to meet the deadline: the others get one that a loaded
+        # machine cannot reach (the good one makes real model calls through the proxy)
+        timeout_s = 2.0 if kind == "hang" else 60.0
+        fn = agent_generate(harness, tokenizer=tok, config=AgentConfig(timeout_s=timeout_s))
         (sample,) = await fn(prompt, 1, greedy_ctx(engine, tok, f"f-{kind}"))
         samples.append(sample)
     by_kind = dict(zip(kinds, samples, strict=True))

@@ -207,6 +207,13 @@ async def test_unauthenticated_large_body_is_refused_before_it_is_read(tiny_mode
             assert ok.status_code == 200
 
 
+# A deadline of 0.5 s met "on time": within 3 s, which leaves a loaded machine (3 xdist
+# workers beside torchrun jobs on 2 cores) 2.5 s of lateness, and is still under every
+# default that would apply had the deadline been ignored (pre-auth 5 s, header 10 s,
+# keep-alive 15 s, read 30 s).
+ON_TIME = 3.0
+
+
 async def test_slow_idle_and_abandoned_connections_are_closed_on_time(tiny_model_dir):
     async with open_local_engine(
         tiny_model_dir,
@@ -226,14 +233,14 @@ async def test_slow_idle_and_abandoned_connections_are_closed_on_time(tiny_model
                     await trio.sleep(0.05)
             except trio.BrokenResourceError:
                 pass
-        await _read_until_closed(stream, 2)
-        assert time.perf_counter() - started < 1.5
+        await _read_until_closed(stream, 4)
+        assert time.perf_counter() - started < ON_TIME
         # An idle kept-alive connection is closed after the keep-alive time.
         stream = await _raw(server)
         await stream.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
         started = time.perf_counter()
-        answer = await _read_until_closed(stream, 3)
-        assert answer.startswith(b"HTTP/1.1 200") and time.perf_counter() - started < 1.5
+        answer = await _read_until_closed(stream, 4)
+        assert answer.startswith(b"HTTP/1.1 200") and time.perf_counter() - started < ON_TIME
         # A body trickled byte by byte is cut at the body deadline (--read-timeout), with 408.
         stream = await _raw(server)
         await stream.send_all(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n")
@@ -249,8 +256,8 @@ async def test_slow_idle_and_abandoned_connections_are_closed_on_time(tiny_model
                         break
             except trio.BrokenResourceError:
                 pass
-        answer += await _read_until_closed(stream, 2)
-        assert answer.startswith(b"HTTP/1.1 408") and time.perf_counter() - started < 1.5
+        answer += await _read_until_closed(stream, 4)
+        assert answer.startswith(b"HTTP/1.1 408") and time.perf_counter() - started < ON_TIME
         # A client that goes away mid-generation: its request is aborted, its socket closed.
         stream = await _raw(server)
         body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 900, "ignore_eos": true}}'

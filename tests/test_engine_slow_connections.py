@@ -85,7 +85,7 @@ async def test_600_idle_unauthenticated_sockets_do_not_lock_keyed_clients_out(ti
                         pass
                 await trio.sleep(0.5)
 
-        with trio.fail_after(30):
+        with trio.fail_after(90):  # ~14 s under 3 busy loops on 2 cores: a hang, not a slow run
             async with trio.open_nursery() as nursery:
                 for _ in range(600):
                     nursery.start_soon(attacker)
@@ -109,8 +109,8 @@ async def test_a_connection_must_send_its_head_within_the_pre_auth_deadline(tiny
     ) as server:
         stream = await _raw(server)  # header_timeout_s is 10 s: the lobby's 0.5 s cuts first
         started = time.perf_counter()
-        await _read_until_closed(stream, 3)
-        assert time.perf_counter() - started < 1.5
+        await _read_until_closed(stream, 5)
+        assert time.perf_counter() - started < 3.0  # 2.5 s of room for a loaded machine
 
 
 async def test_a_full_lobby_evicts_its_oldest_so_a_new_client_gets_through(tiny_model_dir):

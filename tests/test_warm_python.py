@@ -99,6 +99,23 @@ def test_ranks_forked_together_form_one_gloo_job(warm_python, tmp_path):
     assert lines == ["rank 0 of 3 0", "sum 6", "rank 1 of 3 1", "sum 6", "rank 2 of 3 2", "sum 6"]
 
 
+def test_ranks_find_their_master_port_already_held_before_any_of_them_starts(warm_python, tmp_path):
+    """The job's store is bound before the ranks are forked (as torchrun's agent binds it), so
+    no other process can take MASTER_PORT while rank 0 is still setting up: there is no
+    window in which it is free."""
+    program = tmp_path / "port.py"
+    program.write_text("import os, socket\n"
+                       "with socket.socket() as sock:\n"
+                       "    try:\n"
+                       "        sock.bind(('127.0.0.1', int(os.environ['MASTER_PORT'])))\n"
+                       "        print('free')\n"
+                       "    except OSError:\n"
+                       "        print('held')\n")  # fmt: skip
+    proc = warm_python.run_ranks([program], 2, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["held", "held"]
+
+
 def test_a_failed_rank_ends_the_others_as_torchrun_does(warm_python, tmp_path):
     """Rank 1 exits 3 while rank 0 would wait 60 s (in a collective, say): the job ends at
     once with rank 1's status, as torchrun ends a job one of whose workers failed."""

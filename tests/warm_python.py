@@ -28,6 +28,7 @@ torchrun.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -36,8 +37,6 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-
-from engines import find_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,13 +182,24 @@ class WarmPython:
         LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free loopback port). As torchrun does,
         a rank that fails ends the others; the returncode is the first to fail's (else 0)
         and stdout/stderr are the ranks' in rank order. For tests of what the ranks compute
-        (gradients, shapes); tests of the launcher itself keep torchrun."""
-        port = find_free_port()
+        (gradients, shapes); tests of the launcher itself keep torchrun.
+
+        The job's store is hosted here, as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE:
+        every rank is its client), on a port bound before any rank starts. A port found free and
+        bound later by rank 0 could be taken meanwhile by another xdist worker's server."""
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
         base = env or dict(os.environ)
         envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                  "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)} for r in range(world)]  # fmt: skip
-        return self._run(argv, envs, cwd=cwd, timeout=timeout)
+                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                for r in range(world)]  # fmt: skip
+        try:
+            return self._run(argv, envs, cwd=cwd, timeout=timeout)
+        finally:
+            del store  # its server closes with it, after every rank has ended
 
     def _run(self, argv: list[str], envs: list[dict[str, str]], *, cwd: Path,
              timeout: float) -> subprocess.CompletedProcess:  # fmt: skip
