@@ -3,7 +3,8 @@
 Contract:
 - Starts `python -m sglang.launch_server ...` (kind="sglang"), `python -m engines.local ...`
   (kind="local", same flag names) or your own command, under trio, on a free loopback port
-  unless `port` is given; the process's stdout and stderr go to `log_path`.
+  unless `port` is given (a port it picked that another process binds first: it picks
+  another, up to 3 tries); the process's stdout and stderr go to `log_path`.
 - Yields a `LaunchedEngine` only after `GET /health_generate` answered 200. If the process exits
   first or the deadline passes, raises `EngineLaunchError` with the tail of its log.
 - Engines die with this process, even when it is SIGKILLed: the local engine watches its parent
@@ -156,7 +157,42 @@ async def launch_engine(
     Raises:
         EngineLaunchError: the process exited or was not healthy within `startup_timeout_s`.
     """
-    port = port or find_free_port(host)
+    launch = partial(_launch, command, kind=kind, model_path=model_path, host=host,
+                     extra_args=extra_args, log_path=log_path, startup_timeout_s=startup_timeout_s,
+                     terminate_timeout_s=terminate_timeout_s, poll_interval_s=poll_interval_s,
+                     api_key=api_key, admin_api_key=admin_api_key, env=env, cwd=cwd, lora=lora)  # fmt: skip
+    for attempt in range(1, _PORT_TRIES + 1):
+        started = False
+        try:
+            async with launch(port=port or find_free_port(host)) as launched:
+                started = True
+                yield launched
+            return
+        except EngineLaunchError as exc:
+            # a port we picked was free then; another process may bind it before the server
+            # does (after its imports, seconds later): pick another rather than fail the run
+            if started or port is not None or attempt == _PORT_TRIES or not _port_taken(exc):
+                raise
+            logger.warning("the engine's port was taken before it bound it: picking another "
+                           "(%s)", str(exc).splitlines()[0])  # fmt: skip
+
+
+_PORT_TRIES = 3
+
+
+def _port_taken(exc: EngineLaunchError) -> bool:
+    return "address already in use" in str(exc).lower()
+
+
+@asynccontextmanager
+async def _launch(command: Sequence[str] | None, *, kind: Literal["sglang", "local"],
+                  model_path: str | os.PathLike[str], port: int, host: str,
+                  extra_args: Sequence[str], log_path: str | os.PathLike[str] | None,
+                  startup_timeout_s: float, terminate_timeout_s: float, poll_interval_s: float,
+                  api_key: str | None, admin_api_key: str | None, env: dict[str, str] | None,
+                  cwd: str | os.PathLike[str] | None, lora: LoraLaunch | None,
+                  ) -> AsyncIterator[LaunchedEngine]:  # fmt: skip
+    """`launch_engine` on `port`."""
     if lora is not None:
         extra_args = [*extra_args, *lora.args()]
     if api_key:

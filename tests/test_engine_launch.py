@@ -4,6 +4,7 @@ stand-in commands for the failure paths (a process that exits, one that never ge
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -129,3 +130,29 @@ async def test_a_process_that_never_gets_healthy_times_out_and_is_killed(tmp_pat
             pass
     assert "loading forever" in str(info.value)
     assert pids_with_port(port) == []
+
+
+async def test_a_picked_port_another_process_binds_first_is_picked_again(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # the port is free when picked and bound by the server only after its imports (seconds
+    # later); another process (an xdist worker, any client's ephemeral port) could take it
+    # meanwhile, and the launch failed with "address already in use"
+    import engines.launch as launch_module
+
+    with socket.socket() as taker:
+        taker.bind(("127.0.0.1", 0))
+        taken = taker.getsockname()[1]
+        picks = [taken]
+        pick = launch_module.find_free_port
+        monkeypatch.setattr(launch_module, "find_free_port",
+                            lambda host="127.0.0.1": picks.pop() if picks else pick(host))  # fmt: skip
+        with trio.fail_after(120):
+            async with launch_engine(kind="local", model_path=tiny_model_dir,
+                                     log_path=tmp_path / "log") as launched:  # fmt: skip
+                assert launched.port != taken and not picks
+                async with SGLangEngine(launched.url) as engine:
+                    assert (
+                        await engine.generate([1, 2], {"max_new_tokens": 2})
+                    ).completion_tokens == 2
+    assert "already in use" in (tmp_path / "log").read_text().lower()
