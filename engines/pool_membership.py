@@ -22,10 +22,11 @@ Contract (the membership half of `EnginePool`'s):
   Engines this client has paused (a weight sync in progress) are never marked down by a
   probe; one whose resume did not get through (an error, a timeout: the sync has ended, the
   engine may still be paused) is sent the resume again by each probe until it gets through
-  (`retry_resume`), then probed as any other (a down one rejoins). A down engine's `known_down` is set: weight syncs skip it without trying (its
-  retries would cost 0.5 + 1 + 2 s per route); it gets the weights on rejoin. A sync that gave
-  up on an engine's load (it hangs: engines/sync_steps.py) sets it too, and the next probe marks
-  that engine down.
+  (`retry_resume`), then probed as any other (a down one rejoins). A down engine's
+  `known_down` is set: weight syncs skip it without trying (its retries would cost
+  0.5 + 1 + 2 s per route); it gets the weights on rejoin. A sync that gave up on an engine's
+  load (it hangs: engines/sync_steps.py) sets it too, and the next probe marks that engine
+  down.
 - `engine_events` (optional, a trio receive channel of (what, url)): an engine supervisor's
   ("down", url) marks that engine down at once, so no request is sent to a dead engine while
   it is relaunched; ("up", url) has it given the current weights and marked up (as a probe

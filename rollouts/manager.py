@@ -60,7 +60,7 @@ from rollouts.reward_threads import RewardThreads
 from rollouts.rewards import RewardFn, RolloutAlgorithm, shape_reward
 from rollouts.stall import watch_event_loop
 from rollouts.types import RolloutBatch, Sample
-from rollouts.unserved import UnservedGroups, held_record, prompt_of
+from rollouts.unserved import UnservedGroups, held_record
 
 log = logging.getLogger("rollouts.manager")
 
@@ -231,7 +231,7 @@ class AsyncRolloutManager:
         groups: list[tuple[Sample, ...]] = []
         merged = CollectResult(accepted=[], partial=[])
         dropped_here = 0
-        drawn: dict[int, PromptItem] = {}  # a group's prompt as drawn (its messages), to hold
+        drawn: dict[int, PromptItem] = {}  # each accepted group's prompt as drawn (messages)
         while len(groups) < self.config.batch_size:
             result: CollectResult = await self._prefetch.receive()
             drawn |= self._unserved.served(result.accepted)  # each served, held or dropped below
@@ -251,10 +251,10 @@ class AsyncRolloutManager:
                         "weights being pushed to the engines?"
                     )
                 if self.config.stale_policy == "regenerate":
-                    self._hold(drawn.get(id(group)) or prompt_of(group), [])
+                    self._hold(drawn[id(group)], [])
         merged.accepted = groups[: self.config.batch_size]
         for group in groups[self.config.batch_size :]:
-            self._hold(drawn.get(id(group)) or prompt_of(group), list(group))
+            self._hold(drawn[id(group)], list(group))
         return self._to_batch(merged)
 
     def _hold(self, prompt: PromptItem, samples: list[Sample]) -> None:
